@@ -1,0 +1,1 @@
+"""Counter backends behind one interface (see ``base.CounterBackend``)."""

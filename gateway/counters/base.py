@@ -1,0 +1,112 @@
+"""The seam between the limiter and wherever counts are kept.
+
+Every backend (in-process memory, Redis standalone, Redis Cluster, and the wrappers
+that add a circuit breaker, a local fallback and a deny cache) implements
+``CounterBackend``. One call checks every limit a request is subject to and counts
+the request against all of them or none, so a rejected request uses up no quota.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class LimitCheck:
+    """One limit to check for one identity.
+
+    ``key`` is the counter key, already namespaced and hash-tagged
+    (``rl:{<region>:<rule-id>:<identity-hash>}:<window>s``); all checks passed to
+    one ``hit`` call share the hash tag so they live in one Redis Cluster slot.
+    """
+
+    key: str
+    limit: int
+    window_ms: int
+    bucket_ms: int
+    # False for shadow rules: counted while they have room, never block the request.
+    enforce: bool = True
+    # What to do when the counter store is unavailable: admit (counting locally) or refuse.
+    fail_open: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LimitState:
+    """What one limit looked like after the call."""
+
+    allowed: bool  # the limit had room for this request
+    remaining: int  # requests left in the trailing window after this call, >= 0
+    reset_ms: int  # ms until the next slot frees (until one request fits, when full)
+
+
+@dataclass(frozen=True, slots=True)
+class HitResult:
+    admitted: bool  # every enforced limit had room, so all of them were counted
+    states: tuple[LimitState, ...]  # one per check, in the order given
+    # Where the answer came from: "memory", "redis", "fallback" (local counting while
+    # the shared store is unavailable) or "deny-cache" (known over limit, not asked).
+    source: str = "memory"
+
+
+class CounterUnavailableError(Exception):
+    """The counter store cannot answer and a check asked to fail closed."""
+
+
+class CounterBackend(Protocol):
+    """A place that keeps sliding-window counts."""
+
+    @property
+    def name(self) -> str:
+        """Short description for logs and ``/info`` (never contains credentials)."""
+        ...
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        """Check all ``checks`` and count the request in all or none of them.
+
+        The request is admitted when every enforced check has room; then every
+        enforced check, and every shadow check that has room, is counted. When it is
+        not admitted nothing is counted.
+        """
+        ...
+
+    async def healthy(self) -> bool:
+        """Whether the store answers right now (for ``/info``)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and background tasks."""
+        ...
+
+
+class CounterEvents(Protocol):
+    """What the resilience wrappers report; ``app.py`` binds it to metrics and logs."""
+
+    def store_error(self, kind: str) -> None:
+        """A call to the shared store failed (``timeout``, ``connection``, ``error``)."""
+
+    def breaker_changed(self, state: str) -> None:
+        """The circuit breaker moved to ``closed``, ``open`` or ``half_open``."""
+
+    def fallback_used(self) -> None:
+        """A decision was taken by the local fallback counters."""
+
+    def deny_cache_hit(self) -> None:
+        """A request was refused from the local deny cache without asking the store."""
+
+
+class NoEvents:
+    """A ``CounterEvents`` that ignores everything (tests, tools)."""
+
+    def store_error(self, kind: str) -> None:
+        pass
+
+    def breaker_changed(self, state: str) -> None:
+        pass
+
+    def fallback_used(self) -> None:
+        pass
+
+    def deny_cache_hit(self) -> None:
+        pass

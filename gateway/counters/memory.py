@@ -1,0 +1,142 @@
+"""In-process counters: the embedded default, and the local fallback during outages.
+
+Each counter keeps at most one entry per sub-bucket that the window can still see, so
+memory per identity is bounded by the bucket count (about 60), not by the limit.
+Idle counters are dropped once their whole window has passed, and the number of
+counters is capped (least recently used first), so a flood of distinct clients
+cannot grow memory without bound.
+
+All work in ``hit`` happens without an ``await``, which is what makes the
+check-then-increment atomic on one event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+
+from gateway.counters.base import HitResult, LimitCheck, LimitState
+from gateway.ratelimit.window import current_bucket, ms_until_room, oldest_counted_bucket
+
+Clock = Callable[[], int]
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class _Window:
+    """Counted ``[bucket, count]`` pairs, oldest first, plus when the whole thing expires."""
+
+    __slots__ = ("buckets", "expires_ms")
+
+    def __init__(self) -> None:
+        self.buckets: deque[list[int]] = deque()
+        self.expires_ms = 0
+
+    def prune(self, oldest: int) -> None:
+        buckets = self.buckets
+        while buckets and buckets[0][0] < oldest:
+            buckets.popleft()
+
+    def total(self) -> int:
+        return sum(count for _, count in self.buckets)
+
+    def add(self, bucket: int) -> None:
+        if self.buckets and self.buckets[-1][0] == bucket:
+            self.buckets[-1][1] += 1
+        else:
+            self.buckets.append([bucket, 1])
+
+
+class MemoryBackend:
+    """Sliding-window counters in a dict; one event loop, one process."""
+
+    def __init__(
+        self,
+        clock: Clock = wall_clock_ms,
+        max_keys: int = 1_000_000,
+        sweep_every: int = 10_000,
+        label: str = "memory",
+    ) -> None:
+        self._clock = clock
+        self._max_keys = max_keys
+        self._sweep_every = sweep_every
+        self._calls = 0
+        self._windows: OrderedDict[str, _Window] = OrderedDict()
+        self._label = label
+
+    @property
+    def name(self) -> str:
+        return self._label
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        return self.hit_now(checks)
+
+    def hit_now(self, checks: Sequence[LimitCheck]) -> HitResult:
+        """The synchronous body of ``hit`` (also used by the fallback wrapper)."""
+        now = self._clock()
+        self._calls += 1
+        if self._calls % self._sweep_every == 0:
+            self.sweep(now)
+        windows: list[_Window] = []
+        totals: list[int] = []
+        admitted = True
+        for check in checks:
+            window = self._window(check.key)
+            window.prune(oldest_counted_bucket(now, check.window_ms, check.bucket_ms))
+            total = window.total()
+            windows.append(window)
+            totals.append(total)
+            if check.enforce and total >= check.limit:
+                admitted = False
+        states: list[LimitState] = []
+        for check, window, total in zip(checks, windows, totals, strict=True):
+            has_room = total < check.limit
+            if admitted and has_room:
+                window.add(current_bucket(now, check.bucket_ms))
+                window.expires_ms = max(window.expires_ms, now + check.window_ms + check.bucket_ms)
+                total += 1
+            reset = ms_until_room(
+                ((b, c) for b, c in window.buckets),
+                total,
+                check.limit,
+                now,
+                check.window_ms,
+                check.bucket_ms,
+            )
+            states.append(LimitState(has_room, max(0, check.limit - total), reset))
+            if not window.buckets:
+                self._windows.pop(check.key, None)
+        return HitResult(admitted, tuple(states), source=self._label)
+
+    def _window(self, key: str) -> _Window:
+        window = self._windows.get(key)
+        if window is None:
+            window = _Window()
+            self._windows[key] = window
+            if len(self._windows) > self._max_keys:
+                # Evicting the least recently used counter can only forget past
+                # requests of an idle identity; the cap keeps memory bounded.
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(key)
+        return window
+
+    def sweep(self, now_ms: int | None = None) -> int:
+        """Drop counters whose whole window has passed; returns how many."""
+        now = self._clock() if now_ms is None else now_ms
+        dead = [key for key, w in self._windows.items() if w.expires_ms <= now]
+        for key in dead:
+            del self._windows[key]
+        return len(dead)
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._windows.clear()
