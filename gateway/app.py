@@ -1,0 +1,392 @@
+"""The one place that wires everything together and runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway import __version__
+from gateway.counters.base import CounterBackend
+from gateway.counters.memory import MemoryBackend
+from gateway.metrics import Metrics
+from gateway.proxy.access_log import AccessLogger
+from gateway.proxy.admin import create_admin_app
+from gateway.proxy.forward import Forwarder, ForwardLimits, Upstream
+from gateway.proxy.handler import Gateway
+from gateway.proxy.reload import RuleSource
+from gateway.proxy.routing import RegionMap, Router
+from gateway.ratelimit.identity import ClientAddressPolicy, IdentityHasher
+from gateway.ratelimit.limiter import Limiter
+from gateway.secrets import identity_secret
+from gateway.settings import Settings, SettingsError
+
+log = logging.getLogger("gateway")
+
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+STORE_PREFIXES = ("/store",)
+CONTROL_PLANE_PREFIXES = (
+    "/v1/integrations",
+    "/v2/deployments",
+    "/v2/listeners",
+    "/v2/auth",
+    "/api-host",
+)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def open_backend(settings: Settings, region: str, url: str | None, metrics: Metrics) -> CounterBackend:
+    """The counter backend for one region (memory when no URL is configured)."""
+    if url is None or url.startswith("memory:"):
+        return MemoryBackend()
+    from gateway.counters.factory import open_counter_backend
+
+    return open_counter_backend(
+        url,
+        region=region,
+        timeout_seconds=settings.redis_timeout_ms / 1000,
+        events=metrics.counter_events(region),
+        deny_cache=settings.deny_cache,
+    )
+
+
+@dataclass
+class Upstreams:
+    """Where the proxy sends things: built-in upstream URLs and the configured ones."""
+
+    builtin: dict[str, str] = field(default_factory=dict)  # "store"/"control-plane" -> URL
+
+    def router(self, settings: Settings) -> Router:
+        routes: list[tuple[str, Upstream]] = []
+        if "store" in self.builtin:
+            store = Upstream("store", self.builtin["store"])
+            routes += [(p, store) for p in STORE_PREFIXES]
+        if "control-plane" in self.builtin:
+            cp = Upstream("control-plane", self.builtin["control-plane"])
+            routes += [(p, cp) for p in CONTROL_PLANE_PREFIXES]
+        for prefix, url in settings.routes:
+            routes.append((prefix, Upstream(f"route:{prefix}", url.rstrip("/"))))
+        default = None
+        if settings.upstream:
+            default = Upstream("default", settings.upstream.rstrip("/"))
+        return Router(routes, default)
+
+
+def create_proxy_app(
+    settings: Settings,
+    upstreams: Upstreams,
+    metrics: Metrics,
+    rules: RuleSource,
+    secret: bytes,
+) -> web.Application:
+    """The proxy application; its resources (counters, client pool, rule watcher) live in
+    ``cleanup_ctx`` so they open and close with the app."""
+    regions = settings.region_table()
+    hosts = {host: r.name for r in regions for host in r.hosts}
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        handler_args={
+            "max_line_size": settings.max_header_bytes,
+            "max_field_size": settings.max_header_bytes,
+        },
+    )
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        backends = {r.name: open_backend(settings, r.name, r.counter_url, metrics) for r in regions}
+        for backend in backends.values():
+            start = getattr(backend, "start", None)
+            if start is not None:
+                await start()
+        connector = aiohttp.TCPConnector(
+            limit=settings.upstream_pool_size, keepalive_timeout=30, ttl_dns_cache=60
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=settings.upstream_connect_timeout,
+                sock_read=settings.upstream_read_timeout,
+            ),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        gateway = Gateway(
+            rules=rules,
+            limiter=Limiter(backends),
+            backends=backends,
+            hasher=IdentityHasher(secret),
+            addresses=ClientAddressPolicy.parse(settings.trusted_proxies, settings.ipv6_prefix),
+            regions=RegionMap(regions[0].name, hosts),
+            router=upstreams.router(settings),
+            forwarder=Forwarder(
+                session,
+                ForwardLimits(
+                    settings.max_body_bytes, settings.body_read_timeout, settings.upstream_timeout
+                ),
+                metrics,
+            ),
+            metrics=metrics,
+            access_log=AccessLogger(settings.access_log),
+        )
+        app[GATEWAY_KEY] = gateway
+        watcher = None
+        if settings.watch_rules:
+            watcher = asyncio.create_task(rules.watch(settings.watch_interval))
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                with suppress(asyncio.CancelledError):
+                    await watcher
+            await session.close()
+            for backend in backends.values():
+                await backend.close()
+
+    app.cleanup_ctx.append(resources)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await request.app[GATEWAY_KEY].handle(request)
+
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def prepare_rules(settings: Settings, metrics: Metrics) -> RuleSource:
+    names = [r.name for r in settings.region_table()]
+    return RuleSource.load(settings.rules, names, metrics)
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+@dataclass
+class Embedded:
+    """The built-in upstreams' applications and their listening sockets."""
+
+    apps: dict[str, web.Application]
+    sockets: dict[str, socket.socket]
+    notes: list[str]
+
+    def urls(self) -> dict[str, str]:
+        return {
+            name: f"http://127.0.0.1:{sock.getsockname()[1]}" for name, sock in self.sockets.items()
+        }
+
+
+def build_embedded(settings: Settings) -> Embedded:
+    """Create the Store and control-plane apps and bind their loopback sockets."""
+    from gateway.upstreams.control_plane.app import create_control_plane_app
+    from gateway.upstreams.control_plane.config import ControlPlaneConfig, bootstrap_credentials
+    from gateway.upstreams.store.app import create_store_app
+    from gateway.upstreams.store.config import StoreConfig
+
+    data_dir = Path(settings.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    try:
+        store_config = StoreConfig.from_mapping(settings.store, data_dir)
+        cp_config = ControlPlaneConfig.from_mapping(settings.control_plane, data_dir, os.environ)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
+    cp_config, message = bootstrap_credentials(cp_config)
+    if message:
+        notes.append(message)
+    apps = {
+        "store": create_store_app(store_config),
+        "control-plane": create_control_plane_app(cp_config),
+    }
+    sockets = {}
+    for name in apps:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(512)
+        sock.setblocking(False)
+        sockets[name] = sock
+    return Embedded(apps, sockets, notes)
+
+
+class Service:
+    """Runs apps on their sites and stops them in order (proxy first, upstreams last)."""
+
+    def __init__(self, shutdown_timeout: float) -> None:
+        self.shutdown_timeout = shutdown_timeout
+        self.runners: list[web.AppRunner] = []
+
+    async def start_tcp(
+        self, app: web.Application, host: str, port: int, reuse_port: bool = False
+    ) -> list[str]:
+        runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=self.shutdown_timeout, handle_signals=False
+        )
+        await runner.setup()
+        site = web.TCPSite(
+            runner, host, port, reuse_port=reuse_port or None, shutdown_timeout=self.shutdown_timeout
+        )
+        await site.start()
+        self.runners.append(runner)
+        return [_address(s) for s in runner.addresses]
+
+    async def start_socket(self, app: web.Application, sock: socket.socket) -> None:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.shutdown_timeout)
+        await runner.setup()
+        await web.SockSite(runner, sock, shutdown_timeout=self.shutdown_timeout).start()
+        self.runners.append(runner)
+
+    async def stop(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+        self.runners.clear()
+
+
+def _address(addr: Any) -> str:
+    if isinstance(addr, tuple):
+        host, port = addr[0], addr[1]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return str(addr)
+
+
+def wait_for_stop(
+    loop: asyncio.AbstractEventLoop, on_hup: Callable[[], None] | None
+) -> asyncio.Event:
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_hup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    return stop
+
+
+def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: str = "") -> None:
+    table = rules.table
+    log.info("ratelimit-gateway %s%s", __version__, worker)
+    log.info(
+        "rules: %d rules from %s (table %s)%s",
+        len(table.rules),
+        ", ".join(table.sources),
+        table.digest[:12],
+        "; watching for changes, SIGHUP reloads" if settings.watch_rules else "; SIGHUP reloads",
+    )
+    for region in settings.region_table():
+        backend = "in-process memory" if region.counter_url is None else _redact(region.counter_url)
+        hosts = f" (Host: {', '.join(region.hosts)})" if region.hosts else ""
+        default = " [default]" if region.name == settings.region_table()[0].name else ""
+        log.info("region %s%s%s: counters in %s", region.name, default, hosts, backend)
+    for prefix, name in router.describe():
+        log.info("route %s -> %s", prefix, name)
+    if router.default is None:
+        log.info("no default upstream: other paths answer 404 (give --upstream URL to proxy them)")
+    if settings.trusted_proxies:
+        log.info("trusting X-Forwarded-For from %s", ", ".join(settings.trusted_proxies))
+
+
+def _redact(url: str) -> str:
+    """A counter URL without its password, for logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
+async def serve(settings: Settings, worker_index: int | None = None,
+                embedded: Embedded | None = None, builtin_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Run the gateway until SIGTERM/SIGINT, then stop gracefully."""
+    metrics = Metrics()
+    rules = prepare_rules(settings, metrics)
+    secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
+    service = Service(settings.shutdown_timeout)
+    loop = asyncio.get_running_loop()
+    stop = wait_for_stop(loop, lambda: rules.reload("SIGHUP"))
+    upstreams = Upstreams(dict(builtin_urls or {}))
+    try:
+        if embedded is not None:
+            for name, app in embedded.apps.items():
+                await service.start_socket(app, embedded.sockets[name])
+            upstreams.builtin.update(embedded.urls())
+            for note in embedded.notes:
+                log.warning("%s", note)
+        proxy = create_proxy_app(settings, upstreams, metrics, rules, secret)
+        worker = "" if worker_index is None else f" (worker {worker_index})"
+        log_startup(settings, rules, upstreams.router(settings), worker)
+        for name, url in upstreams.builtin.items():
+            log.info("built-in %s listening on %s", name, url)
+        # The proxy is stopped first so in-flight requests can still reach the upstreams.
+        service.runners.insert(0, await _start_first(service, proxy, settings, worker_index))
+        admin_port = settings.admin_port
+        if worker_index is not None and admin_port:
+            admin_port += worker_index
+        for address in await service.start_tcp(create_admin_app(metrics), settings.admin_host, admin_port):
+            log.info("metrics on %s/metrics%s", address, worker)
+        await stop.wait()
+        log.info("stopping: no new connections; waiting up to %.0fs for requests in flight",
+                 settings.shutdown_timeout)  # fmt: skip
+    finally:
+        await service.stop()
+        log.info("stopped")
+
+
+async def _start_first(
+    service: Service, app: web.Application, settings: Settings, worker_index: int | None
+) -> web.AppRunner:
+    addresses = await service.start_tcp(
+        app, settings.host, settings.port, reuse_port=worker_index is not None
+    )
+    runner = service.runners.pop()
+    for address in addresses:
+        log.info("gateway listening on %s", address)
+    return runner
+
+
+def run(settings: Settings) -> int:
+    """Entry point of ``gateway serve``."""
+    configure_logging(settings.log_level)
+    shared = all(r.counter_url for r in settings.region_table())
+    if settings.workers > 1 and not shared:
+        log.error(
+            "--workers %d needs shared counters: in-process counters would let each worker "
+            "admit the full limit. Configure Redis with --redis-url redis://HOST:6379 "
+            "(or a 'regions' section with a redis_url per region), or use --workers 1.",
+            settings.workers,
+        )
+        return 2
+    embedded = build_embedded(settings) if settings.embedded_enabled else None
+    if settings.workers == 1:
+        _run_loop(serve(settings, embedded=embedded))
+        return 0
+    from gateway.workers import supervise
+
+    return supervise(settings, embedded)
+
+
+def _run_loop(main: Any) -> None:
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+def serve_worker(settings: Settings, index: int, builtin_urls: Sequence[tuple[str, str]]) -> None:
+    _run_loop(serve(settings, worker_index=index, builtin_urls=dict(builtin_urls)))

@@ -1,0 +1,185 @@
+"""The command line: ``gateway serve``, ``gateway rules check|explain``, ``gateway deployments``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gateway import __version__
+
+DESCRIPTION = """\
+A rate-limiting gateway. It counts requests per identity (API key, user + client
+address, or client address) in sliding windows, answers 429 with Retry-After and
+RateLimit headers when a limit is reached, and streams everything else to the upstream.
+"""
+
+SERVE_EPILOG = """\
+Every option can also be set with an environment variable GATEWAY_<NAME> (for example
+GATEWAY_REDIS_URL, GATEWAY_TRUSTED_PROXIES=10.0.0.0/8,192.168.0.0/16) or in the YAML
+config file under the same name with underscores (redis_url: ...). Precedence:
+flag > environment > config file > default. The config file alone takes 'regions',
+'routes', 'store' and 'control_plane' sections (see docs/configuration.md).
+
+Examples:
+  gateway serve                                     # built-in Store + control plane, memory counters
+  gateway serve --upstream http://127.0.0.1:2024    # sidecar in front of your API
+  gateway serve --upstream http://api:2024 --redis-url redis://redis:6379/0 --workers 4
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gateway", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Run the gateway until SIGTERM/SIGINT (SIGHUP reloads the rules).",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    add = serve.add_argument
+    add("--config", metavar="FILE", help="YAML config file (also GATEWAY_CONFIG)")
+    add("--rules", action="append", metavar="PATH",
+        help="rule file or directory of *.yaml, repeatable (default: ./rules)")
+    add("--region", help="default region: us, eu or us2 (default: us)")
+    add("--redis-url", metavar="URL",
+        help="counters for the default region: redis://, rediss://, unix://,\n"
+             "redis+cluster://h:p[,h:p]; default: in-process memory")
+    add("--upstream", metavar="URL",
+        help="default upstream for paths no built-in upstream serves, e.g. http://127.0.0.1:2024")
+    embedded = serve.add_mutually_exclusive_group()
+    embedded.add_argument("--embedded", dest="embedded", action="store_const", const=True,
+                          help="also run the built-in Store and control plane\n"
+                               "(the default when no --upstream is given)")
+    embedded.add_argument("--no-embedded", dest="embedded", action="store_const", const=False,
+                          help="do not run the built-in upstreams")
+    add("--data-dir", metavar="DIR", help="where the built-in upstreams and secrets live "
+                                          "(default: ./data)")
+    add("--host", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    add("--port", type=int, help="port to listen on (default: 8080)")
+    add("--admin-host", help="address of the metrics endpoint (default: 127.0.0.1)")
+    add("--admin-port", type=int, help="port of /metrics (default: 9090; worker i uses port+i)")
+    add("--workers", type=int, help="processes sharing the port via SO_REUSEPORT "
+                                    "(needs Redis counters when > 1)")
+    add("--trusted-proxy", dest="trusted_proxies", action="append", metavar="CIDR",
+        help="peer networks whose X-Forwarded-For is believed, repeatable")
+    add("--access-log", choices=["plain", "json", "off"], help="access log format (default: plain)")
+    add("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    add("--shutdown-timeout", type=float, metavar="SECONDS",
+        help="how long SIGTERM waits for requests in flight (default: 30)")
+    add("--redis-timeout-ms", type=float, metavar="MS",
+        help="timeout of one counter-store call before failing open/closed (default: 50)")
+    serve.set_defaults(func=_serve)
+
+    rules = commands.add_parser("rules", help="check rule files, explain a request")
+    rules_commands = rules.add_subparsers(dest="rules_command", metavar="SUBCOMMAND")
+    rules_commands.required = True
+    check = rules_commands.add_parser(
+        "check", help="validate rule files", description="Validate rule files; exit 1 on errors."
+    )
+    check.add_argument("paths", nargs="+", metavar="PATH", help="rule file or directory")
+    check.add_argument("--region", action="append", dest="regions", metavar="NAME",
+                       help="extra region names configured for this gateway")
+    check.set_defaults(func=_rules_check)
+
+    explain = rules_commands.add_parser(
+        "explain",
+        help="which rule a request hits, and why",
+        description="Show which rule a described request matches, its hashed identity, its "
+                    "limit in each region, and why each earlier rule did not match.",
+        epilog="Example:\n  gateway rules explain POST /runs/query -H 'x-api-key: sk-123'",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    explain.add_argument("method", help="HTTP method, e.g. GET")
+    explain.add_argument("target", help="request path, e.g. /runs/query")
+    explain.add_argument("-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
+                         help="request header, repeatable")
+    explain.add_argument("--client-ip", default="203.0.113.7", help="client address")
+    explain.add_argument("--rules", action="append", metavar="PATH", help="rule files")
+    explain.add_argument("--region", help="only this region")
+    explain.set_defaults(func=_rules_explain)
+
+    try:
+        from gateway.client.cli import register
+    except ImportError:  # pragma: no cover - the client is part of the package
+        pass
+    else:
+        register(commands)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.app import run
+    from gateway.settings import SettingsError, load_settings
+
+    flags: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    config = flags.pop("config")
+    try:
+        settings = load_settings(flags, config_file=config)
+        return run(settings)
+    except SettingsError as exc:
+        print(f"gateway: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from gateway.policy.loader import RuleLoadError
+
+        if isinstance(exc, RuleLoadError):
+            print(f"gateway: the rules do not load:\n{exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, OSError):
+            print(f"gateway: cannot start: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _rules_check(args: argparse.Namespace) -> int:
+    from gateway.policy.loader import DEFAULT_REGIONS, RuleLoadError, load_rules
+
+    try:
+        table = load_rules(args.paths, DEFAULT_REGIONS | set(args.regions or ()))
+    except RuleLoadError as exc:
+        print(f"{len(exc.problems)} problem(s):", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(f"ok: {len(table.rules)} rules from {', '.join(table.sources)} "
+          f"(table {table.digest[:12]})")  # fmt: skip
+    return 0
+
+
+def _rules_explain(args: argparse.Namespace) -> int:
+    from gateway.policy.explain import explain
+    from gateway.policy.loader import RuleLoadError
+    from gateway.settings import Settings
+
+    try:
+        text = explain(
+            rules=args.rules or Settings().rules,
+            method=args.method,
+            target=args.target,
+            headers=args.header,
+            client_ip=args.client_ip,
+            region=args.region,
+        )
+    except RuleLoadError as exc:
+        print(f"the rules do not load:\n{exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"gateway rules explain: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)

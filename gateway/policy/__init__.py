@@ -1,0 +1,1 @@
+"""The rule table: model, YAML loader with precise errors, compiled matcher, explain."""

@@ -1,0 +1,109 @@
+"""``gateway rules explain``: which rule a request hits, and why earlier ones did not."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.policy.loader import DEFAULT_REGIONS, load_rules
+from gateway.policy.model import IdentityKind, Rule, RuleTable
+from gateway.policy.paths import normalise_path, split_target
+from gateway.ratelimit.identity import IdentityHasher, RequestIdentity, valid_identity_header
+
+HEADER_FOR = {IdentityKind.API_KEY: "x-api-key", IdentityKind.USER_IP: "x-user-id"}
+
+
+def _secret() -> tuple[bytes, str]:
+    configured = os.environ.get("GATEWAY_IDENTITY_SECRET")
+    if configured:
+        return configured.encode(), "GATEWAY_IDENTITY_SECRET"
+    path = Path(os.environ.get("GATEWAY_DATA_DIR", "data")) / "identity-secret"
+    if path.is_file():
+        return path.read_bytes().strip(), str(path)
+    return secrets.token_hex(32).encode(), "a throwaway secret (no deployment secret found)"
+
+
+def explain(
+    rules: Sequence[str],
+    method: str,
+    target: str,
+    headers: Sequence[str],
+    client_ip: str,
+    region: str | None = None,
+) -> str:
+    """A human-readable account of how the table treats the described request."""
+    table = load_rules(rules, DEFAULT_REGIONS | ({region} if region else set()))
+    method = method.upper()
+    raw_path, _ = split_target(target)
+    path = normalise_path(raw_path)
+    values: dict[str, str] = {}
+    for header in headers:
+        name, sep, value = header.partition(":")
+        if not sep:
+            raise ValueError(f"header {header!r} is not 'Name: value'")
+        values[name.strip().lower()] = value.strip()
+    secret, secret_source = _secret()
+    identity = RequestIdentity(
+        IdentityHasher(secret),
+        client_ip,
+        valid_identity_header(values.get("x-api-key")),
+        valid_identity_header(values.get("x-user-id")),
+    )
+    regions = [region] if region else sorted(table.regions)
+    lines = [f"request: {method} {path}" + (f"  (normalised from {raw_path})" if path != raw_path else "")]
+    lines.append(f"identity hashes keyed with {secret_source}")
+    for name in regions:
+        lines.append("")
+        lines.append(f"region {name}:")
+        lines.extend(_explain_region(table, name, method, path, identity))
+    return "\n".join(lines)
+
+
+def _explain_region(
+    table: RuleTable, region: str, method: str, path: str, identity: RequestIdentity
+) -> list[str]:
+    lines: list[str] = []
+    for rule in table.rules:
+        reason = _why_not(rule, region, method, path, identity)
+        if reason is not None:
+            lines.append(f"  - {rule.id}: skipped, {reason}")
+            continue
+        key = identity.key_for(rule.identity)
+        if rule.shadow:
+            lines.append(f"  ~ {rule.id}: shadow rule, counted and reported, evaluation goes on")
+            continue
+        if rule.unlimited:
+            lines.append(f"  = {rule.id}: MATCHES, exempt (unlimited)  [{rule.source} #{rule.index}]")
+            return lines
+        limits = ", ".join(str(s) for s in rule.limits_for(region))
+        lines.append(f"  = {rule.id}: MATCHES  [{rule.source} #{rule.index}]")
+        lines.append(f"      category: {rule.category}")
+        lines.append(f"      identity: {rule.identity.value} -> {key}")
+        lines.append(f"      limit in {region}: {limits} (count/seconds)")
+        others = ", ".join(
+            f"{r}: {', '.join(str(s) for s in rule.limits_for(r))}"
+            for r in sorted(table.regions)
+            if r != region
+        )
+        lines.append(f"      other regions: {others}")
+        if not rule.fail_open:
+            lines.append("      failure mode: closed (503 while the counter store is down)")
+        return lines
+    lines.append("  no rule matches: the request is not limited")
+    return lines
+
+
+def _why_not(
+    rule: Rule, region: str, method: str, path: str, identity: RequestIdentity
+) -> str | None:
+    if not rule.unlimited and not rule.limits_for(region):
+        return f"no limit for region {region}"
+    if not rule.matches(method, path):
+        wanted = " or ".join(a.describe() for a in rule.alternatives)
+        return f"does not match ({wanted})"
+    if identity.key_for(rule.identity) is None:
+        header = HEADER_FOR.get(rule.identity, "")
+        return f"identity {rule.identity.value} cannot be formed (no valid {header} header)"
+    return None

@@ -1,0 +1,48 @@
+"""Picks the rules a request is subject to: first match in order, plus shadow rules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.policy.model import IdentityKind, Rule, RuleTable
+
+IdentityLookup = Callable[[IdentityKind], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The enforcing rule (None: no rule applies), its identity hash, and shadow rules seen
+    on the way (each with its identity hash)."""
+
+    rule: Rule | None
+    identity: str | None
+    shadows: tuple[tuple[Rule, str], ...] = field(default=())
+
+    @property
+    def exempt(self) -> bool:
+        return self.rule is not None and self.rule.unlimited
+
+
+def select(
+    table: RuleTable, region: str, method: str, path: str, identity: IdentityLookup
+) -> Selection:
+    """First rule in order that matches and whose identity can be formed.
+
+    Shadow rules that match before it are collected and evaluation goes on: a shadow rule
+    never changes what is enforced.
+    """
+    shadows: list[tuple[Rule, str]] = []
+    for rule in table.rules:
+        if not rule.unlimited and not rule.limits_for(region):
+            continue
+        if not rule.matches(method, path):
+            continue
+        key = identity(rule.identity)
+        if key is None:
+            continue
+        if rule.shadow:
+            shadows.append((rule, key))
+            continue
+        return Selection(rule, key, tuple(shadows))
+    return Selection(None, None, tuple(shadows))

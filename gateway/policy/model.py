@@ -1,0 +1,124 @@
+"""What a rule is, once loaded and validated."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class IdentityKind(StrEnum):
+    IP = "ip"
+    API_KEY = "api_key"
+    USER_IP = "user_ip"
+
+
+class PathKind(StrEnum):
+    ANY = "any"
+    PATH = "path"
+    PREFIX = "prefix"
+    CONTAINS = "contains"
+    SUFFIX = "suffix"
+    TEMPLATE = "template"
+    REGEX = "regex"
+
+
+PATH_KINDS = tuple(k.value for k in PathKind if k is not PathKind.ANY)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSpec:
+    """``count`` requests per ``seconds`` seconds."""
+
+    count: int
+    seconds: int
+
+    def __str__(self) -> str:
+        return f"{self.count}/{self.seconds}"
+
+
+@dataclass(frozen=True, slots=True)
+class PathMatcher:
+    kind: PathKind
+    value: str
+    # For template and regex: the compiled pattern (matched against the whole path).
+    pattern: re.Pattern[str] | None = None
+
+    def matches(self, path: str) -> bool:
+        kind = self.kind
+        if kind is PathKind.ANY:
+            return True
+        if kind is PathKind.PATH:
+            return path == self.value
+        if kind is PathKind.PREFIX:
+            value = self.value
+            return path == value or (path.startswith(value) and path[len(value)] == "/")
+        if kind is PathKind.CONTAINS:
+            return self.value in path
+        if kind is PathKind.SUFFIX:
+            return path.endswith(self.value)
+        assert self.pattern is not None
+        return self.pattern.fullmatch(path) is not None
+
+    def describe(self) -> str:
+        if self.kind is PathKind.ANY:
+            return "any path"
+        return f"{self.kind.value} {self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class MatchAlternative:
+    """One way a request can match: a method set (None = every method) and a path form."""
+
+    methods: frozenset[str] | None
+    path: PathMatcher
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.methods is None or method in self.methods) and self.path.matches(path)
+
+    def describe(self) -> str:
+        methods = "any method" if self.methods is None else "|".join(sorted(self.methods))
+        return f"{methods} on {self.path.describe()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    id: str
+    category: str
+    alternatives: tuple[MatchAlternative, ...]
+    identity: IdentityKind
+    # region -> limits; a region absent here is filled from ``default`` or the us2->us
+    # fallback at load time, so lookups on the hot path are a plain dict get.
+    limits: Mapping[str, tuple[LimitSpec, ...]]
+    shadow: bool = False
+    unlimited: bool = False
+    fail_open: bool = True
+    source: str = ""
+    index: int = 0
+    matcher: Callable[[str, str], bool] = field(default=lambda m, p: False, compare=False)
+
+    def matches(self, method: str, path: str) -> bool:
+        return self.matcher(method, path)
+
+    def limits_for(self, region: str) -> tuple[LimitSpec, ...]:
+        return self.limits.get(region, ())
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}: rule {self.id!r} (#{self.index})"
+
+
+@dataclass(frozen=True, slots=True)
+class RuleTable:
+    rules: tuple[Rule, ...]
+    sources: tuple[str, ...]
+    digest: str  # sha256 of the files' names and bytes, shown in /info
+    loaded_at: float  # epoch seconds
+    regions: frozenset[str]
+
+    def by_id(self, rule_id: str) -> Rule | None:
+        for rule in self.rules:
+            if rule.id == rule_id:
+                return rule
+        return None

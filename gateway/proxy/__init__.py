@@ -1,0 +1,1 @@
+"""The aiohttp side: request handling, forwarding, admin endpoints, hot reload."""

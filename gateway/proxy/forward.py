@@ -1,0 +1,162 @@
+"""Streams a request to an upstream and the response back, both ways, without buffering."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.metrics import Metrics
+from gateway.proxy.headers import add_via, end_to_end
+from gateway.proxy.responses import json_error
+
+log = logging.getLogger("gateway.proxy")
+
+CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    base_url: str  # scheme://host:port with no trailing slash (a path prefix is allowed)
+    preserve_host: bool = True
+
+
+class BodyTooLargeError(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardLimits:
+    max_body_bytes: int
+    body_read_timeout: float
+    upstream_timeout: float
+
+
+class Forwarder:
+    """One ``ClientSession`` (one connection pool) for every upstream of the process."""
+
+    def __init__(self, session: aiohttp.ClientSession, limits: ForwardLimits, metrics: Metrics):
+        self._session = session
+        self._limits = limits
+        self._metrics = metrics
+
+    async def forward(
+        self,
+        request: web.Request,
+        upstream: Upstream,
+        path: str,
+        query: str,
+        extra_headers: list[tuple[str, str]],
+        trusted_peer: bool,
+    ) -> tuple[web.StreamResponse, float]:
+        """Forward and stream back. Returns the response and the upstream latency (s)."""
+        headers = _request_headers(request, upstream, trusted_peer)
+        length = request.content_length
+        if length is not None and length > self._limits.max_body_bytes:
+            return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0
+        body = self._body(request) if request.body_exists else None
+        url = upstream.base_url + path + ("?" + query if query else "")
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._limits.upstream_timeout):
+                upstream_response = await self._session.request(
+                    request.method,
+                    url,
+                    headers=headers,
+                    data=body,
+                    allow_redirects=False,
+                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                )
+        except BodyTooLargeError:
+            self._metrics.upstream_errors.labels(upstream.name, "body_too_large").inc()
+            return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0
+        except TimeoutError:
+            self._metrics.upstream_errors.labels(upstream.name, "timeout").inc()
+            detail = f"upstream {upstream.name!r} did not answer in time"
+            return json_error(504, detail, extra_headers), time.perf_counter() - started
+        except (aiohttp.ClientError, OSError) as exc:
+            self._metrics.upstream_errors.labels(upstream.name, "unreachable").inc()
+            log.warning("upstream %s unreachable: %s", upstream.name, type(exc).__name__)
+            detail = f"upstream {upstream.name!r} is unreachable"
+            return json_error(502, detail, extra_headers), time.perf_counter() - started
+        latency = time.perf_counter() - started
+        self._metrics.upstream_latency.labels(upstream.name).observe(latency)
+        try:
+            return await self._relay(request, upstream, upstream_response, extra_headers), latency
+        finally:
+            upstream_response.release()
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: Upstream,
+        upstream_response: aiohttp.ClientResponse,
+        extra_headers: list[tuple[str, str]],
+    ) -> web.StreamResponse:
+        headers = end_to_end(upstream_response.headers)
+        add_via(headers)
+        for name, value in extra_headers:
+            headers[name] = value
+        response = web.StreamResponse(status=upstream_response.status, reason=upstream_response.reason)
+        response.headers.update(headers)
+        length = upstream_response.content_length
+        if length is not None and "Content-Length" in headers:
+            response.content_length = length
+        elif request.version >= aiohttp.HttpVersion11:
+            response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            async for chunk in upstream_response.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Headers are gone already: the only honest signal left is a cut connection.
+            self._metrics.upstream_errors.labels(upstream.name, "broken_stream").inc()
+            log.warning("upstream %s broke the response stream: %s", upstream.name, exc)
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        await response.write_eof()
+        return response
+
+    async def _body(self, request: web.Request) -> AsyncIterator[bytes]:
+        limit = self._limits.max_body_bytes
+        timeout = self._limits.body_read_timeout
+        received = 0
+        while True:
+            async with asyncio.timeout(timeout):
+                chunk = await request.content.readany()
+            if not chunk:
+                return
+            received += len(chunk)
+            if received > limit:
+                raise BodyTooLargeError
+            yield chunk
+
+
+def _too_large(limit: int) -> str:
+    return f"request body is larger than the {limit} bytes this gateway accepts"
+
+
+def _request_headers(
+    request: web.Request, upstream: Upstream, trusted_peer: bool
+) -> CIMultiDict[str]:
+    headers = end_to_end(request.headers)
+    peer = request.remote or ""
+    if trusted_peer and "X-Forwarded-For" in request.headers:
+        headers["X-Forwarded-For"] = f"{request.headers['X-Forwarded-For']}, {peer}"
+    else:
+        # From an untrusted peer a forwarding header is whatever the client wrote: replace it.
+        headers["X-Forwarded-For"] = peer
+    if not (trusted_peer and "X-Forwarded-Proto" in request.headers):
+        headers["X-Forwarded-Proto"] = "https" if request.secure else "http"
+    add_via(headers)
+    if not upstream.preserve_host:
+        headers.pop("Host", None)
+    return headers

@@ -1,0 +1,45 @@
+"""Which upstream serves a path, and which region a Host header belongs to."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gateway.proxy.forward import Upstream
+
+
+class Router:
+    """Longest segment-prefix match over (prefix, upstream) pairs; a default upstream last."""
+
+    def __init__(self, routes: Sequence[tuple[str, Upstream]], default: Upstream | None) -> None:
+        self._routes = sorted(routes, key=lambda r: -len(r[0]))
+        self.default = default
+
+    def route(self, path: str) -> Upstream | None:
+        for prefix, upstream in self._routes:
+            if prefix == "/" or path == prefix or path.startswith(prefix + "/"):
+                return upstream
+        return self.default
+
+    def describe(self) -> list[tuple[str, str]]:
+        rows = [(prefix, u.name) for prefix, u in self._routes]
+        if self.default is not None:
+            rows.append(("(everything else)", self.default.name))
+        return rows
+
+
+class RegionMap:
+    """Host header (without port, lower-case) to region; the default region otherwise."""
+
+    def __init__(self, default: str, hosts: Mapping[str, str]) -> None:
+        self.default = default
+        self._hosts = dict(hosts)
+
+    def region_for(self, host: str | None) -> str:
+        if not host or not self._hosts:
+            return self.default
+        name = host.lower()
+        if name.startswith("["):
+            name = name[: name.find("]") + 1]
+        else:
+            name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+        return self._hosts.get(name, self.default)

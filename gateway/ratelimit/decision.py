@@ -1,0 +1,54 @@
+"""What the limiter decided about one request, and the response fields that say so."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    ALLOWED = "allowed"
+    LIMITED = "limited"
+    EXEMPT = "exempt"  # an unlimited rule, or no rule at all
+    UNAVAILABLE = "unavailable"  # counter store down and the rule fails closed
+
+
+@dataclass(frozen=True, slots=True)
+class LimitReport:
+    """One limit as reported in the ``RateLimit-Policy`` and ``RateLimit`` fields."""
+
+    name: str  # policy item name: the rule id (suffixed with the window if it has several)
+    rule_id: str
+    count: int
+    seconds: int
+    remaining: int
+    reset_seconds: int
+    exceeded: bool  # had no room for this request
+    shadow: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: Outcome
+    rule_id: str | None = None
+    identity_kind: str | None = None
+    identity_hash: str | None = None
+    reports: tuple[LimitReport, ...] = ()
+    retry_after: int = 0
+    source: str = ""  # counter source: memory, redis, fallback, deny-cache
+    shadow_exceeded: tuple[str, ...] = ()  # shadow rules that would have rejected
+
+    @property
+    def near_limit(self) -> bool:
+        """Admitted with under 20 % of an enforced limit left."""
+        return self.outcome is Outcome.ALLOWED and any(
+            not r.shadow and r.remaining < r.count * 0.2 for r in self.reports
+        )
+
+    def header_fields(self) -> list[tuple[str, str]]:
+        """``RateLimit-Policy`` and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11)."""
+        if not self.reports:
+            return []
+        policy = ", ".join(f'"{r.name}";q={r.count};w={r.seconds}' for r in self.reports)
+        state = ", ".join(f'"{r.name}";r={r.remaining};t={r.reset_seconds}' for r in self.reports)
+        return [("RateLimit-Policy", policy), ("RateLimit", state)]

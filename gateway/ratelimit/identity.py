@@ -1,0 +1,138 @@
+"""Who a request is, for counting: the client address and the identity headers.
+
+Raw API keys and user ids never leave this module: everything downstream (counter
+keys, logs, metrics) sees a keyed hash (HMAC-SHA256 with a per-deployment secret).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.policy.model import IdentityKind
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+MAX_IDENTITY_HEADER_BYTES = 256
+MAX_FORWARDED_HOPS = 32
+HASH_HEX_CHARS = 32  # 128 bits of the HMAC: collisions are not a practical concern
+
+
+def valid_identity_header(value: str | None) -> str | None:
+    """The header value if it may form an identity: non-empty, <= 256 bytes, printable ASCII."""
+    if not value or len(value) > MAX_IDENTITY_HEADER_BYTES:
+        return None
+    if not value.isascii() or not value.isprintable():
+        return None
+    return value
+
+
+class IdentityHasher:
+    """Keyed hashing of identity values; the secret makes hashes useless to outsiders."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("the identity secret must be at least 16 bytes")
+        self._secret = secret
+
+    def digest(self, kind: IdentityKind, value: str) -> str:
+        mac = hmac.new(self._secret, kind.value.encode() + b"\0" + value.encode(), hashlib.sha256)
+        return mac.hexdigest()[:HASH_HEX_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientAddressPolicy:
+    """How to find the client address behind trusted proxies, and how to group IPv6."""
+
+    trusted: tuple[IPNetwork, ...] = ()
+    ipv6_prefix: int = 64
+
+    @classmethod
+    def parse(cls, cidrs: Sequence[str], ipv6_prefix: int = 64) -> ClientAddressPolicy:
+        networks = []
+        for cidr in cidrs:
+            try:
+                networks.append(ipaddress.ip_network(cidr.strip(), strict=False))
+            except ValueError as exc:
+                raise ValueError(f"bad trusted-proxy CIDR {cidr!r}: {exc}") from exc
+        if not 0 < ipv6_prefix <= 128:
+            raise ValueError(f"ipv6 prefix must be 1..128, not {ipv6_prefix}")
+        return cls(tuple(networks), ipv6_prefix)
+
+    def is_trusted(self, address: IPAddress) -> bool:
+        return any(address in network for network in self.trusted)
+
+    def client_address(self, peer: str | None, forwarded_for: str | None) -> str:
+        """The client's address as a counting key (an IPv6 client grouped by prefix).
+
+        Forwarding headers count only when the TCP peer is a trusted proxy; then
+        ``X-Forwarded-For`` is walked right to left past trusted hops and the first
+        untrusted address is the client. A malformed hop stops the walk at the last
+        trusted hop, so a client cannot choose its own bucket by writing garbage.
+        """
+        address = _parse(peer)
+        if address is None:
+            return peer or "unknown"
+        if self.trusted and forwarded_for and self.is_trusted(address):
+            hops = forwarded_for.split(",")[-MAX_FORWARDED_HOPS:]
+            for hop in reversed(hops):
+                hop_address = _parse(hop.strip())
+                if hop_address is None:
+                    break
+                address = hop_address
+                if not self.is_trusted(hop_address):
+                    break
+        return self.group(address)
+
+    def group(self, address: IPAddress) -> str:
+        if isinstance(address, ipaddress.IPv6Address) and self.ipv6_prefix < 128:
+            network = ipaddress.IPv6Network((address, self.ipv6_prefix), strict=False)
+            return str(network)
+        return str(address)
+
+
+def _parse(value: str | None) -> IPAddress | None:
+    if not value:
+        return None
+    if value.startswith("[") and "]" in value:  # "[v6]:port" as some proxies write it
+        value = value[1 : value.index("]")]
+    try:
+        address = ipaddress.ip_address(value.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+@dataclass(slots=True)
+class RequestIdentity:
+    """The identity inputs of one request; hashes are computed once, when first needed."""
+
+    hasher: IdentityHasher
+    client_ip: str
+    api_key: str | None
+    user_id: str | None
+    _cache: dict[IdentityKind, str | None] | None = None
+
+    def key_for(self, kind: IdentityKind) -> str | None:
+        """The hashed identity for a rule of ``kind``, or None if it cannot be formed."""
+        cache = self._cache
+        if cache is None:
+            cache = self._cache = {}
+        elif kind in cache:
+            return cache[kind]
+        value: str | None
+        if kind is IdentityKind.IP:
+            value = self.client_ip
+        elif kind is IdentityKind.API_KEY:
+            value = self.api_key
+        else:
+            value = None if self.user_id is None else f"{self.user_id}\0{self.client_ip}"
+        result = None if value is None else self.hasher.digest(kind, value)
+        cache[kind] = result
+        return result

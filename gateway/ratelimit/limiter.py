@@ -1,0 +1,114 @@
+"""The limiter: turns a rule selection into counter checks and the result into a decision."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+from gateway.counters.base import CounterBackend, HitResult, LimitCheck
+from gateway.policy.matcher import Selection
+from gateway.policy.model import Rule
+from gateway.ratelimit.decision import Decision, LimitReport, Outcome
+from gateway.ratelimit.window import bucket_ms_for
+
+
+def counter_key(region: str, rule_id: str, identity_hash: str, seconds: int) -> str:
+    """``rl:{<region>:<rule>:<identity>}:<window>s`` — the hash tag keeps one identity's
+    keys for one rule in one Redis Cluster slot; the window in the name means a rule whose
+    window changes starts a fresh counter, while a changed count applies to the existing one.
+    """
+    return f"rl:{{{region}:{rule_id}:{identity_hash}}}:{seconds}s"
+
+
+def _checks(region: str, rule: Rule, identity_hash: str, enforce: bool) -> list[LimitCheck]:
+    return [
+        LimitCheck(
+            key=counter_key(region, rule.id, identity_hash, spec.seconds),
+            limit=spec.count,
+            window_ms=spec.seconds * 1000,
+            bucket_ms=bucket_ms_for(spec.seconds * 1000),
+            enforce=enforce,
+            fail_open=rule.fail_open,
+        )
+        for spec in rule.limits_for(region)
+    ]
+
+
+def _reports(rule: Rule, region: str, result: HitResult, shadow: bool) -> list[LimitReport]:
+    specs = rule.limits_for(region)
+    several = len(specs) > 1
+    return [
+        LimitReport(
+            name=f"{rule.id}-{spec.seconds}s" if several else rule.id,
+            rule_id=rule.id,
+            count=spec.count,
+            seconds=spec.seconds,
+            remaining=state.remaining,
+            reset_seconds=-(-state.reset_ms // 1000),
+            exceeded=not state.allowed,
+            shadow=shadow,
+        )
+        for spec, state in zip(specs, result.states, strict=True)
+    ]
+
+
+class Limiter:
+    """Decides about requests; one counter backend per region."""
+
+    def __init__(self, backends: Mapping[str, CounterBackend]) -> None:
+        self._backends = dict(backends)
+
+    def backend(self, region: str) -> CounterBackend:
+        return self._backends[region]
+
+    async def decide(self, region: str, selection: Selection) -> Decision:
+        """Count the request against the selected rule (and shadow rules) in ``region``.
+
+        Raises ``CounterUnavailableError`` when the store is down and the rule fails
+        closed; the caller answers 503.
+        """
+        rule = selection.rule
+        if (rule is None or rule.unlimited) and not selection.shadows:
+            return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
+        backend = self._backends[region]
+        # The enforced rule's checks share one hash tag and are counted all-or-nothing in
+        # one call; each shadow rule is its own call, sent concurrently (never blocking).
+        groups: list[tuple[Rule, bool, Sequence[LimitCheck]]] = []
+        if rule is not None and not rule.unlimited and selection.identity is not None:
+            groups.append((rule, False, _checks(region, rule, selection.identity, True)))
+        for shadow_rule, key in selection.shadows:
+            groups.append((shadow_rule, True, _checks(region, shadow_rule, key, False)))
+        results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
+        reports: list[LimitReport] = []
+        shadow_exceeded: list[str] = []
+        admitted = True
+        source = ""
+        for (group_rule, is_shadow, _), result in zip(groups, results, strict=True):
+            group_reports = _reports(group_rule, region, result, is_shadow)
+            reports.extend(group_reports)
+            if is_shadow:
+                if any(r.exceeded for r in group_reports):
+                    shadow_exceeded.append(group_rule.id)
+            else:
+                admitted = result.admitted
+                source = result.source
+        if rule is None or rule.unlimited:
+            outcome = Outcome.EXEMPT
+        else:
+            outcome = Outcome.ALLOWED if admitted else Outcome.LIMITED
+        retry_after = 0
+        if outcome is Outcome.LIMITED:
+            retry_after = max(
+                (r.reset_seconds for r in reports if r.exceeded and not r.shadow), default=1
+            )
+            retry_after = max(retry_after, 1)
+        return Decision(
+            outcome,
+            rule_id=None if rule is None else rule.id,
+            identity_kind=None if rule is None else rule.identity.value,
+            identity_hash=selection.identity,
+            reports=tuple(reports),
+            retry_after=retry_after,
+            source=source or (results[0].source if results else ""),
+            shadow_exceeded=tuple(shadow_exceeded),
+        )

@@ -1,0 +1,37 @@
+"""The per-deployment secret that keys identity hashes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+
+log = logging.getLogger("gateway")
+
+SECRET_FILE = "identity-secret"
+
+
+def identity_secret(configured: str | None, data_dir: Path) -> bytes:
+    """The configured secret, else one kept (mode 0600) in the data dir, made on first use.
+
+    Every instance that shares counters must use the same secret, or one API key would
+    hash to different counters on different instances: set ``GATEWAY_IDENTITY_SECRET``.
+    """
+    if configured:
+        return configured.encode()
+    path = data_dir / SECRET_FILE
+    try:
+        return path.read_bytes().strip()
+    except FileNotFoundError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_hex(32).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first: use theirs
+        return path.read_bytes().strip()
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(value)
+    log.info("created a new identity-hash secret in %s", path)
+    return value

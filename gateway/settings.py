@@ -1,0 +1,253 @@
+"""One frozen settings object: command-line flag > ``GATEWAY_*`` environment > config file > default."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.policy.loader import DEFAULT_REGIONS
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it and where it came from."""
+
+
+@dataclass(frozen=True)
+class RegionSettings:
+    name: str
+    counter_url: str | None  # None: in-process counters
+    hosts: tuple[str, ...] = ()  # Host header values (no port) served as this region
+
+
+def _default_rules() -> tuple[str, ...]:
+    # ./rules when run from a checkout or a container workdir; else the rules/ folder of
+    # the source tree this package was installed from (editable installs).
+    for candidate in (Path("rules"), Path(__file__).resolve().parent.parent / "rules"):
+        if candidate.is_dir():
+            return (str(candidate),)
+    return ("rules",)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``gateway serve`` needs. Field names are the config-file keys; the
+    environment variable is ``GATEWAY_`` + the upper-cased name."""
+
+    rules: tuple[str, ...] = field(default_factory=_default_rules)
+    region: str = "us"
+    redis_url: str | None = None
+    upstream: str | None = None
+    embedded: bool | None = None  # None: on when no --upstream is given
+    data_dir: str = "data"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9090
+    workers: int = 1
+    trusted_proxies: tuple[str, ...] = ()
+    ipv6_prefix: int = 64
+    identity_secret: str | None = None
+    redis_timeout_ms: float = 50.0
+    deny_cache: bool = True
+    upstream_connect_timeout: float = 5.0
+    upstream_timeout: float = 60.0  # until the upstream's response headers
+    upstream_read_timeout: float = 300.0  # longest silence inside a streamed body
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 8190
+    max_headers: int = 100
+    client_idle_timeout: float = 75.0  # keep-alive between requests
+    body_read_timeout: float = 60.0  # longest silence while receiving a request body
+    shutdown_timeout: float = 30.0
+    upstream_pool_size: int = 256
+    access_log: str = "plain"  # plain | json | off
+    log_level: str = "INFO"
+    watch_rules: bool = True
+    watch_interval: float = 1.0
+    # From the config file only: region table, extra routes, upstream sections.
+    regions: tuple[RegionSettings, ...] = ()
+    routes: tuple[tuple[str, str], ...] = ()  # (path prefix, upstream URL), longest first
+    store: Mapping[str, Any] = field(default_factory=dict)
+    control_plane: Mapping[str, Any] = field(default_factory=dict)
+    config_file: str | None = None
+
+    @property
+    def embedded_enabled(self) -> bool:
+        return self.upstream is None if self.embedded is None else self.embedded
+
+    def region_table(self) -> tuple[RegionSettings, ...]:
+        """Every region served, the default first; the default one gets --redis-url."""
+        if not self.regions:
+            return (RegionSettings(self.region, self.redis_url),)
+        ordered = sorted(self.regions, key=lambda r: r.name != self.region)
+        return tuple(ordered)
+
+
+FILE_ONLY = {"regions", "routes", "store", "control_plane", "config_file"}
+
+
+def load_settings(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Settings:
+    """Merge flags (None = not given), environment and config file over the defaults."""
+    env = os.environ if env is None else env
+    config_file = config_file or env.get("GATEWAY_CONFIG")
+    file_values: dict[str, Any] = {}
+    if config_file:
+        file_values = _read_config(config_file)
+    values: dict[str, Any] = {}
+    defaults = Settings()
+    for f in fields(Settings):
+        name = f.name
+        if name in FILE_ONLY:
+            continue
+        source, raw = "default", getattr(defaults, name)
+        if name in file_values:
+            source, raw = f"config file {config_file}", file_values.pop(name)
+        env_name = f"GATEWAY_{name.upper()}"
+        if env.get(env_name) not in (None, ""):
+            source, raw = f"environment {env_name}", env[env_name]
+        if flags.get(name) not in (None, [], ()):
+            source, raw = f"--{name.replace('_', '-')}", flags[name]
+        values[name] = _coerce(name, raw, getattr(defaults, name), source)
+    extra_region = file_values.pop("regions", None)
+    routes = file_values.pop("routes", None)
+    store = file_values.pop("store", None) or {}
+    control_plane = file_values.pop("control_plane", None) or {}
+    if file_values:
+        raise SettingsError(
+            f"config file {config_file}: unknown key(s) {sorted(file_values)}; "
+            "see 'gateway serve --help' for the names"
+        )
+    if not isinstance(store, dict) or not isinstance(control_plane, dict):
+        raise SettingsError(f"config file {config_file}: 'store' and 'control_plane' are mappings")
+    settings = Settings(
+        **values,
+        regions=_regions(extra_region, config_file),
+        routes=_routes(routes, config_file),
+        store=store,
+        control_plane=control_plane,
+        config_file=config_file,
+    )
+    _validate(settings)
+    return settings
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: expected a mapping of setting names")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, raw: Any, default: Any, source: str) -> Any:
+    try:
+        if name == "rules" or name == "trusted_proxies":
+            if isinstance(raw, str):
+                parts = [p.strip() for p in raw.split(",")]
+                return tuple(p for p in parts if p)
+            return tuple(str(p) for p in raw)
+        if name == "embedded" or isinstance(default, bool):
+            if isinstance(raw, bool) or raw is None:
+                return raw
+            text = str(raw).strip().lower()
+            if text in TRUE:
+                return True
+            if text in FALSE:
+                return False
+            raise ValueError("expected true or false")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return None if raw is None else str(raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"setting {name!r} from {source}: bad value {raw!r} ({exc})") from exc
+
+
+def _regions(raw: Any, source: str | None) -> tuple[RegionSettings, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or not raw:
+        raise SettingsError(f"config file {source}: 'regions' maps a region name to its settings")
+    regions = []
+    for name, spec in raw.items():
+        spec = spec or {}
+        if not isinstance(spec, dict) or set(spec) - {"redis_url", "hosts"}:
+            raise SettingsError(
+                f"config file {source}: regions.{name} takes 'redis_url' and 'hosts' only"
+            )
+        hosts = spec.get("hosts") or []
+        if isinstance(hosts, str):
+            hosts = [hosts]
+        regions.append(
+            RegionSettings(
+                str(name),
+                spec.get("redis_url"),
+                tuple(str(h).lower() for h in hosts),
+            )
+        )
+    return tuple(regions)
+
+
+def _routes(raw: Any, source: str | None) -> tuple[tuple[str, str], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise SettingsError(f"config file {source}: 'routes' maps a path prefix to an upstream URL")
+    routes = []
+    for prefix, url in raw.items():
+        if not str(prefix).startswith("/") or not isinstance(url, str):
+            raise SettingsError(f"config file {source}: route {prefix!r} -> {url!r} is not valid")
+        routes.append((str(prefix).rstrip("/") or "/", url))
+    return tuple(sorted(routes, key=lambda r: -len(r[0])))
+
+
+def _validate(s: Settings) -> None:
+    def bad(message: str) -> None:
+        raise SettingsError(message)
+
+    for port_name in ("port", "admin_port"):
+        port = getattr(s, port_name)
+        if not 0 <= port <= 65535:
+            bad(f"{port_name} must be 0..65535, not {port}")
+    if s.workers < 1 or s.workers > 64:
+        bad(f"workers must be 1..64, not {s.workers}")
+    if s.access_log not in ("plain", "json", "off"):
+        bad(f"access_log must be plain, json or off, not {s.access_log!r}")
+    if s.upstream is not None and not s.upstream.startswith(("http://", "https://")):
+        bad(f"upstream must be an http:// or https:// URL, not {s.upstream!r}")
+    for name in ("redis_timeout_ms", "upstream_connect_timeout", "upstream_timeout",
+                 "upstream_read_timeout", "client_idle_timeout", "body_read_timeout",
+                 "watch_interval"):  # fmt: skip
+        if getattr(s, name) <= 0:
+            bad(f"{name} must be positive")
+    if s.max_body_bytes < 0 or s.max_header_bytes < 256:
+        bad("max_body_bytes must be >= 0 and max_header_bytes >= 256")
+    names = [r.name for r in s.region_table()]
+    if s.regions and s.region not in names:
+        bad(f"default region {s.region!r} is not in the 'regions' section ({', '.join(names)})")
+    if not s.regions and s.region not in DEFAULT_REGIONS:
+        bad(f"region must be one of {sorted(DEFAULT_REGIONS)} (or configure 'regions'), "
+            f"not {s.region!r}")  # fmt: skip
+
+
+def region_names(settings: Settings) -> Sequence[str]:
+    return [r.name for r in settings.region_table()]
