@@ -20,7 +20,7 @@ def counter_key(region: str, rule_id: str, identity_hash: str, seconds: int) -> 
     return f"rl:{{{region}:{rule_id}:{identity_hash}}}:{seconds}s"
 
 
-def _checks(region: str, rule: Rule, identity_hash: str, enforce: bool) -> list[LimitCheck]:
+def limit_checks(region: str, rule: Rule, identity_hash: str, enforce: bool) -> list[LimitCheck]:
     return [
         LimitCheck(
             key=counter_key(region, rule.id, identity_hash, spec.seconds),
@@ -75,9 +75,9 @@ class Limiter:
         # one call; each shadow rule is its own call, sent concurrently (never blocking).
         groups: list[tuple[Rule, bool, Sequence[LimitCheck]]] = []
         if rule is not None and not rule.unlimited and selection.identity is not None:
-            groups.append((rule, False, _checks(region, rule, selection.identity, True)))
+            groups.append((rule, False, limit_checks(region, rule, selection.identity, True)))
         for shadow_rule, key in selection.shadows:
-            groups.append((shadow_rule, True, _checks(region, shadow_rule, key, False)))
+            groups.append((shadow_rule, True, limit_checks(region, shadow_rule, key, False)))
         results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
         reports: list[LimitReport] = []
         shadow_exceeded: list[str] = []

@@ -1,0 +1,314 @@
+"""The one place a counter URL becomes a backend.
+
+``None`` or ``memory://`` give the in-process backend. Redis URLs give the full stack
+``DenyCacheBackend(ResilientBackend(CoalescingBackend(RedisBackend)))``. Nothing here
+connects: redis-py connects on first use and the script is loaded on the first
+``NOSCRIPT``, so the factory may run before the event loop does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
+
+from gateway.counters.base import CounterBackend, CounterEvents, NoEvents
+from gateway.counters.coalesce import CoalescingBackend
+from gateway.counters.deny_cache import DenyCacheBackend, monotonic_ms
+from gateway.counters.memory import MemoryBackend, wall_clock_ms
+from gateway.counters.redis_backend import RedisBackend
+from gateway.counters.resilient import ResilientBackend
+
+MAX_URL_LENGTH = 2048
+MAX_CONNECTIONS = 32
+# Bounds for redis-py's own socket operations; a request's wait is bounded much more
+# tightly by ResilientBackend's timeout.
+SOCKET_TIMEOUT_SECONDS = 1.0
+
+ACCEPTED_FORMS = (
+    "memory://, redis://[[user]:password@]host[:port][/db], rediss://… (TLS), "
+    "unix://[[user]:password@]/path/to/socket[?db=N], "
+    "redis+cluster://[[user]:password@]host:port[,host:port…] (rediss+cluster:// for TLS), "
+    "redis+sentinel://[[user]:password@]host:port[,host:port…]/service-name[/db]"
+)
+QUERY_KEYS = frozenset(
+    {"db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
+)
+SCHEMES = frozenset(
+    {"memory", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel"}
+)
+
+
+@dataclass(frozen=True)
+class CounterUrl:
+    """A parsed counter URL; ``display`` is safe to show (no credentials)."""
+
+    scheme: str
+    hosts: tuple[tuple[str, int], ...] = ()
+    path: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    service: str = ""
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme.startswith("rediss")
+
+    @property
+    def display(self) -> str:
+        if self.scheme == "memory":
+            return "memory"
+        if self.scheme == "unix":
+            return f"unix://{self.path}" + (f"?db={self.db}" if self.db else "")
+        hosts = ",".join(_host_port(h, p) for h, p in self.hosts)
+        if self.scheme == "redis+sentinel":
+            return f"{self.scheme}://{hosts}/{self.service}/{self.db}"
+        if self.scheme.endswith("+cluster"):
+            return f"{self.scheme}://{hosts}"
+        return f"{self.scheme}://{hosts}/{self.db}"
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bad(message: str) -> ValueError:
+    return ValueError(f"bad counter URL: {message}; accepted forms: {ACCEPTED_FORMS}")
+
+
+def _parse_hosts(text: str, *, default_port: int | None) -> tuple[tuple[str, int], ...]:
+    hosts: list[tuple[str, int]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part.startswith("["):
+            end = part.find("]")
+            if end < 0:
+                raise _bad("unclosed '[' in an IPv6 address")
+            host, rest = part[1:end], part[end + 1 :]
+            if rest and not rest.startswith(":"):
+                raise _bad("expected ':port' after an IPv6 address")
+            port_text = rest[1:] if rest else ""
+        else:
+            host, _, port_text = part.partition(":")
+        if not host:
+            raise _bad("a host is missing")
+        if port_text:
+            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise _bad("a port must be a number from 1 to 65535")
+            port = int(port_text)
+        elif default_port is not None:
+            port = default_port
+        else:
+            raise _bad("every host needs a port")
+        hosts.append((host, port))
+    return tuple(hosts)
+
+
+def _parse_db(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise _bad("the database must be a small non-negative number")
+    return int(text)
+
+
+def parse_counter_url(url: str) -> CounterUrl:
+    """Parse and validate a counter URL; ``ValueError`` says what forms are accepted."""
+    if len(url) > MAX_URL_LENGTH:
+        raise _bad(f"longer than {MAX_URL_LENGTH} characters")
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in SCHEMES:
+        raise _bad("unknown scheme")
+    if scheme == "memory":
+        if rest:
+            raise _bad("memory:// takes nothing after the scheme")
+        return CounterUrl("memory")
+    rest, _, fragment = rest.partition("#")
+    if fragment:
+        raise _bad("a fragment is not allowed")
+    rest, _, query = rest.partition("?")
+    options: list[tuple[str, str]] = []
+    db = 0
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in QUERY_KEYS:
+            raise _bad(f"unknown option {key!r} (known: {', '.join(sorted(QUERY_KEYS))})")
+        if key == "db":
+            db = _parse_db(value)
+        else:
+            options.append((key, value))
+    if options and not scheme.startswith("rediss"):
+        raise _bad("ssl_* options need a rediss:// URL")
+    username: str | None = None
+    password: str | None = None
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    if scheme == "unix":
+        if netloc:
+            raise _bad("unix:// takes a path, e.g. unix:///run/redis.sock")
+        if not path:
+            raise _bad("unix:// needs the socket's path")
+        return CounterUrl(
+            scheme, path="/" + unquote(path), db=db, username=username, password=password
+        )
+    if not netloc:
+        raise _bad("a host is missing")
+    if scheme in ("redis", "rediss"):
+        hosts = _parse_hosts(netloc, default_port=6379)
+        if len(hosts) != 1:
+            raise _bad(f"{scheme}:// takes one host; use redis+cluster:// for several")
+        if path:
+            db = _parse_db(path.strip("/"))
+        return CounterUrl(
+            scheme, hosts, db=db, username=username, password=password, options=tuple(options)
+        )
+    if scheme.endswith("+cluster"):
+        if path.strip("/") or db:
+            raise _bad("a cluster has only database 0")
+        hosts = _parse_hosts(netloc, default_port=None)
+        return CounterUrl(
+            scheme, hosts, username=username, password=password, options=tuple(options)
+        )
+    # redis+sentinel://hosts/service[/db]
+    hosts = _parse_hosts(netloc, default_port=26379)
+    parts = [p for p in path.split("/") if p] if slash else []
+    if not parts or len(parts) > 2:
+        raise _bad("redis+sentinel:// needs /service-name[/db] after the hosts")
+    if len(parts) == 2:
+        db = _parse_db(parts[1])
+    return CounterUrl(scheme, hosts, db=db, username=username, password=password, service=parts[0])
+
+
+def _connection_kwargs(parsed: CounterUrl) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "username": parsed.username,
+        "password": parsed.password,
+        "socket_connect_timeout": SOCKET_TIMEOUT_SECONDS,
+        "socket_timeout": SOCKET_TIMEOUT_SECONDS,
+        # One retry replaces a pooled connection that died with a restarted server;
+        # anything longer is the breaker's business.
+        "retry": Retry(NoBackoff(), 1),
+    }
+    if parsed.tls:
+        kwargs["ssl"] = True
+        for key, value in parsed.options:
+            if key == "ssl_check_hostname":
+                kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                kwargs[key] = value
+    return kwargs
+
+
+def redis_client(parsed: CounterUrl) -> Redis | RedisCluster:
+    """A redis-py asyncio client for a parsed Redis URL (connects lazily)."""
+    kwargs = _connection_kwargs(parsed)
+    # Maintenance notifications are a managed-service handshake: one more command on
+    # every new connection that a plain server answers with an error.
+    no_notifications = MaintNotificationsConfig(enabled=False)
+    if parsed.scheme.endswith("+cluster"):
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in parsed.hosts],
+            max_connections=MAX_CONNECTIONS,
+            maint_notifications_config=no_notifications,
+            **kwargs,
+        )
+    if parsed.scheme == "redis+sentinel":
+        sentinel_kwargs = {
+            "socket_connect_timeout": SOCKET_TIMEOUT_SECONDS,
+            "socket_timeout": SOCKET_TIMEOUT_SECONDS,
+        }
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(parsed.hosts), sentinel_kwargs=sentinel_kwargs, **kwargs
+        )
+        master: Redis = sentinel.master_for(parsed.service, db=parsed.db)
+        return master
+    if parsed.scheme == "unix":
+        kwargs.pop("ssl", None)
+        pool = BlockingConnectionPool.from_url(
+            f"unix://{parsed.path}",
+            db=parsed.db,
+            max_connections=MAX_CONNECTIONS,
+            timeout=SOCKET_TIMEOUT_SECONDS,
+            maint_notifications_config=no_notifications,
+            **kwargs,
+        )
+        return Redis.from_pool(pool)
+    host, port = parsed.hosts[0]
+    pool = BlockingConnectionPool(
+        host=host,
+        port=port,
+        db=parsed.db,
+        max_connections=MAX_CONNECTIONS,
+        timeout=SOCKET_TIMEOUT_SECONDS,
+        connection_class=_ssl_connection_class() if parsed.tls else _plain_connection_class(),
+        maint_notifications_config=no_notifications,
+        **{k: v for k, v in kwargs.items() if k != "ssl"},
+    )
+    return Redis.from_pool(pool)
+
+
+def _plain_connection_class() -> type[Any]:
+    from redis.asyncio.connection import Connection
+
+    return Connection
+
+
+def _ssl_connection_class() -> type[Any]:
+    from redis.asyncio.connection import SSLConnection
+
+    return SSLConnection
+
+
+def open_counter_backend(
+    url: str | None,
+    *,
+    region: str,
+    timeout_seconds: float = 0.05,
+    events: CounterEvents | None = None,
+    deny_cache: bool = True,
+    clock: Callable[[], int] | None = None,
+    breaker_failures: int = 5,
+    breaker_reset_seconds: float = 1.0,
+    coalesce: bool = True,
+) -> CounterBackend:
+    """The counter backend for ``url`` (``None`` means in-process memory).
+
+    ``clock`` (ms) drives the in-process counters, the fallback and the deny cache
+    (tests); the Redis script always uses the store's time. ``region`` only labels
+    the backend's name: the keys carry the region already.
+    """
+    if url is None or url == "":
+        return MemoryBackend(clock=clock or wall_clock_ms)
+    parsed = parse_counter_url(url)
+    if parsed.scheme == "memory":
+        return MemoryBackend(clock=clock or wall_clock_ms)
+    events = events or NoEvents()
+    store = RedisBackend(redis_client(parsed), name=f"{parsed.display} (region {region})")
+    inner: CounterBackend = (
+        CoalescingBackend(store, batch_timeout_seconds=max(1.0, 4 * timeout_seconds))
+        if coalesce
+        else store
+    )
+    resilient = ResilientBackend(
+        inner,
+        timeout_seconds=timeout_seconds,
+        failure_threshold=breaker_failures,
+        reset_seconds=breaker_reset_seconds,
+        fallback=MemoryBackend(clock=clock or wall_clock_ms, label="fallback"),
+        events=events,
+    )
+    if not deny_cache:
+        return resilient
+    return DenyCacheBackend(resilient, events=events, clock_ms=clock or monotonic_ms)

@@ -1,0 +1,178 @@
+"""Sliding-window counters in Redis (standalone, Sentinel or Cluster).
+
+One Lua script (``lua/sliding_window.lua``) checks every limit of a request and counts
+it in all of them or none, with the store's own clock. The script runs by SHA; when
+the server does not know it (first use, ``SCRIPT FLUSH``, a restarted or failed-over
+server) it is loaded once and the affected calls are sent again, so no extra round
+trip is spent on ``SCRIPT EXISTS`` in the common case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from functools import lru_cache
+from importlib.resources import files
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, ResponseError
+
+from gateway.counters.base import HitResult, LimitCheck, LimitState
+
+SCRIPT_RESOURCE = "sliding_window.lua"
+HEALTH_TIMEOUT_SECONDS = 1.0
+
+RedisClient = Redis | RedisCluster
+
+
+@lru_cache(maxsize=1)
+def script_text() -> str:
+    """The Lua source shipped as package data."""
+    return (files("gateway.counters") / "lua" / SCRIPT_RESOURCE).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def script_sha() -> str:
+    """SHA1 of the script, as ``EVALSHA`` expects it."""
+    return hashlib.sha1(script_text().encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+def script_args(checks: Sequence[LimitCheck]) -> list[str | int]:
+    """``EVALSHA`` arguments after the SHA: key count, keys, then four values per key."""
+    args: list[str | int] = [len(checks)]
+    args.extend(check.key for check in checks)
+    for check in checks:
+        if check.window_ms <= 0 or check.bucket_ms <= 0 or check.limit < 0:
+            raise ValueError("limit checks need window_ms > 0, bucket_ms > 0 and limit >= 0")
+        args.extend((check.limit, check.window_ms, check.bucket_ms, 1 if check.enforce else 0))
+    return args
+
+
+def parse_reply(reply: Any, count: int) -> tuple[HitResult, int]:
+    """Turn the script's flat integer array into a result and the store's time (ms)."""
+    if not isinstance(reply, list) or len(reply) != 2 + 3 * count:
+        raise ResponseError("unexpected reply from the sliding-window script")
+    states = tuple(
+        LimitState(bool(reply[2 + 3 * i]), int(reply[3 + 3 * i]), int(reply[4 + 3 * i]))
+        for i in range(count)
+    )
+    return HitResult(bool(reply[0]), states, source="redis"), int(reply[1])
+
+
+class RedisBackend:
+    """A ``CounterBackend`` on one redis-py asyncio client (standalone or cluster).
+
+    ``hit_many`` sends several requests' checks in one pipeline (one round trip per
+    node); ``CoalescingBackend`` uses it to batch concurrent requests.
+    """
+
+    def __init__(self, client: RedisClient, *, name: str) -> None:
+        self._client = client
+        self._name = name
+        self._cluster = isinstance(client, RedisCluster)
+        self._sha = script_sha()
+        # Round trips started (single calls, pipelines, script loads); for benchmarks.
+        self.round_trips = 0
+        self.script_loads = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def client(self) -> RedisClient:
+        return self._client
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        return (await self.hit_timed(checks))[0]
+
+    async def hit_timed(self, checks: Sequence[LimitCheck]) -> tuple[HitResult, int]:
+        """Like ``hit``, plus the store's clock (ms since the epoch) at decision time."""
+        if not checks:
+            return HitResult(True, (), source="redis"), 0
+        args = self._args(checks)
+        try:
+            self.round_trips += 1
+            reply = await self._client.execute_command("EVALSHA", self._sha, *args)
+        except NoScriptError:
+            await self.load_script()
+            self.round_trips += 1
+            reply = await self._client.execute_command("EVALSHA", self._sha, *args)
+        return parse_reply(reply, len(checks))
+
+    async def hit_many(self, batch: Sequence[Sequence[LimitCheck]]) -> list[HitResult | Exception]:
+        """Run many independent ``hit`` calls in one pipeline.
+
+        Each entry is a result or the exception for that entry alone (a bad check, a
+        script error). Losing the connection raises, since it fails every entry.
+        """
+        results: list[HitResult | Exception] = [HitResult(True, (), source="redis")] * len(batch)
+        todo: list[int] = []
+        commands: list[list[str | int]] = []
+        for index, checks in enumerate(batch):
+            if not checks:
+                continue
+            try:
+                commands.append(self._args(checks))
+            except ValueError as exc:
+                results[index] = exc
+                continue
+            todo.append(index)
+        if not commands:
+            return results
+        replies = await self._pipeline(commands)
+        missing = [k for k, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            await self.load_script()
+            again = await self._pipeline([commands[k] for k in missing])
+            for k, reply in zip(missing, again, strict=True):
+                replies[k] = reply
+        for k, index in enumerate(todo):
+            reply = replies[k]
+            if isinstance(reply, Exception):
+                results[index] = reply
+                continue
+            try:
+                results[index] = parse_reply(reply, len(batch[index]))[0]
+            except ResponseError as exc:
+                results[index] = exc
+        return results
+
+    async def _pipeline(self, commands: Sequence[list[str | int]]) -> list[Any]:
+        self.round_trips += 1
+        pipe: Any = self._client.pipeline(transaction=False)
+        for args in commands:
+            pipe.execute_command("EVALSHA", self._sha, *args)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
+
+    async def load_script(self) -> None:
+        """Load the script (on every primary, for a cluster); normally done on demand."""
+        self.round_trips += 1
+        self.script_loads += 1
+        sha: Any = await self._client.script_load(script_text())
+        if isinstance(sha, bytes):
+            sha = sha.decode("ascii")
+        if sha != self._sha:
+            raise ResponseError("the server computed another SHA for the script")
+
+    def _args(self, checks: Sequence[LimitCheck]) -> list[str | int]:
+        if self._cluster and len(checks) > 1:
+            slot = key_slot(checks[0].key.encode())
+            if any(key_slot(c.key.encode()) != slot for c in checks[1:]):
+                raise ValueError("the keys of one call must share a Redis Cluster hash tag")
+        return script_args(checks)
+
+    async def healthy(self) -> bool:
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_SECONDS):
+                return bool(await self._client.ping())
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,189 @@
+"""Timeout, circuit breaker and local fallback in front of a shared counter store.
+
+An outage of the store adds at most one timeout to a request; once the breaker is
+open it adds nothing. While the store is unavailable, checks that may fail open are
+answered by an in-process ``MemoryBackend`` (so each instance still bounds what it
+lets through) and a call with an enforced fail-closed check raises
+``CounterUnavailableError``. After ``reset_seconds`` one probe call goes to the store
+again; when it succeeds the breaker closes and traffic returns to the store, with no
+restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.counters.base import (
+    CounterBackend,
+    CounterEvents,
+    CounterUnavailableError,
+    HitResult,
+    LimitCheck,
+    NoEvents,
+)
+from gateway.counters.memory import MemoryBackend
+
+log = logging.getLogger("gateway.counters")
+
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
+
+
+def failure_kind(exc: BaseException) -> str:
+    """How a failed call is reported: ``timeout``, ``connection`` or ``error``."""
+    if isinstance(exc, TimeoutError | RedisTimeoutError):
+        return "timeout"
+    if isinstance(exc, RedisConnectionError | OSError):
+        return "connection"
+    return "error"
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker with a single probe call when half open."""
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 5,
+        reset_seconds: float = 1.0,
+        events: CounterEvents | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failure_threshold < 1 or reset_seconds < 0:
+            raise ValueError("failure_threshold must be >= 1 and reset_seconds >= 0")
+        self._threshold = failure_threshold
+        self._reset = reset_seconds
+        self._events: CounterEvents = events or NoEvents()
+        self._monotonic = monotonic
+        self._state = CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now (claims the probe when half open)."""
+        if self._state == CLOSED:
+            return True
+        if self._state == OPEN:
+            if self._monotonic() - self._opened_at < self._reset:
+                return False
+            self._move(HALF_OPEN)
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        self._failures = 0
+        self._probing = False
+        if self._state != CLOSED:
+            self._move(CLOSED)
+
+    def failure(self) -> None:
+        self._probing = False
+        self._failures += 1
+        if self._state == HALF_OPEN or (
+            self._state == CLOSED and self._failures >= self._threshold
+        ):
+            self._opened_at = self._monotonic()
+            self._move(OPEN)
+
+    def release(self) -> None:
+        """A call that was allowed ended without a verdict (cancelled)."""
+        self._probing = False
+
+    def _move(self, state: str) -> None:
+        self._state = state
+        self._events.breaker_changed(state)
+
+
+class ResilientBackend:
+    """Wraps a shared store with a timeout, a breaker and a local fallback."""
+
+    def __init__(
+        self,
+        inner: CounterBackend,
+        *,
+        timeout_seconds: float = 0.05,
+        failure_threshold: int = 5,
+        reset_seconds: float = 1.0,
+        fallback: MemoryBackend | None = None,
+        events: CounterEvents | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if timeout_seconds <= 0:
+            raise ValueError("timeout_seconds must be > 0")
+        self._inner = inner
+        self._timeout = timeout_seconds
+        self._events: CounterEvents = events or NoEvents()
+        self._fallback = fallback if fallback is not None else MemoryBackend(label="fallback")
+        self._breaker = CircuitBreaker(
+            failure_threshold=failure_threshold,
+            reset_seconds=reset_seconds,
+            events=self._events,
+            monotonic=monotonic,
+        )
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    @property
+    def inner(self) -> CounterBackend:
+        return self._inner
+
+    @property
+    def breaker_state(self) -> str:
+        """``closed`` (store in use), ``open`` (fallback) or ``half_open`` (probing)."""
+        return self._breaker.state
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        if self._breaker.allow():
+            try:
+                async with asyncio.timeout(self._timeout):
+                    result = await self._inner.hit(checks)
+            except asyncio.CancelledError:
+                self._breaker.release()
+                raise
+            except (ValueError, TypeError):
+                # A malformed check is the caller's bug, not an outage of the store.
+                self._breaker.release()
+                raise
+            except Exception as exc:
+                kind = failure_kind(exc)
+                self._events.store_error(kind)
+                log.debug("counter store call failed: %s (%s)", kind, type(exc).__name__)
+                self._breaker.failure()
+            else:
+                self._breaker.success()
+                return result
+        return self._fallback_hit(checks)
+
+    def _fallback_hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        if any(check.enforce and not check.fail_open for check in checks):
+            raise CounterUnavailableError("the counter store is unavailable")
+        self._events.fallback_used()
+        result = self._fallback.hit_now(checks)
+        return HitResult(result.admitted, result.states, source="fallback")
+
+    async def healthy(self) -> bool:
+        try:
+            async with asyncio.timeout(max(self._timeout, 0.5)):
+                return await self._inner.healthy()
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self._inner.close()
+        await self._fallback.close()

@@ -1,0 +1,146 @@
+"""Deployments (v2) and their revisions."""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+from aiohttp import web
+
+from . import validation
+from .http_helpers import not_found, page, page_response, path_id, read_json, runtime, tenant
+
+log = logging.getLogger("gateway.control_plane")
+
+
+def _missing_deployment(deployment_id: str) -> NoReturn:
+    not_found(f"Deployment ID {deployment_id} not found.")
+
+
+async def create_deployment(request: web.Request) -> web.Response:
+    rt = runtime(request)
+    data = validation.deployment_create(await read_json(request))
+    db = rt.database()
+    deployment = await db.run(db.store.create_deployment, tenant(request), data, rt.clock())
+    rt.revision_created()
+    log.info(
+        "deployment created: id=%s tenant=%s revision=%s",
+        deployment["id"],
+        deployment["tenant_id"],
+        deployment["latest_revision_id"],
+    )
+    return web.json_response(deployment, status=201)
+
+
+async def list_deployments(request: web.Request) -> web.Response:
+    limit, offset = page(request)
+    name_contains = request.query.get("name_contains") or None
+    if name_contains is not None and len(name_contains) > validation.MAX_NAME:
+        raise validation.ValidationFailed(
+            f"name_contains: at most {validation.MAX_NAME} characters"
+        )
+    db = runtime(request).database()
+    rows = await db.run(db.store.list_deployments, tenant(request), limit, offset, name_contains)
+    return page_response(rows, offset)
+
+
+async def get_deployment(request: web.Request) -> web.Response:
+    deployment_id = path_id(request, "deployment_id")
+    db = runtime(request).database()
+    deployment = await db.run(db.store.get_deployment, tenant(request), deployment_id)
+    if deployment is None:
+        _missing_deployment(deployment_id)
+    return web.json_response(deployment)
+
+
+async def patch_deployment(request: web.Request) -> web.Response:
+    rt = runtime(request)
+    deployment_id = path_id(request, "deployment_id")
+    patch = validation.deployment_patch(await read_json(request))
+    db = rt.database()
+    result = await db.run(
+        db.store.patch_deployment,
+        tenant(request),
+        deployment_id,
+        patch,
+        validation.check_complete,
+        rt.clock(),
+    )
+    if result is None:
+        _missing_deployment(deployment_id)
+    deployment, new_revision = result
+    if new_revision:
+        rt.revision_created()
+        log.info(
+            "deployment updated with a new revision: id=%s revision=%s",
+            deployment_id,
+            deployment["latest_revision_id"],
+        )
+    return web.json_response(deployment)
+
+
+async def delete_deployment(request: web.Request) -> web.Response:
+    deployment_id = path_id(request, "deployment_id")
+    db = runtime(request).database()
+    if not await db.run(db.store.delete_deployment, tenant(request), deployment_id):
+        _missing_deployment(deployment_id)
+    log.info("deployment deleted: id=%s", deployment_id)
+    return web.Response(status=204)
+
+
+async def list_revisions(request: web.Request) -> web.Response:
+    deployment_id = path_id(request, "deployment_id")
+    limit, offset = page(request)
+    db = runtime(request).database()
+    rows = await db.run(db.store.list_revisions, tenant(request), deployment_id, limit, offset)
+    if rows is None:
+        _missing_deployment(deployment_id)
+    return page_response(rows, offset)
+
+
+async def get_revision(request: web.Request) -> web.Response:
+    deployment_id = path_id(request, "deployment_id")
+    revision_id = path_id(request, "revision_id")
+    db = runtime(request).database()
+    revision = await db.run(db.store.get_revision, tenant(request), deployment_id, revision_id)
+    if revision is None:
+        if await db.run(db.store.get_deployment, tenant(request), deployment_id) is None:
+            _missing_deployment(deployment_id)
+        not_found(f"Revision ID {revision_id} not found.")
+    return web.json_response(revision)
+
+
+async def redeploy_revision(request: web.Request) -> web.Response:
+    rt = runtime(request)
+    deployment_id = path_id(request, "deployment_id")
+    revision_id = path_id(request, "revision_id")
+    db = rt.database()
+    deployment = await db.run(
+        db.store.redeploy, tenant(request), deployment_id, revision_id, rt.clock()
+    )
+    if deployment is None:
+        if await db.run(db.store.get_deployment, tenant(request), deployment_id) is None:
+            _missing_deployment(deployment_id)
+        not_found(f"Revision ID {revision_id} not found.")
+    rt.revision_created()
+    log.info(
+        "revision redeployed: deployment=%s from=%s new=%s",
+        deployment_id,
+        revision_id,
+        deployment["latest_revision_id"],
+    )
+    return web.json_response(deployment)
+
+
+def add_routes(router: web.UrlDispatcher, prefix: str) -> None:
+    base = f"{prefix}/v2/deployments"
+    router.add_post(base, create_deployment)
+    router.add_get(base, list_deployments, allow_head=False)
+    router.add_get(base + "/{deployment_id}", get_deployment, allow_head=False)
+    router.add_patch(base + "/{deployment_id}", patch_deployment)
+    router.add_delete(base + "/{deployment_id}", delete_deployment)
+    router.add_get(base + "/{deployment_id}/revisions", list_revisions, allow_head=False)
+    router.add_get(
+        base + "/{deployment_id}/revisions/{revision_id}", get_revision, allow_head=False
+    )
+    router.add_post(base + "/{deployment_id}/revisions/{revision_id}/redeploy", redeploy_revision)

@@ -1,0 +1,738 @@
+"""SQLite persistence of the control plane.
+
+All methods of :class:`ControlPlaneStore` are synchronous and run on the single thread of
+:class:`Database`, so the event loop never waits on disk and one process never contends with
+itself. Several worker processes may share the file (WAL mode); every lifecycle transition is
+a compare-and-set on the revision's current status so two drivers never apply the same step.
+Secret values are never written: only their names are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .lifecycle import IN_FLIGHT, next_step
+
+T = TypeVar("T")
+Row = dict[str, Any]
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS deployments (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    source TEXT NOT NULL,
+    source_config TEXT NOT NULL,
+    source_revision_config TEXT NOT NULL,
+    secret_names TEXT NOT NULL,
+    status TEXT NOT NULL,
+    latest_revision_id TEXT,
+    active_revision_id TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deployments_tenant ON deployments (tenant_id, created_at);
+CREATE TABLE IF NOT EXISTS revisions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    deployment_id TEXT NOT NULL REFERENCES deployments (id) ON DELETE CASCADE,
+    tenant_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    status_message TEXT,
+    source TEXT NOT NULL,
+    source_config TEXT NOT NULL,
+    source_revision_config TEXT NOT NULL,
+    secret_names TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    status_changed_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS revisions_deployment ON revisions (deployment_id, created_at);
+CREATE INDEX IF NOT EXISTS revisions_status ON revisions (status);
+CREATE TABLE IF NOT EXISTS listeners (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant_id TEXT NOT NULL,
+    compute_type TEXT NOT NULL,
+    compute_id TEXT NOT NULL,
+    compute_config TEXT NOT NULL,
+    version TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    UNIQUE (tenant_id, compute_id)
+);
+CREATE TABLE IF NOT EXISTS auth_providers (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant_id TEXT NOT NULL,
+    provider_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    client_id TEXT NOT NULL,
+    has_client_secret INTEGER NOT NULL,
+    auth_url TEXT NOT NULL,
+    token_url TEXT NOT NULL,
+    uses_pkce INTEGER NOT NULL,
+    code_challenge_method TEXT,
+    token_endpoint_auth_method TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    UNIQUE (tenant_id, provider_id)
+);
+CREATE TABLE IF NOT EXISTS auth_flows (
+    auth_id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    provider_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    scopes TEXT NOT NULL,
+    state_sha256 TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL,
+    token TEXT,
+    created_at REAL NOT NULL,
+    completed_at REAL,
+    expires_at REAL NOT NULL
+);
+"""
+
+
+class Conflict(Exception):
+    """A unique constraint of the API was violated (answered with 409)."""
+
+
+def iso(ts: float) -> str:
+    """An epoch timestamp as ISO 8601 UTC."""
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _revision_config_out(config: Row) -> Row:
+    out = dict(config)
+    # Both names of the field are shown so clients written against either spelling work.
+    out["graph_config_path"] = out.get("langgraph_config_path")
+    return out
+
+
+class ControlPlaneStore:
+    """Synchronous data access; every call must come from the :class:`Database` thread."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(
+            path, timeout=10.0, isolation_level=None, check_same_thread=False
+        )
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.execute("PRAGMA busy_timeout=10000")
+        self._conn.executescript(SCHEMA)
+        self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self._conn)
+
+    # ---- deployments ---------------------------------------------------------------------
+
+    def _deployment_out(self, row: sqlite3.Row) -> Row:
+        return {
+            "id": row["id"],
+            "tenant_id": row["tenant_id"],
+            "name": row["name"],
+            "source": row["source"],
+            "source_config": json.loads(row["source_config"]),
+            "source_revision_config": _revision_config_out(
+                json.loads(row["source_revision_config"])
+            ),
+            "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
+            "status": row["status"],
+            "latest_revision_id": row["latest_revision_id"],
+            "active_revision_id": row["active_revision_id"],
+            "created_at": iso(row["created_at"]),
+            "updated_at": iso(row["updated_at"]),
+        }
+
+    def _revision_out(self, row: sqlite3.Row) -> Row:
+        return {
+            "id": row["id"],
+            "deployment_id": row["deployment_id"],
+            "status": row["status"],
+            "status_message": row["status_message"],
+            "source": row["source"],
+            "source_config": json.loads(row["source_config"]),
+            "source_revision_config": _revision_config_out(
+                json.loads(row["source_revision_config"])
+            ),
+            "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
+            "created_at": iso(row["created_at"]),
+            "updated_at": iso(row["updated_at"]),
+        }
+
+    def _deployment_row(self, tenant_id: str, deployment_id: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._conn.execute(
+            "SELECT * FROM deployments WHERE id = ? AND tenant_id = ?", (deployment_id, tenant_id)
+        ).fetchone()
+        return row
+
+    def _insert_revision(self, deployment: sqlite3.Row | Row, now: float) -> str:
+        revision_id = str(uuid.uuid4())
+        # A newer revision supersedes older ones still in flight, as on the hosted service.
+        placeholders = ",".join("?" for _ in IN_FLIGHT)
+        self._conn.execute(
+            f"UPDATE revisions SET status = 'INTERRUPTED', status_message = ?, updated_at = ?, "
+            f"status_changed_at = ? WHERE deployment_id = ? AND status IN ({placeholders})",
+            (f"superseded by revision {revision_id}", now, now, deployment["id"], *IN_FLIGHT),
+        )
+        self._conn.execute(
+            "INSERT INTO revisions (id, deployment_id, tenant_id, status, status_message, source, "
+            "source_config, source_revision_config, secret_names, created_at, updated_at, "
+            "status_changed_at) VALUES (?, ?, ?, 'CREATING', NULL, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                revision_id,
+                deployment["id"],
+                deployment["tenant_id"],
+                deployment["source"],
+                deployment["source_config"],
+                deployment["source_revision_config"],
+                deployment["secret_names"],
+                now,
+                now,
+                now,
+            ),
+        )
+        self._conn.execute(
+            "UPDATE deployments SET latest_revision_id = ?, updated_at = ? WHERE id = ?",
+            (revision_id, now, deployment["id"]),
+        )
+        return revision_id
+
+    def create_deployment(self, tenant_id: str, data: Row, now: float) -> Row:
+        """Insert a deployment and its first revision; returns the deployment."""
+        deployment: Row = {
+            "id": str(uuid.uuid4()),
+            "tenant_id": tenant_id,
+            "source": data["source"],
+            "source_config": json.dumps(data["source_config"], sort_keys=True),
+            "source_revision_config": json.dumps(data["source_revision_config"], sort_keys=True),
+            "secret_names": json.dumps([name for name, _ in data["secrets"]]),
+        }
+        with self._tx():
+            self._conn.execute(
+                "INSERT INTO deployments (id, tenant_id, name, source, source_config, "
+                "source_revision_config, secret_names, status, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 'AWAITING_DATABASE', ?, ?)",
+                (
+                    deployment["id"],
+                    tenant_id,
+                    data["name"],
+                    deployment["source"],
+                    deployment["source_config"],
+                    deployment["source_revision_config"],
+                    deployment["secret_names"],
+                    now,
+                    now,
+                ),
+            )
+            self._insert_revision(deployment, now)
+        row = self._deployment_row(tenant_id, deployment["id"])
+        assert row is not None
+        return self._deployment_out(row)
+
+    def get_deployment(self, tenant_id: str, deployment_id: str) -> Row | None:
+        row = self._deployment_row(tenant_id, deployment_id)
+        return None if row is None else self._deployment_out(row)
+
+    def list_deployments(
+        self, tenant_id: str, limit: int, offset: int, name_contains: str | None
+    ) -> list[Row]:
+        sql = "SELECT * FROM deployments WHERE tenant_id = ?"
+        args: list[Any] = [tenant_id]
+        if name_contains:
+            sql += " AND instr(lower(name), lower(?)) > 0"
+            args.append(name_contains)
+        sql += " ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?"
+        args += [limit, offset]
+        return [self._deployment_out(row) for row in self._conn.execute(sql, args)]
+
+    def patch_deployment(
+        self,
+        tenant_id: str,
+        deployment_id: str,
+        patch: Row,
+        check: Callable[[str, Row, Row], None],
+        now: float,
+    ) -> tuple[Row, bool] | None:
+        """Apply a validated PATCH; returns (deployment, whether a revision was created).
+
+        ``check(source, source_config, revision_config)`` vets the merged result (it may
+        raise) before anything is written.
+        """
+        with self._tx():
+            row = self._deployment_row(tenant_id, deployment_id)
+            if row is None:
+                return None
+            source_config = json.loads(row["source_config"])
+            source_config.update(patch.get("source_config", {}))
+            revision_config = json.loads(row["source_revision_config"])
+            revision_config.update(patch.get("source_revision_config", {}))
+            secret_names = json.loads(row["secret_names"])
+            if "secrets" in patch:
+                secret_names = [name for name, _ in patch["secrets"]]
+            check(row["source"], source_config, revision_config)
+            updated = dict(row)
+            updated.update(
+                source_config=json.dumps(source_config, sort_keys=True),
+                source_revision_config=json.dumps(revision_config, sort_keys=True),
+                secret_names=json.dumps(secret_names),
+            )
+            self._conn.execute(
+                "UPDATE deployments SET source_config = ?, source_revision_config = ?, "
+                "secret_names = ?, updated_at = ? WHERE id = ?",
+                (
+                    updated["source_config"],
+                    updated["source_revision_config"],
+                    updated["secret_names"],
+                    now,
+                    deployment_id,
+                ),
+            )
+            new_revision = "source_revision_config" in patch or "secrets" in patch
+            if new_revision:
+                self._insert_revision(updated, now)
+        out = self.get_deployment(tenant_id, deployment_id)
+        assert out is not None
+        return out, new_revision
+
+    def delete_deployment(self, tenant_id: str, deployment_id: str) -> bool:
+        with self._tx():
+            cursor = self._conn.execute(
+                "DELETE FROM deployments WHERE id = ? AND tenant_id = ?", (deployment_id, tenant_id)
+            )
+        return cursor.rowcount > 0
+
+    def list_revisions(
+        self, tenant_id: str, deployment_id: str, limit: int, offset: int
+    ) -> list[Row] | None:
+        if self._deployment_row(tenant_id, deployment_id) is None:
+            return None
+        rows = self._conn.execute(
+            "SELECT * FROM revisions WHERE deployment_id = ? "
+            "ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?",
+            (deployment_id, limit, offset),
+        )
+        return [self._revision_out(row) for row in rows]
+
+    def get_revision(self, tenant_id: str, deployment_id: str, revision_id: str) -> Row | None:
+        row = self._conn.execute(
+            "SELECT * FROM revisions WHERE id = ? AND deployment_id = ? AND tenant_id = ?",
+            (revision_id, deployment_id, tenant_id),
+        ).fetchone()
+        return None if row is None else self._revision_out(row)
+
+    def redeploy(
+        self, tenant_id: str, deployment_id: str, revision_id: str, now: float
+    ) -> Row | None:
+        """Start a new revision from a past revision's configuration; returns the deployment."""
+        with self._tx():
+            deployment = self._deployment_row(tenant_id, deployment_id)
+            if deployment is None:
+                return None
+            past = self._conn.execute(
+                "SELECT * FROM revisions WHERE id = ? AND deployment_id = ?",
+                (revision_id, deployment_id),
+            ).fetchone()
+            if past is None:
+                return None
+            self._insert_revision(
+                {
+                    "id": deployment_id,
+                    "tenant_id": tenant_id,
+                    "source": past["source"],
+                    "source_config": past["source_config"],
+                    "source_revision_config": past["source_revision_config"],
+                    "secret_names": past["secret_names"],
+                },
+                now,
+            )
+        return self.get_deployment(tenant_id, deployment_id)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def advance_revisions(self, now: float, step_seconds: float) -> tuple[int, float | None]:
+        """Move every in-flight revision whose step is due one status on.
+
+        Returns how many moved and when the next one is due (None when none is in flight).
+        """
+        placeholders = ",".join("?" for _ in IN_FLIGHT)
+        rows = self._conn.execute(
+            f"SELECT * FROM revisions WHERE status IN ({placeholders}) ORDER BY seq", IN_FLIGHT
+        ).fetchall()
+        moved = 0
+        next_due: float | None = None
+        for row in rows:
+            due = row["status_changed_at"] + step_seconds
+            if due > now:
+                next_due = due if next_due is None else min(next_due, due)
+                continue
+            status, message = next_step(
+                row["status"],
+                row["source"],
+                json.loads(row["source_config"]),
+                json.loads(row["source_revision_config"]),
+            )
+            with self._tx():
+                cursor = self._conn.execute(
+                    "UPDATE revisions SET status = ?, status_message = ?, updated_at = ?, "
+                    "status_changed_at = ? WHERE id = ? AND status = ?",
+                    (status, message, now, now, row["id"], row["status"]),
+                )
+                if cursor.rowcount and status == "DEPLOYED":
+                    self._conn.execute(
+                        "UPDATE deployments SET active_revision_id = ?, status = 'READY', "
+                        "updated_at = ? WHERE id = ?",
+                        (row["id"], now, row["deployment_id"]),
+                    )
+            if cursor.rowcount:
+                moved += 1
+                if status in IN_FLIGHT:
+                    due = now + step_seconds
+                    next_due = due if next_due is None else min(next_due, due)
+        return moved, next_due
+
+    # ---- listeners -----------------------------------------------------------------------
+
+    def _listener_out(self, row: sqlite3.Row) -> Row:
+        return {
+            "id": row["id"],
+            "tenant_id": row["tenant_id"],
+            "compute_type": row["compute_type"],
+            "compute_id": row["compute_id"],
+            "compute_config": json.loads(row["compute_config"]),
+            "version": row["version"],
+            "created_at": iso(row["created_at"]),
+            "updated_at": iso(row["updated_at"]),
+        }
+
+    def _listener_row(self, tenant_id: str, listener_id: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._conn.execute(
+            "SELECT * FROM listeners WHERE id = ? AND tenant_id = ?", (listener_id, tenant_id)
+        ).fetchone()
+        return row
+
+    def create_listener(self, tenant_id: str, data: Row, now: float) -> Row:
+        listener_id = str(uuid.uuid4())
+        try:
+            with self._tx():
+                self._conn.execute(
+                    "INSERT INTO listeners (id, tenant_id, compute_type, compute_id, "
+                    "compute_config, version, created_at, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        listener_id,
+                        tenant_id,
+                        data["compute_type"],
+                        data["compute_id"],
+                        json.dumps(data["compute_config"]),
+                        data["version"],
+                        now,
+                        now,
+                    ),
+                )
+        except sqlite3.IntegrityError:
+            raise Conflict(
+                f"A listener with compute_id {data['compute_id']} already exists."
+            ) from None
+        row = self._listener_row(tenant_id, listener_id)
+        assert row is not None
+        return self._listener_out(row)
+
+    def list_listeners(self, tenant_id: str, limit: int, offset: int) -> list[Row]:
+        rows = self._conn.execute(
+            "SELECT * FROM listeners WHERE tenant_id = ? ORDER BY created_at DESC, seq DESC "
+            "LIMIT ? OFFSET ?",
+            (tenant_id, limit, offset),
+        )
+        return [self._listener_out(row) for row in rows]
+
+    def get_listener(self, tenant_id: str, listener_id: str) -> Row | None:
+        row = self._listener_row(tenant_id, listener_id)
+        return None if row is None else self._listener_out(row)
+
+    def patch_listener(
+        self, tenant_id: str, listener_id: str, patch: Row, now: float
+    ) -> Row | None:
+        with self._tx():
+            if self._listener_row(tenant_id, listener_id) is None:
+                return None
+            if "compute_config" in patch:
+                self._conn.execute(
+                    "UPDATE listeners SET compute_config = ? WHERE id = ?",
+                    (json.dumps(patch["compute_config"]), listener_id),
+                )
+            if "version" in patch:
+                self._conn.execute(
+                    "UPDATE listeners SET version = ? WHERE id = ?", (patch["version"], listener_id)
+                )
+            self._conn.execute(
+                "UPDATE listeners SET updated_at = ? WHERE id = ?", (now, listener_id)
+            )
+        return self.get_listener(tenant_id, listener_id)
+
+    def delete_listener(self, tenant_id: str, listener_id: str) -> bool:
+        with self._tx():
+            cursor = self._conn.execute(
+                "DELETE FROM listeners WHERE id = ? AND tenant_id = ?", (listener_id, tenant_id)
+            )
+        return cursor.rowcount > 0
+
+    # ---- auth service --------------------------------------------------------------------
+
+    def _provider_out(self, row: sqlite3.Row) -> Row:
+        return {
+            "id": row["id"],
+            "organization_id": row["tenant_id"],
+            "provider_id": row["provider_id"],
+            "name": row["name"],
+            "client_id": row["client_id"],
+            "auth_url": row["auth_url"],
+            "token_url": row["token_url"],
+            "uses_pkce": bool(row["uses_pkce"]),
+            "code_challenge_method": row["code_challenge_method"],
+            "token_endpoint_auth_method": row["token_endpoint_auth_method"],
+            "has_client_secret": bool(row["has_client_secret"]),
+            "provider_type": None,
+            "created_at": iso(row["created_at"]),
+            "updated_at": iso(row["updated_at"]),
+        }
+
+    def _provider_row(self, tenant_id: str, provider_id: str) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._conn.execute(
+            "SELECT * FROM auth_providers WHERE provider_id = ? AND tenant_id = ?",
+            (provider_id, tenant_id),
+        ).fetchone()
+        return row
+
+    def create_provider(self, tenant_id: str, data: Row, now: float) -> Row:
+        try:
+            with self._tx():
+                self._conn.execute(
+                    "INSERT INTO auth_providers (id, tenant_id, provider_id, name, client_id, "
+                    "has_client_secret, auth_url, token_url, uses_pkce, code_challenge_method, "
+                    "token_endpoint_auth_method, created_at, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        str(uuid.uuid4()),
+                        tenant_id,
+                        data["provider_id"],
+                        data["name"],
+                        data["client_id"],
+                        int(data["has_client_secret"]),
+                        data["auth_url"],
+                        data["token_url"],
+                        int(data["uses_pkce"]),
+                        data["code_challenge_method"],
+                        data["token_endpoint_auth_method"],
+                        now,
+                        now,
+                    ),
+                )
+        except sqlite3.IntegrityError:
+            raise Conflict(f"OAuth provider {data['provider_id']} already exists.") from None
+        row = self._provider_row(tenant_id, data["provider_id"])
+        assert row is not None
+        return self._provider_out(row)
+
+    def list_providers(self, tenant_id: str, limit: int, offset: int) -> list[Row]:
+        rows = self._conn.execute(
+            "SELECT * FROM auth_providers WHERE tenant_id = ? ORDER BY created_at DESC, seq DESC "
+            "LIMIT ? OFFSET ?",
+            (tenant_id, limit, offset),
+        )
+        return [self._provider_out(row) for row in rows]
+
+    def get_provider(self, tenant_id: str, provider_id: str) -> Row | None:
+        row = self._provider_row(tenant_id, provider_id)
+        return None if row is None else self._provider_out(row)
+
+    def patch_provider(
+        self, tenant_id: str, provider_id: str, patch: Row, now: float
+    ) -> Row | None:
+        columns = {
+            "name": str,
+            "client_id": str,
+            "auth_url": str,
+            "token_url": str,
+            "has_client_secret": int,
+            "uses_pkce": int,
+            "code_challenge_method": str,
+            "token_endpoint_auth_method": str,
+        }
+        with self._tx():
+            if self._provider_row(tenant_id, provider_id) is None:
+                return None
+            for column, convert in columns.items():
+                if column in patch:
+                    # Column names come from the fixed mapping above, never from the request.
+                    self._conn.execute(
+                        f"UPDATE auth_providers SET {column} = ? "
+                        "WHERE provider_id = ? AND tenant_id = ?",
+                        (convert(patch[column]), provider_id, tenant_id),
+                    )
+            self._conn.execute(
+                "UPDATE auth_providers SET updated_at = ? WHERE provider_id = ? AND tenant_id = ?",
+                (now, provider_id, tenant_id),
+            )
+        return self.get_provider(tenant_id, provider_id)
+
+    def delete_provider(self, tenant_id: str, provider_id: str) -> bool:
+        with self._tx():
+            cursor = self._conn.execute(
+                "DELETE FROM auth_providers WHERE provider_id = ? AND tenant_id = ?",
+                (provider_id, tenant_id),
+            )
+            self._conn.execute(
+                "DELETE FROM auth_flows WHERE provider_id = ? AND tenant_id = ?",
+                (provider_id, tenant_id),
+            )
+        return cursor.rowcount > 0
+
+    def completed_token(
+        self, tenant_id: str, provider_id: str, user_id: str, scopes: list[str], now: float
+    ) -> Row | None:
+        """A completed flow of this user and provider whose scopes cover ``scopes``."""
+        rows = self._conn.execute(
+            "SELECT * FROM auth_flows WHERE tenant_id = ? AND provider_id = ? AND user_id = ? "
+            "AND status = 'completed' ORDER BY completed_at DESC",
+            (tenant_id, provider_id, user_id),
+        )
+        for row in rows:
+            if set(scopes) <= set(json.loads(row["scopes"])):
+                return {"auth_id": row["auth_id"], "token": row["token"]}
+        return None
+
+    def create_flow(
+        self,
+        tenant_id: str,
+        provider_id: str,
+        user_id: str,
+        scopes: list[str],
+        state_sha256: str,
+        now: float,
+        expires_at: float,
+    ) -> str:
+        auth_id = str(uuid.uuid4())
+        with self._tx():
+            self._conn.execute(
+                "DELETE FROM auth_flows WHERE status = 'pending' AND expires_at < ?", (now,)
+            )
+            self._conn.execute(
+                "INSERT INTO auth_flows (auth_id, tenant_id, provider_id, user_id, scopes, "
+                "state_sha256, status, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                (
+                    auth_id,
+                    tenant_id,
+                    provider_id,
+                    user_id,
+                    json.dumps(scopes),
+                    state_sha256,
+                    now,
+                    expires_at,
+                ),
+            )
+        return auth_id
+
+    def get_flow(self, tenant_id: str, auth_id: str) -> Row | None:
+        row = self._conn.execute(
+            "SELECT * FROM auth_flows WHERE auth_id = ? AND tenant_id = ?", (auth_id, tenant_id)
+        ).fetchone()
+        if row is None:
+            return None
+        return {
+            "auth_id": row["auth_id"],
+            "status": row["status"],
+            "token": row["token"],
+            "expires_at": row["expires_at"],
+        }
+
+    def complete_flow(
+        self, provider_id: str, state_sha256: str, token: str, now: float
+    ) -> str | None:
+        """Complete the pending, unexpired flow started with this state; returns its id."""
+        with self._tx():
+            row = self._conn.execute(
+                "SELECT auth_id FROM auth_flows WHERE provider_id = ? AND state_sha256 = ? "
+                "AND status = 'pending' AND expires_at >= ?",
+                (provider_id, state_sha256, now),
+            ).fetchone()
+            if row is None:
+                return None
+            self._conn.execute(
+                "UPDATE auth_flows SET status = 'completed', token = ?, completed_at = ? "
+                "WHERE auth_id = ?",
+                (token, now, row["auth_id"]),
+            )
+        auth_id: str = row["auth_id"]
+        return auth_id
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` (rollback on error); re-entrant within one thread."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._owner = False
+
+    def __enter__(self) -> None:
+        self._owner = not self._conn.in_transaction
+        if self._owner:
+            self._conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self._owner:
+            return
+        if exc_type is None:
+            self._conn.execute("COMMIT")
+        else:
+            self._conn.execute("ROLLBACK")
+
+
+class Database:
+    """Runs :class:`ControlPlaneStore` calls on one dedicated thread."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control-plane-db")
+        self._store: ControlPlaneStore | None = None
+
+    @property
+    def store(self) -> ControlPlaneStore:
+        if self._store is None:
+            raise RuntimeError("database is not open")
+        return self._store
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._store = await loop.run_in_executor(self._executor, ControlPlaneStore, self._path)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._store is not None:
+            await loop.run_in_executor(self._executor, self._store.close)
+            self._store = None
+        self._executor.shutdown(wait=True)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call ``fn(*args)`` on the database thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)

@@ -1,0 +1,163 @@
+"""The Store as an aiohttp application serving the full public ``/store/...`` paths."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from gateway.upstreams.store.config import StoreConfig
+from gateway.upstreams.store.errors import StoreRequestError
+from gateway.upstreams.store.requests import (
+    decode_json_body,
+    parse_delete,
+    parse_get,
+    parse_list_namespaces,
+    parse_put,
+    parse_search,
+)
+from gateway.upstreams.store.storage import SQLiteStorage
+from gateway.upstreams.store.sweeper import sweep_forever
+
+log = logging.getLogger("gateway.store")
+
+STORAGE_KEY = web.AppKey("store_storage", SQLiteStorage)
+CONFIG_KEY = web.AppKey("store_config", StoreConfig)
+OPENAPI_KEY = web.AppKey("store_openapi", bytes)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def _detail(status: int, detail: str, headers: dict[str, str] | None = None) -> web.Response:
+    response = _json({"detail": detail}, status)
+    if headers:
+        response.headers.update(headers)
+    return response
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes ``{"detail": ...}`` JSON; no plain text, no traceback."""
+    try:
+        return await handler(request)
+    except StoreRequestError as exc:
+        return _detail(exc.status, exc.detail)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _detail(exc.status, _http_detail(request, exc), headers)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("store request %s %s failed", request.method, request.path)
+        return _detail(500, "internal error in the store")
+
+
+def _http_detail(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no store endpoint at {request.path}"
+    if exc.status == 405:
+        return f"method {request.method} is not allowed on {request.path}"
+    if exc.status == 413:
+        limit = request.app[CONFIG_KEY].max_body_bytes
+        return f"body: request body exceeds {limit} bytes"
+    return exc.reason
+
+
+async def _read_object(request: web.Request) -> dict[str, Any]:
+    limit = request.app[CONFIG_KEY].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise StoreRequestError(413, f"body: request body exceeds {limit} bytes")
+    # request.read() enforces client_max_size (the same limit) on chunked bodies too.
+    return decode_json_body(await request.read())
+
+
+async def put_item(request: web.Request) -> web.Response:
+    """PUT /store/items: insert or replace an item."""
+    item = parse_put(await _read_object(request))
+    await request.app[STORAGE_KEY].put(item)
+    return web.Response(status=204)
+
+
+async def get_item(request: web.Request) -> web.Response:
+    """GET /store/items?namespace=a.b&key=k: the item, or JSON null when absent."""
+    ref, refresh = parse_get(request.query)
+    return _json(await request.app[STORAGE_KEY].get(ref, refresh))
+
+
+async def delete_item(request: web.Request) -> web.Response:
+    """DELETE /store/items with a JSON body: 204 whether or not the item existed."""
+    ref = parse_delete(await _read_object(request))
+    await request.app[STORAGE_KEY].delete(ref)
+    return web.Response(status=204)
+
+
+async def search_items(request: web.Request) -> web.Response:
+    """POST /store/items/search: listing mode, or ranked search when ``query`` is given."""
+    search = parse_search(await _read_object(request))
+    return _json({"items": await request.app[STORAGE_KEY].search(search)})
+
+
+async def list_namespaces(request: web.Request) -> web.Response:
+    """POST /store/namespaces: distinct namespaces by prefix, suffix and depth."""
+    listing = parse_list_namespaces(await _read_object(request))
+    return _json({"namespaces": await request.app[STORAGE_KEY].list_namespaces(listing)})
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    """GET /store/openapi.json: the OpenAPI 3.1 description of these endpoints."""
+    return web.Response(body=request.app[OPENAPI_KEY], content_type="application/json")
+
+
+def load_openapi_document() -> bytes:
+    """The packaged OpenAPI 3.1 document of the Store API."""
+    return resources.files(__package__).joinpath("openapi.json").read_bytes()
+
+
+def create_store_app(
+    config: StoreConfig, *, clock: Callable[[], float] | None = None
+) -> web.Application:
+    """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``."""
+    app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
+    app[CONFIG_KEY] = config
+    app[STORAGE_KEY] = SQLiteStorage(config, clock or time.time)
+    app[OPENAPI_KEY] = load_openapi_document()
+    app.cleanup_ctx.append(_storage_lifetime)
+    app.router.add_put("/store/items", put_item)
+    app.router.add_get("/store/items", get_item)
+    app.router.add_delete("/store/items", delete_item)
+    app.router.add_post("/store/items/search", search_items)
+    app.router.add_post("/store/namespaces", list_namespaces)
+    app.router.add_get("/store/openapi.json", openapi_document)
+    return app
+
+
+async def _storage_lifetime(app: web.Application) -> AsyncIterator[None]:
+    storage = app[STORAGE_KEY]
+    await storage.open()
+    sweeper = asyncio.create_task(
+        sweep_forever(storage, app[CONFIG_KEY].sweep_interval_seconds), name="store-ttl-sweeper"
+    )
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await storage.close()

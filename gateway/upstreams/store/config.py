@@ -1,0 +1,127 @@
+"""Settings of the built-in Store, read from the ``store:`` section of the gateway config."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+SynchronousMode = Literal["full", "normal"]
+
+# An item may live at most ~100 years; anything longer is a typo, not a retention policy.
+MAX_TTL_MINUTES = 52_560_000.0
+MAX_BODY_BYTES_CEILING = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How the Store keeps its data and when items expire."""
+
+    data_dir: Path
+    default_ttl_minutes: float | None = None
+    refresh_ttl_on_read: bool = True
+    sweep_interval_seconds: float = 60.0
+    max_body_bytes: int = 1_048_576
+    database_filename: str = "store.sqlite3"
+    # "full" fsyncs the WAL on every commit (survives power loss); "normal" survives a
+    # killed process but may lose the last commits on power loss.
+    sqlite_synchronous: SynchronousMode = "full"
+    busy_timeout_seconds: float = 5.0
+    read_threads: int = 4
+
+    def __post_init__(self) -> None:
+        _check_ttl("default_ttl_minutes", self.default_ttl_minutes)
+        _check_positive("sweep_interval_seconds", self.sweep_interval_seconds, upper=86_400.0)
+        _check_positive("busy_timeout_seconds", self.busy_timeout_seconds, upper=600.0)
+        if not 1 <= self.max_body_bytes <= MAX_BODY_BYTES_CEILING:
+            raise ValueError(
+                f"store.max_body_bytes: must be between 1 and {MAX_BODY_BYTES_CEILING}, "
+                f"got {self.max_body_bytes}"
+            )
+        if not 1 <= self.read_threads <= 64:
+            raise ValueError(
+                f"store.read_threads: must be between 1 and 64, got {self.read_threads}"
+            )
+        if self.sqlite_synchronous not in ("full", "normal"):
+            raise ValueError(
+                f"store.sqlite_synchronous: must be 'full' or 'normal', "
+                f"got {self.sqlite_synchronous!r}"
+            )
+        name = self.database_filename
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise ValueError(f"store.database_filename: must be a plain file name, got {name!r}")
+
+    @property
+    def database_path(self) -> Path:
+        """The SQLite file holding every item."""
+        return self.data_dir / self.database_filename
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any], data_dir: Path) -> StoreConfig:
+        """Build a config from the YAML ``store:`` mapping; a ``ValueError`` names the bad key."""
+        if not isinstance(section, Mapping):
+            raise ValueError(f"store: must be a mapping, got {type(section).__name__}")
+        unknown = sorted(str(k) for k in section if k not in _READERS)
+        if unknown:
+            raise ValueError(
+                f"store: unknown key(s) {', '.join(unknown)}; "
+                f"known keys are {', '.join(sorted(_READERS))}"
+            )
+        kwargs: dict[str, Any] = {}
+        for key, value in section.items():
+            kwargs[key] = _READERS[key](key, value)
+        return cls(data_dir=Path(data_dir), **kwargs)
+
+
+def _check_ttl(key: str, value: float | None) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value) or not 0 < value <= MAX_TTL_MINUTES:
+        raise ValueError(f"store.{key}: must be a number of minutes > 0 and <= {MAX_TTL_MINUTES:g}")
+
+
+def _check_positive(key: str, value: float, *, upper: float) -> None:
+    if not math.isfinite(value) or not 0 < value <= upper:
+        raise ValueError(f"store.{key}: must be a number > 0 and <= {upper:g}, got {value!r}")
+
+
+def _number(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"store.{key}: must be a number, got {value!r}")
+    return float(value)
+
+
+def _optional_number(key: str, value: object) -> float | None:
+    return None if value is None else _number(key, value)
+
+
+def _integer(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"store.{key}: must be an integer, got {value!r}")
+    return value
+
+
+def _boolean(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"store.{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _string(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"store.{key}: must be a string, got {value!r}")
+    return value
+
+
+_READERS: dict[str, Any] = {
+    "default_ttl_minutes": _optional_number,
+    "refresh_ttl_on_read": _boolean,
+    "sweep_interval_seconds": _number,
+    "max_body_bytes": _integer,
+    "database_filename": _string,
+    "sqlite_synchronous": _string,
+    "busy_timeout_seconds": _number,
+    "read_threads": _integer,
+}

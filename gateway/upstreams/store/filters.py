@@ -1,0 +1,145 @@
+"""Search filters on top-level keys of an item's value, compiled to SQLite predicates.
+
+A plain value means exact JSON equality; an object whose keys all start with ``$`` is a set
+of operators (``$eq $ne $gt $gte $lt $lte``), ANDed. Ordering operators compare numbers with
+numbers and strings with strings; any other pairing is "no match", never an error.
+``$ne`` matches items that have the key with any other value; items without the key do not
+match any clause.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.upstreams.store.errors import invalid
+
+Operator = Literal["$eq", "$ne", "$gt", "$gte", "$lt", "$lte"]
+OPERATORS: tuple[Operator, ...] = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte")
+_SQL_COMPARISON = {"$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
+MAX_FILTER_CLAUSES = 64
+
+# Name of the SQLite function (registered on every connection) that canonicalises JSON
+# text, so object equality does not depend on key order.
+CANONICAL_JSON_SQL_FUNCTION = "store_canonical_json"
+
+
+@dataclass(frozen=True, slots=True)
+class FilterClause:
+    """One condition on one top-level key of the value."""
+
+    key: str
+    operator: Operator
+    operand: Any
+
+
+def parse_filter(raw: object, field: str = "filter") -> tuple[FilterClause, ...]:
+    """Validate a request's filter object into clauses; a bad operator is a 422."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise invalid(field, "must be an object mapping top-level value keys to conditions")
+    clauses: list[FilterClause] = []
+    for key, condition in raw.items():
+        if isinstance(condition, Mapping) and any(str(k).startswith("$") for k in condition):
+            for op, operand in condition.items():
+                if op not in OPERATORS:
+                    raise invalid(
+                        f"{field}.{key}",
+                        f"unknown operator {op!r}; supported: {', '.join(OPERATORS)}",
+                    )
+                clauses.append(FilterClause(key, op, operand))
+        else:
+            clauses.append(FilterClause(key, "$eq", condition))
+    if len(clauses) > MAX_FILTER_CLAUSES:
+        raise invalid(field, f"at most {MAX_FILTER_CLAUSES} conditions are allowed")
+    return tuple(clauses)
+
+
+def canonical_json(value: Any) -> str:
+    """JSON text that is equal for equal JSON values (sorted keys, 1.0 written as 1)."""
+    return json.dumps(_normalise(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_json_text(text: object) -> str | None:
+    """SQLite-callable form of ``canonical_json`` over JSON text; None for anything else."""
+    # SQLite may evaluate this on members that are not objects or arrays: never raise.
+    if not isinstance(text, str):
+        return None
+    try:
+        return canonical_json(json.loads(text))
+    except ValueError:
+        return None
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_normalise(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _normalise(v) for k, v in value.items()}
+    return value
+
+
+def compile_filter(clauses: tuple[FilterClause, ...], value_column: str) -> tuple[str, list[Any]]:
+    """SQL predicates (ANDed) and their parameters for ``clauses`` over ``value_column``."""
+    parts: list[str] = []
+    params: list[Any] = []
+    for clause in clauses:
+        predicate, predicate_params = _member_predicate(clause)
+        parts.append(
+            f"EXISTS (SELECT 1 FROM json_each({value_column}) AS f "
+            f"WHERE f.key = ? AND ({predicate}))"
+        )
+        params.append(clause.key)
+        params.extend(predicate_params)
+    return (" AND ".join(parts) if parts else "1"), params
+
+
+def _member_predicate(clause: FilterClause) -> tuple[str, list[Any]]:
+    """A predicate on the json_each row ``f`` (columns ``type`` and ``value``)."""
+    if clause.operator == "$eq":
+        return _equality(clause.operand)
+    if clause.operator == "$ne":
+        sql, params = _equality(clause.operand)
+        return f"NOT ({sql})", params
+    comparison = _SQL_COMPARISON[clause.operator]
+    operand = clause.operand
+    if isinstance(operand, bool):
+        return "0", []
+    if isinstance(operand, int | float):
+        return f"f.type IN ('integer', 'real') AND f.value {comparison} ?", [_sql_number(operand)]
+    if isinstance(operand, str):
+        return f"f.type = 'text' AND f.value {comparison} ?", [operand]
+    return "0", []
+
+
+def _equality(operand: Any) -> tuple[str, list[Any]]:
+    if operand is None:
+        return "f.type = 'null'", []
+    if operand is True:
+        return "f.type = 'true'", []
+    if operand is False:
+        return "f.type = 'false'", []
+    if isinstance(operand, int | float):
+        return "f.type IN ('integer', 'real') AND f.value = ?", [_sql_number(operand)]
+    if isinstance(operand, str):
+        return "f.type = 'text' AND f.value = ?", [operand]
+    kind = "array" if isinstance(operand, list) else "object"
+    return (
+        f"f.type = '{kind}' AND {CANONICAL_JSON_SQL_FUNCTION}(f.value) = ?",
+        [canonical_json(operand)],
+    )
+
+
+def _sql_number(number: float) -> float:
+    # SQLite integers are 64-bit; larger JSON integers are compared as reals, as SQLite's
+    # JSON functions store them.
+    if isinstance(number, int) and not -(2**63) <= number < 2**63:
+        return float(number)
+    return number

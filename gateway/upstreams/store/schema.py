@@ -1,0 +1,49 @@
+"""The Store's SQLite schema: one table of items and an FTS5 index over their text."""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+# Namespaces are stored dot-joined (labels cannot contain '.'), so "every namespace under
+# a.b" is the index range ['a.b.', 'a.b/') plus 'a.b' itself.
+# `id` is an explicit INTEGER PRIMARY KEY because the FTS index refers to it: implicit
+# rowids may change on VACUUM.
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS items (
+    id INTEGER PRIMARY KEY,
+    namespace TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    search_text TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    ttl_minutes REAL,
+    expires_at REAL,
+    UNIQUE (namespace, key)
+);
+CREATE INDEX IF NOT EXISTS items_by_namespace_updated ON items (namespace, updated_at DESC);
+CREATE INDEX IF NOT EXISTS items_by_updated ON items (updated_at DESC);
+CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL;
+
+CREATE VIRTUAL TABLE IF NOT EXISTS items_fts USING fts5(
+    search_text,
+    content='items',
+    content_rowid='id',
+    tokenize='porter unicode61 remove_diacritics 2'
+);
+
+CREATE TRIGGER IF NOT EXISTS items_fts_insert AFTER INSERT ON items BEGIN
+    INSERT INTO items_fts (rowid, search_text) VALUES (new.id, new.search_text);
+END;
+CREATE TRIGGER IF NOT EXISTS items_fts_delete AFTER DELETE ON items BEGIN
+    INSERT INTO items_fts (items_fts, rowid, search_text)
+    VALUES ('delete', old.id, old.search_text);
+END;
+CREATE TRIGGER IF NOT EXISTS items_fts_update AFTER UPDATE OF search_text ON items BEGIN
+    INSERT INTO items_fts (items_fts, rowid, search_text)
+    VALUES ('delete', old.id, old.search_text);
+    INSERT INTO items_fts (rowid, search_text) VALUES (new.id, new.search_text);
+END;
+
+PRAGMA user_version = {SCHEMA_VERSION};
+"""

@@ -1,0 +1,405 @@
+"""SQLite storage of Store items, run on worker threads so the event loop never blocks.
+
+One writer thread per process owns the write connection (writes in a process queue up
+instead of contending for the lock); a small pool of reader threads has one connection each.
+Several processes may share the file: WAL lets readers proceed beside the writer, the busy
+timeout makes writers of different processes wait their turn, and every write is a single
+short statement committed before it is acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from gateway.upstreams.store.config import StoreConfig
+from gateway.upstreams.store.errors import StoreRequestError
+from gateway.upstreams.store.filters import (
+    CANONICAL_JSON_SQL_FUNCTION,
+    canonical_json_text,
+    compile_filter,
+)
+from gateway.upstreams.store.requests import (
+    ItemRef,
+    ListNamespaces,
+    Namespace,
+    PutItem,
+    SearchItems,
+)
+from gateway.upstreams.store.schema import SCHEMA, SCHEMA_VERSION
+from gateway.upstreams.store.text_index import match_expression, searchable_text
+
+T = TypeVar("T")
+
+SWEEP_BATCH = 500
+_ITEM_COLUMNS = "i.namespace, i.key, i.value, i.created_at, i.updated_at, i.id, i.ttl_minutes"
+_LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
+# Keeps a rewritten item strictly newer than before, so "last updated first" holds even
+# when two writes land within the clock's resolution.
+_UPDATED_AT_STEP = 0.000001
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    namespace: str
+    key: str
+    value: str
+    created_at: float
+    updated_at: float
+    id: int
+    ttl_minutes: float | None
+
+    def as_item(self) -> dict[str, Any]:
+        item: dict[str, Any] = {
+            "namespace": self.namespace.split("."),
+            "key": self.key,
+            "value": json.loads(self.value),
+            "created_at": _iso(self.created_at),
+            "updated_at": _iso(self.updated_at),
+        }
+        return item
+
+
+def _iso(epoch_seconds: float) -> str:
+    return datetime.fromtimestamp(epoch_seconds, tz=UTC).isoformat()
+
+
+def _dotted(namespace: Namespace) -> str:
+    return ".".join(namespace)
+
+
+def _prefix_condition(column: str, prefix: Namespace) -> tuple[str, list[Any]]:
+    if not prefix:
+        return "1", []
+    dotted = _dotted(prefix)
+    # '/' is the character after '.', so [p + '.', p + '/') is every namespace below p.
+    return (
+        f"({column} = ? OR ({column} >= ? AND {column} < ?))",
+        [dotted, dotted + ".", dotted + "/"],
+    )
+
+
+def _namespace_matches(dotted: str, prefix_json: str | None, suffix_json: str | None) -> int:
+    labels = dotted.split(".")
+    for pattern_json, from_end in ((prefix_json, False), (suffix_json, True)):
+        if pattern_json is None:
+            continue
+        pattern: list[str] = json.loads(pattern_json)
+        if len(pattern) > len(labels):
+            return 0
+        window = labels[len(labels) - len(pattern) :] if from_end else labels[: len(pattern)]
+        if any(p not in ("*", label) for p, label in zip(pattern, window, strict=True)):
+            return 0
+    return 1
+
+
+def _namespace_truncate(dotted: str, depth: int) -> str:
+    return ".".join(dotted.split(".")[:depth])
+
+
+class StoreBusyError(StoreRequestError):
+    """The database stayed locked by other writers for longer than the busy timeout."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the store is busy (database locked); retry the request")
+
+
+class SQLiteStorage:
+    """Items in one SQLite file; async methods, each one a short statement on a thread."""
+
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
+        self._config = config
+        self._clock = clock
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._local = threading.local()
+        self._writer: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
+
+    # -- lifetime -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the data directory and schema, and start the worker threads."""
+        self._writer = ThreadPoolExecutor(
+            1, thread_name_prefix="store-writer", initializer=self._attach_connection
+        )
+        self._readers = ThreadPoolExecutor(
+            self._config.read_threads,
+            thread_name_prefix="store-reader",
+            initializer=self._attach_connection,
+        )
+        await self._run(self._writer, self._migrate)
+
+    async def close(self) -> None:
+        """Stop the worker threads and close every connection."""
+        executors = [e for e in (self._writer, self._readers) if e is not None]
+        self._writer = self._readers = None
+        loop = asyncio.get_running_loop()
+        for executor in executors:
+            await loop.run_in_executor(None, functools.partial(executor.shutdown, wait=True))
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
+
+    def _connect(self) -> sqlite3.Connection:
+        self._config.data_dir.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(
+            self._config.database_path,
+            timeout=self._config.busy_timeout_seconds,
+            isolation_level=None,  # autocommit: each write statement commits on its own
+            check_same_thread=False,  # created on its worker thread, closed at shutdown
+        )
+        connection.execute(f"PRAGMA busy_timeout = {int(self._config.busy_timeout_seconds * 1000)}")
+        self._retry_locked(lambda: connection.execute("PRAGMA journal_mode = WAL"))
+        connection.execute(f"PRAGMA synchronous = {self._config.sqlite_synchronous.upper()}")
+        connection.create_function(
+            CANONICAL_JSON_SQL_FUNCTION, 1, canonical_json_text, deterministic=True
+        )
+        connection.create_function(
+            "store_namespace_matches", 3, _namespace_matches, deterministic=True
+        )
+        connection.create_function(
+            "store_namespace_truncate", 2, _namespace_truncate, deterministic=True
+        )
+        return connection
+
+    def _attach_connection(self) -> None:
+        connection = self._connect()
+        self._local.connection = connection
+        with self._connections_lock:
+            self._connections.append(connection)
+
+    def _retry_locked(self, action: Callable[[], object]) -> None:
+        # Switching to WAL takes an exclusive lock that the busy handler does not cover
+        # when several processes open a fresh file at once.
+        deadline = time.monotonic() + self._config.busy_timeout_seconds
+        while True:
+            try:
+                action()
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _migrate(self) -> None:
+        connection = self._connection()
+        version = connection.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self._config.database_path} has store schema {version}; "
+                f"this version understands up to {SCHEMA_VERSION}"
+            )
+        self._retry_locked(lambda: connection.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;"))
+
+    def _connection(self) -> sqlite3.Connection:
+        connection: sqlite3.Connection = self._local.connection
+        return connection
+
+    async def _run(self, executor: ThreadPoolExecutor | None, call: Callable[[], T]) -> T:
+        if executor is None:
+            raise RuntimeError("the store is not open")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, call)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise StoreBusyError() from exc
+            raise
+
+    # -- operations ---------------------------------------------------------------
+
+    async def put(self, request: PutItem) -> None:
+        """Insert or replace an item; ``created_at`` survives replacement."""
+        now = self._clock()
+        ttl = request.ttl_minutes
+        if ttl is None:
+            ttl = self._config.default_ttl_minutes
+        expires_at = None if ttl is None else now + ttl * 60.0
+        text = searchable_text(request.value, request.index_paths)
+        params = (
+            _dotted(request.namespace),
+            request.key,
+            request.value_json,
+            text,
+            now,
+            now,
+            ttl,
+            expires_at,
+        )
+        await self._run(self._writer, functools.partial(self._put, params))
+
+    def _put(self, params: tuple[Any, ...]) -> None:
+        self._connection().execute(
+            f"""
+            INSERT INTO items (namespace, key, value, search_text, created_at, updated_at,
+                               ttl_minutes, expires_at)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+            ON CONFLICT (namespace, key) DO UPDATE SET
+                value = excluded.value,
+                search_text = excluded.search_text,
+                created_at = CASE
+                    WHEN items.expires_at IS NOT NULL AND items.expires_at <= excluded.created_at
+                    THEN excluded.created_at ELSE items.created_at END,
+                updated_at = CASE
+                    WHEN items.updated_at >= excluded.updated_at
+                    THEN items.updated_at + {_UPDATED_AT_STEP} ELSE excluded.updated_at END,
+                ttl_minutes = excluded.ttl_minutes,
+                expires_at = excluded.expires_at
+            """,
+            params,
+        )
+
+    async def get(self, ref: ItemRef, refresh_ttl: bool | None) -> dict[str, Any] | None:
+        """The live item, or None; optionally pushes its expiry forward."""
+        now = self._clock()
+        row = await self._run(
+            self._readers, functools.partial(self._get, _dotted(ref.namespace), ref.key, now)
+        )
+        if row is None:
+            return None
+        if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
+            await self._run(self._writer, functools.partial(self._refresh_rows, [row.id], now))
+        return row.as_item()
+
+    def _get(self, namespace: str, key: str, now: float) -> _Row | None:
+        found = (
+            self._connection()
+            .execute(
+                f"SELECT {_ITEM_COLUMNS} FROM items AS i "
+                f"WHERE i.namespace = ? AND i.key = ? AND {_LIVE}",
+                (namespace, key, now),
+            )
+            .fetchone()
+        )
+        return None if found is None else _Row(*found)
+
+    def _refresh(self, requested: bool | None) -> bool:
+        return self._config.refresh_ttl_on_read if requested is None else requested
+
+    def _refresh_rows(self, ids: Sequence[int], now: float) -> None:
+        marks = ",".join("?" * len(ids))
+        self._connection().execute(
+            "UPDATE items SET expires_at = ? + ttl_minutes * 60.0 "
+            f"WHERE id IN ({marks}) AND ttl_minutes IS NOT NULL AND expires_at > ?",
+            (now, *ids, now),
+        )
+
+    async def delete(self, ref: ItemRef) -> None:
+        """Remove an item; removing an absent item is not an error."""
+        await self._run(
+            self._writer, functools.partial(self._delete, _dotted(ref.namespace), ref.key)
+        )
+
+    def _delete(self, namespace: str, key: str) -> None:
+        self._connection().execute(
+            "DELETE FROM items WHERE namespace = ? AND key = ?", (namespace, key)
+        )
+
+    async def search(self, request: SearchItems) -> list[dict[str, Any]]:
+        """Listing (newest update first) or, with a query, BM25-ranked matches (best first)."""
+        now = self._clock()
+        rows = await self._run(self._readers, functools.partial(self._search, request, now))
+        if self._refresh(request.refresh_ttl):
+            expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
+            if expiring:
+                await self._run(self._writer, functools.partial(self._refresh_rows, expiring, now))
+        # Listing mode reports score null, as the API schema has it.
+        return [{**row.as_item(), "score": score} for row, score in rows]
+
+    def _search(self, request: SearchItems, now: float) -> list[tuple[_Row, float | None]]:
+        prefix_sql, prefix_params = _prefix_condition("i.namespace", request.namespace_prefix)
+        filter_sql, filter_params = compile_filter(request.filter, "i.value")
+        connection = self._connection()
+        if request.query is None:
+            cursor = connection.execute(
+                f"SELECT {_ITEM_COLUMNS} FROM items AS i "
+                f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
+                "ORDER BY i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+                (*prefix_params, now, *filter_params, request.limit, request.offset),
+            )
+            return [(_Row(*found), None) for found in cursor]
+        expression = match_expression(request.query)
+        if expression is None:
+            return []
+        cursor = connection.execute(
+            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
+            "FROM items_fts JOIN items AS i ON i.id = items_fts.rowid "
+            f"WHERE items_fts MATCH ? AND {prefix_sql} AND {_LIVE} AND {filter_sql} "
+            "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+            (expression, *prefix_params, now, *filter_params, request.limit, request.offset),
+        )
+        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
+        return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
+
+    async def list_namespaces(self, request: ListNamespaces) -> list[list[str]]:
+        """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
+        now = self._clock()
+        dotted = await self._run(
+            self._readers, functools.partial(self._list_namespaces, request, now)
+        )
+        return [namespace.split(".") for namespace in dotted]
+
+    def _list_namespaces(self, request: ListNamespaces, now: float) -> list[str]:
+        literal_prefix: list[str] = []
+        for label in request.prefix or ():
+            if label == "*":
+                break
+            literal_prefix.append(label)
+        prefix_sql, prefix_params = _prefix_condition("i.namespace", tuple(literal_prefix))
+        conditions = [prefix_sql, _LIVE]
+        params: list[Any] = [*prefix_params, now]
+        needs_match = request.suffix is not None or len(literal_prefix) < len(request.prefix or ())
+        if needs_match:
+            conditions.append("store_namespace_matches(i.namespace, ?, ?)")
+            params.extend(
+                None if labels is None else json.dumps(list(labels))
+                for labels in (request.prefix, request.suffix)
+            )
+        if request.max_depth is None:
+            shown = "i.namespace"
+        else:
+            shown = "store_namespace_truncate(i.namespace, ?)"
+            params.insert(0, request.max_depth)
+        cursor = self._connection().execute(
+            f"SELECT DISTINCT {shown} AS shown FROM items AS i "
+            f"WHERE {' AND '.join(conditions)} ORDER BY shown LIMIT ? OFFSET ?",
+            (*params, request.limit, request.offset),
+        )
+        return [found[0] for found in cursor]
+
+    async def sweep_expired(self) -> int:
+        """Delete expired items in short batches; returns how many were removed."""
+        now = self._clock()
+        removed = 0
+        while True:
+            batch = await self._run(self._writer, functools.partial(self._sweep_batch, now))
+            removed += batch
+            if batch < SWEEP_BATCH:
+                return removed
+
+    def _sweep_batch(self, now: float) -> int:
+        cursor = self._connection().execute(
+            "DELETE FROM items WHERE id IN "
+            "(SELECT id FROM items WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?)",
+            (now, SWEEP_BATCH),
+        )
+        return cursor.rowcount
+
+    async def count_items(self) -> int:
+        """How many rows the table holds, expired or not (for tests and benchmarks)."""
+        return await self._run(
+            self._readers,
+            lambda: int(self._connection().execute("SELECT count(*) FROM items").fetchone()[0]),
+        )

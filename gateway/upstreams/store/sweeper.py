@@ -1,0 +1,29 @@
+"""The background task that deletes expired items on an interval.
+
+Reads never return expired items whether or not they have been swept; sweeping only
+reclaims the space.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.upstreams.store.storage import SQLiteStorage
+
+log = logging.getLogger("gateway.store.sweeper")
+
+
+async def sweep_forever(storage: SQLiteStorage, interval_seconds: float) -> None:
+    """Sweep every ``interval_seconds`` until cancelled; a failed sweep is logged and retried."""
+    while True:
+        await asyncio.sleep(interval_seconds)
+        try:
+            removed = await storage.sweep_expired()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("store TTL sweep failed; will retry in %.0f s", interval_seconds)
+            continue
+        if removed:
+            log.info("store TTL sweep removed %d expired item(s)", removed)

@@ -1,0 +1,139 @@
+"""What text of an item is searchable, and how a natural-language query becomes an FTS5 query."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from gateway.upstreams.store.errors import invalid
+
+MAX_QUERY_TERMS = 32
+MAX_INDEX_PATHS = 64
+MAX_INDEX_PATH_LENGTH = 512
+
+# unicode61 splits on everything that is not a letter or a digit; match it so a query
+# term is one FTS token, not an accidental phrase.
+_TERM = re.compile(r"[^\W_]+", re.UNICODE)
+_PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\*|-?\d+)\]|(\.)")
+
+# Words so common that matching them alone says nothing; dropped from a query unless the
+# query has nothing else.
+_STOPWORDS_TEXT = """
+a an and are as at be by do does for from has have how i in is it its me my of on or so than
+that the their them there these they this to was we were what when where which who why will
+with you your
+"""
+_STOPWORDS = frozenset(_STOPWORDS_TEXT.split())
+
+PathStep = str | int | None  # key, index, or None for "every element"
+
+
+def parse_index_paths(raw: object, field: str = "index") -> tuple[tuple[PathStep, ...], ...] | None:
+    """Validate the ``index`` field of a put: None (whole value), False (no text) or paths.
+
+    Returns None for "index the whole value" and ``()`` for "not searchable".
+    """
+    if raw is None:
+        return None
+    if raw is False:
+        return ()
+    if not isinstance(raw, list):
+        raise invalid(field, "must be false, null or a list of field paths")
+    if len(raw) > MAX_INDEX_PATHS:
+        raise invalid(field, f"at most {MAX_INDEX_PATHS} paths are allowed")
+    paths: list[tuple[PathStep, ...]] = []
+    for position, path in enumerate(raw):
+        if not isinstance(path, str) or not path or len(path) > MAX_INDEX_PATH_LENGTH:
+            raise invalid(
+                f"{field}[{position}]",
+                f"must be a non-empty field path of at most {MAX_INDEX_PATH_LENGTH} characters",
+            )
+        paths.append(_parse_path(path, f"{field}[{position}]"))
+    return tuple(paths)
+
+
+def _parse_path(path: str, field: str) -> tuple[PathStep, ...]:
+    if path == "$":
+        return ()
+    steps: list[PathStep] = []
+    position = 0
+    expect_key = True
+    while position < len(path):
+        match = _PATH_TOKEN.match(path, position)
+        if match is None:
+            raise invalid(field, f"cannot parse field path {path!r}")
+        key, index, dot = match.groups()
+        if dot is not None:
+            if expect_key:
+                raise invalid(field, f"empty segment in field path {path!r}")
+            expect_key = True
+        elif key is not None:
+            if not expect_key:
+                raise invalid(field, f"missing '.' before {key!r} in field path {path!r}")
+            steps.append(key)
+            expect_key = False
+        else:
+            steps.append(None if index == "*" else int(index))
+            expect_key = False
+        position = match.end()
+    if expect_key:
+        raise invalid(field, f"field path {path!r} ends with '.'")
+    return tuple(steps)
+
+
+def searchable_text(value: Any, paths: tuple[tuple[PathStep, ...], ...] | None) -> str | None:
+    """The text FTS indexes for ``value``: string and number leaves under the paths."""
+    if paths == ():
+        return None
+    roots = [value] if paths is None else [node for p in paths for node in _select(value, p)]
+    pieces = [piece for root in roots for piece in _leaves(root)]
+    return "\n".join(pieces) if pieces else None
+
+
+def _select(node: Any, steps: tuple[PathStep, ...]) -> Iterator[Any]:
+    if not steps:
+        yield node
+        return
+    step, rest = steps[0], steps[1:]
+    if isinstance(step, str):
+        if isinstance(node, dict) and step in node:
+            yield from _select(node[step], rest)
+    elif step is None:
+        children = node if isinstance(node, list) else []
+        for child in children:
+            yield from _select(child, rest)
+    elif isinstance(node, list) and -len(node) <= step < len(node):
+        yield from _select(node[step], rest)
+
+
+def _leaves(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, bool) or node is None:
+        return
+    elif isinstance(node, int | float):
+        yield str(node)
+    elif isinstance(node, list):
+        for child in node:
+            yield from _leaves(child)
+    elif isinstance(node, dict):
+        for child in node.values():
+            yield from _leaves(child)
+
+
+def match_expression(query: str) -> str | None:
+    """An FTS5 MATCH expression: any of the query's terms (OR), so BM25 ranks partial matches.
+
+    None when the query has no searchable term (it then matches nothing).
+    """
+    terms: list[str] = []
+    for term in _TERM.findall(query.lower()):
+        if term not in terms:
+            terms.append(term)
+    meaningful = [t for t in terms if t not in _STOPWORDS]
+    chosen = (meaningful or terms)[:MAX_QUERY_TERMS]
+    if not chosen:
+        return None
+    # Quoted, each term is a plain string to FTS5: no operator or column syntax gets through.
+    return " OR ".join('"' + term.replace('"', '""') + '"' for term in chosen)

@@ -1,0 +1,160 @@
+"""Run the real gateway: in-process on a free port, or as a `python -m gateway` process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.app import GATEWAY_KEY, Upstreams, create_proxy_app
+from gateway.metrics import Metrics
+from gateway.proxy.handler import Gateway
+from gateway.proxy.reload import RuleSource
+from gateway.settings import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RULES = str(ROOT / "rules")
+SECRET = b"test-secret-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    app: web.Application
+    metrics: Metrics
+    rules: RuleSource
+    settings: Settings
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app[GATEWAY_KEY]
+
+
+@asynccontextmanager
+async def running_gateway(
+    upstream: str | None = None,
+    builtin: Mapping[str, str] | None = None,
+    rules: Sequence[str] = (DEFAULT_RULES,),
+    **overrides: Any,
+):
+    """Start the proxy app (what `gateway serve` runs) on a free loopback port."""
+    flags = {
+        "rules": list(rules),
+        "upstream": upstream,
+        "embedded": False,
+        "watch_rules": False,
+        "access_log": "off",
+        **overrides,
+    }
+    settings = load_settings(flags, env={})
+    metrics = Metrics()
+    source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
+    app = create_proxy_app(settings, Upstreams(dict(builtin or {})), metrics, source, SECRET)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield RunningGateway(f"http://127.0.0.1:{port}", app, metrics, source, settings)
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def running_app(app: web.Application):
+    """Serve any aiohttp app on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+class GatewayProcess:
+    """`python -m gateway serve ...` as a child process, waited for until /ok answers."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+        admin_port: int | None = None,
+        log_path: Path | None = None,
+    ):
+        self.port = port or free_port()
+        self.admin_port = admin_port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, "GATEWAY_IDENTITY_SECRET": SECRET.decode(), **(env or {})}
+        self.args = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+            *args,
+        ]
+        self.log_path = log_path
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.args, env=full_env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 30.0) -> GatewayProcess:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log_text()}")
+            try:
+                with urllib.request.urlopen(self.url + "/ok", timeout=1) as r:  # noqa: S310
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"gateway did not become ready: {self.log_text()}")
+
+    def log_text(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")[-4000:]
+        return ""
+
+    def stop(self, sig: int = 15, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, Any]:
+    async with session.get(url, **kw) as r:
+        return r.status, await r.json(content_type=None)
