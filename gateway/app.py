@@ -53,7 +53,9 @@ def configure_logging(level: str) -> None:
     )
 
 
-def open_backend(settings: Settings, region: str, url: str | None, metrics: Metrics) -> CounterBackend:
+def open_backend(
+    settings: Settings, region: str, url: str | None, metrics: Metrics
+) -> CounterBackend:
     """The counter backend for one region (memory when no URL is configured)."""
     if url is None or url.startswith("memory:"):
         return MemoryBackend()
@@ -163,10 +165,15 @@ def create_proxy_app(
 
     app.cleanup_ctx.append(resources)
 
-    async def handle(request: web.Request) -> web.StreamResponse:
+    # A middleware rather than a route: every request target reaches the gateway's own
+    # checks, including those the router cannot match (CONNECT host:port, "*").
+    @web.middleware
+    async def everything(
+        request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
         return await request.app[GATEWAY_KEY].handle(request)
 
-    app.router.add_route("*", "/{tail:.*}", handle)
+    app.middlewares.append(everything)
     return app
 
 
@@ -240,7 +247,11 @@ class Service:
         )
         await runner.setup()
         site = web.TCPSite(
-            runner, host, port, reuse_port=reuse_port or None, shutdown_timeout=self.shutdown_timeout
+            runner,
+            host,
+            port,
+            reuse_port=reuse_port or None,
+            shutdown_timeout=self.shutdown_timeout,
         )
         await site.start()
         self.runners.append(runner)
@@ -299,6 +310,10 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
         log.info("trusting X-Forwarded-For from %s", ", ".join(settings.trusted_proxies))
 
 
+def _reload(rules: RuleSource) -> None:
+    rules.reload("SIGHUP")
+
+
 def _redact(url: str) -> str:
     """A counter URL without its password, for logs."""
     if "@" not in url:
@@ -307,15 +322,19 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
-async def serve(settings: Settings, worker_index: int | None = None,
-                embedded: Embedded | None = None, builtin_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+async def serve(
+    settings: Settings,
+    worker_index: int | None = None,
+    embedded: Embedded | None = None,
+    builtin_urls: dict[str, str] | None = None,
+) -> None:
     """Run the gateway until SIGTERM/SIGINT, then stop gracefully."""
     metrics = Metrics()
     rules = prepare_rules(settings, metrics)
     secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
     service = Service(settings.shutdown_timeout)
     loop = asyncio.get_running_loop()
-    stop = wait_for_stop(loop, lambda: rules.reload("SIGHUP"))
+    stop = wait_for_stop(loop, lambda: _reload(rules))
     upstreams = Upstreams(dict(builtin_urls or {}))
     try:
         if embedded is not None:
@@ -334,7 +353,9 @@ async def serve(settings: Settings, worker_index: int | None = None,
         admin_port = settings.admin_port
         if worker_index is not None and admin_port:
             admin_port += worker_index
-        for address in await service.start_tcp(create_admin_app(metrics), settings.admin_host, admin_port):
+        for address in await service.start_tcp(
+            create_admin_app(metrics), settings.admin_host, admin_port
+        ):
             log.info("metrics on %s/metrics%s", address, worker)
         await stop.wait()
         log.info("stopping: no new connections; waiting up to %.0fs for requests in flight",

@@ -23,7 +23,7 @@ flag > environment > config file > default. The config file alone takes 'regions
 'routes', 'store' and 'control_plane' sections (see docs/configuration.md).
 
 Examples:
-  gateway serve                                     # built-in Store + control plane, memory counters
+  gateway serve                                    # built-in upstreams, memory counters
   gateway serve --upstream http://127.0.0.1:2024    # sidecar in front of your API
   gateway serve --upstream http://api:2024 --redis-url redis://redis:6379/0 --workers 4
 """
@@ -46,36 +46,75 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = serve.add_argument
     add("--config", metavar="FILE", help="YAML config file (also GATEWAY_CONFIG)")
-    add("--rules", action="append", metavar="PATH",
-        help="rule file or directory of *.yaml, repeatable (default: ./rules)")
+    add(
+        "--rules",
+        action="append",
+        metavar="PATH",
+        help="rule file or directory of *.yaml, repeatable (default: ./rules)",
+    )
     add("--region", help="default region: us, eu or us2 (default: us)")
-    add("--redis-url", metavar="URL",
+    add(
+        "--redis-url",
+        metavar="URL",
         help="counters for the default region: redis://, rediss://, unix://,\n"
-             "redis+cluster://h:p[,h:p]; default: in-process memory")
-    add("--upstream", metavar="URL",
-        help="default upstream for paths no built-in upstream serves, e.g. http://127.0.0.1:2024")
+        "redis+cluster://h:p[,h:p]; default: in-process memory",
+    )
+    add(
+        "--upstream",
+        metavar="URL",
+        help="default upstream for paths no built-in upstream serves, e.g. http://127.0.0.1:2024",
+    )
     embedded = serve.add_mutually_exclusive_group()
-    embedded.add_argument("--embedded", dest="embedded", action="store_const", const=True,
-                          help="also run the built-in Store and control plane\n"
-                               "(the default when no --upstream is given)")
-    embedded.add_argument("--no-embedded", dest="embedded", action="store_const", const=False,
-                          help="do not run the built-in upstreams")
-    add("--data-dir", metavar="DIR", help="where the built-in upstreams and secrets live "
-                                          "(default: ./data)")
+    embedded.add_argument(
+        "--embedded",
+        dest="embedded",
+        action="store_const",
+        const=True,
+        help="also run the built-in Store and control plane\n"
+        "(the default when no --upstream is given)",
+    )
+    embedded.add_argument(
+        "--no-embedded",
+        dest="embedded",
+        action="store_const",
+        const=False,
+        help="do not run the built-in upstreams",
+    )
+    add(
+        "--data-dir",
+        metavar="DIR",
+        help="where the built-in upstreams and secrets live (default: ./data)",
+    )
     add("--host", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, help="port to listen on (default: 8080)")
     add("--admin-host", help="address of the metrics endpoint (default: 127.0.0.1)")
     add("--admin-port", type=int, help="port of /metrics (default: 9090; worker i uses port+i)")
-    add("--workers", type=int, help="processes sharing the port via SO_REUSEPORT "
-                                    "(needs Redis counters when > 1)")
-    add("--trusted-proxy", dest="trusted_proxies", action="append", metavar="CIDR",
-        help="peer networks whose X-Forwarded-For is believed, repeatable")
+    add(
+        "--workers",
+        type=int,
+        help="processes sharing the port via SO_REUSEPORT (needs Redis counters when > 1)",
+    )
+    add(
+        "--trusted-proxy",
+        dest="trusted_proxies",
+        action="append",
+        metavar="CIDR",
+        help="peer networks whose X-Forwarded-For is believed, repeatable",
+    )
     add("--access-log", choices=["plain", "json", "off"], help="access log format (default: plain)")
     add("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
-    add("--shutdown-timeout", type=float, metavar="SECONDS",
-        help="how long SIGTERM waits for requests in flight (default: 30)")
-    add("--redis-timeout-ms", type=float, metavar="MS",
-        help="timeout of one counter-store call before failing open/closed (default: 50)")
+    add(
+        "--shutdown-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long SIGTERM waits for requests in flight (default: 30)",
+    )
+    add(
+        "--redis-timeout-ms",
+        type=float,
+        metavar="MS",
+        help="timeout of one counter-store call before failing open/closed (default: 50)",
+    )
     serve.set_defaults(func=_serve)
 
     rules = commands.add_parser("rules", help="check rule files, explain a request")
@@ -85,22 +124,33 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="validate rule files", description="Validate rule files; exit 1 on errors."
     )
     check.add_argument("paths", nargs="+", metavar="PATH", help="rule file or directory")
-    check.add_argument("--region", action="append", dest="regions", metavar="NAME",
-                       help="extra region names configured for this gateway")
+    check.add_argument(
+        "--region",
+        action="append",
+        dest="regions",
+        metavar="NAME",
+        help="extra region names configured for this gateway",
+    )
     check.set_defaults(func=_rules_check)
 
     explain = rules_commands.add_parser(
         "explain",
         help="which rule a request hits, and why",
         description="Show which rule a described request matches, its hashed identity, its "
-                    "limit in each region, and why each earlier rule did not match.",
+        "limit in each region, and why each earlier rule did not match.",
         epilog="Example:\n  gateway rules explain POST /runs/query -H 'x-api-key: sk-123'",
         formatter_class=argparse.RawTextHelpFormatter,
     )
     explain.add_argument("method", help="HTTP method, e.g. GET")
     explain.add_argument("target", help="request path, e.g. /runs/query")
-    explain.add_argument("-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
-                         help="request header, repeatable")
+    explain.add_argument(
+        "-H",
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="request header, repeatable",
+    )
     explain.add_argument("--client-ip", default="203.0.113.7", help="client address")
     explain.add_argument("--rules", action="append", metavar="PATH", help="rule files")
     explain.add_argument("--region", help="only this region")

@@ -105,9 +105,7 @@ class Metrics:
             "When the running rule table was loaded.",
             registry=r,
         )
-        self.rules_count = Gauge(
-            "gateway_rules", "Rules in the running table.", registry=r
-        )
+        self.rules_count = Gauge("gateway_rules", "Rules in the running table.", registry=r)
         self.inflight = Gauge(
             "gateway_inflight_requests", "Requests being handled right now.", registry=r
         )

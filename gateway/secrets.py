@@ -9,7 +9,7 @@ from pathlib import Path
 
 log = logging.getLogger("gateway")
 
-SECRET_FILE = "identity-secret"
+SECRET_FILE = "identity-secret"  # noqa: S105 - a file name, not a secret
 
 
 def identity_secret(configured: str | None, data_dir: Path) -> bytes:

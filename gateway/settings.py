@@ -1,4 +1,7 @@
-"""One frozen settings object: command-line flag > ``GATEWAY_*`` environment > config file > default."""
+"""One frozen settings object.
+
+Precedence: command-line flag > ``GATEWAY_*`` environment > config file > default.
+"""
 
 from __future__ import annotations
 

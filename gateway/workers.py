@@ -9,6 +9,7 @@ unexpectedly is restarted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -20,7 +21,9 @@ from gateway.settings import Settings
 log = logging.getLogger("gateway.workers")
 
 
-def _fork_worker(settings: Settings, index: int, urls: dict[str, str], embedded: Embedded | None) -> int:
+def _fork_worker(
+    settings: Settings, index: int, urls: dict[str, str], embedded: Embedded | None
+) -> int:
     pid = os.fork()
     if pid == 0:  # child
         code = 0
@@ -62,10 +65,8 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
         try:
             while not stopping.is_set():
                 _reap_and_restart(settings, workers, urls, embedded)
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), 0.5)
-                except TimeoutError:
-                    pass
             _signal_all(workers, signal.SIGTERM)
             deadline = time.monotonic() + settings.shutdown_timeout + 5
             while workers and time.monotonic() < deadline:

@@ -52,7 +52,10 @@ def explain(
         valid_identity_header(values.get("x-user-id")),
     )
     regions = [region] if region else sorted(table.regions)
-    lines = [f"request: {method} {path}" + (f"  (normalised from {raw_path})" if path != raw_path else "")]
+    lines = [
+        f"request: {method} {path}"
+        + (f"  (normalised from {raw_path})" if path != raw_path else "")
+    ]
     lines.append(f"identity hashes keyed with {secret_source}")
     for name in regions:
         lines.append("")
@@ -75,7 +78,9 @@ def _explain_region(
             lines.append(f"  ~ {rule.id}: shadow rule, counted and reported, evaluation goes on")
             continue
         if rule.unlimited:
-            lines.append(f"  = {rule.id}: MATCHES, exempt (unlimited)  [{rule.source} #{rule.index}]")
+            lines.append(
+                f"  = {rule.id}: MATCHES, exempt (unlimited)  [{rule.source} #{rule.index}]"
+            )
             return lines
         limits = ", ".join(str(s) for s in rule.limits_for(region))
         lines.append(f"  = {rule.id}: MATCHES  [{rule.source} #{rule.index}]")

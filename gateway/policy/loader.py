@@ -367,7 +367,9 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
     return re.compile("".join(parts))
 
 
-def _limits(ctx: _RuleContext, value: Any, regions: frozenset[str]) -> dict[str, tuple[LimitSpec, ...]]:
+def _limits(
+    ctx: _RuleContext, value: Any, regions: frozenset[str]
+) -> dict[str, tuple[LimitSpec, ...]]:
     if not isinstance(value, dict) or not value:
         ctx.error("limits", "required: a mapping of region (or 'default') to 'count/seconds'")
         return {}

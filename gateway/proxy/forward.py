@@ -28,8 +28,32 @@ class Upstream:
     preserve_host: bool = True
 
 
-class BodyTooLargeError(Exception):
-    pass
+class _BodyReader:
+    """Streams the client's body to the upstream, enforcing the size and idle limits."""
+
+    def __init__(self, request: web.Request, limits: ForwardLimits) -> None:
+        self._request = request
+        self._limits = limits
+        self.too_large = False
+        self.timed_out = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        received = 0
+        content = self._request.content
+        while True:
+            try:
+                async with asyncio.timeout(self._limits.body_read_timeout):
+                    chunk = await content.readany()
+            except TimeoutError:
+                self.timed_out = True
+                raise
+            if not chunk:
+                return
+            received += len(chunk)
+            if received > self._limits.max_body_bytes:
+                self.too_large = True
+                raise ValueError("request body over the limit")
+            yield chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +85,8 @@ class Forwarder:
         length = request.content_length
         if length is not None and length > self._limits.max_body_bytes:
             return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0
-        body = self._body(request) if request.body_exists else None
+        reader = _BodyReader(request, self._limits) if request.body_exists else None
+        body = reader.chunks() if reader is not None else None
         url = upstream.base_url + path + ("?" + query if query else "")
         started = time.perf_counter()
         try:
@@ -74,14 +99,19 @@ class Forwarder:
                     allow_redirects=False,
                     skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                 )
-        except BodyTooLargeError:
-            self._metrics.upstream_errors.labels(upstream.name, "body_too_large").inc()
-            return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0
         except TimeoutError:
+            if reader is not None and reader.timed_out:
+                return json_error(408, "the request body stalled", extra_headers), 0.0
             self._metrics.upstream_errors.labels(upstream.name, "timeout").inc()
             detail = f"upstream {upstream.name!r} did not answer in time"
             return json_error(504, detail, extra_headers), time.perf_counter() - started
         except (aiohttp.ClientError, OSError) as exc:
+            if reader is not None and reader.too_large:
+                # aiohttp wraps errors raised by the body generator; the reader knows why.
+                self._metrics.upstream_errors.labels(upstream.name, "body_too_large").inc()
+                return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0
+            if reader is not None and reader.timed_out:
+                return json_error(408, "the request body stalled", extra_headers), 0.0
             self._metrics.upstream_errors.labels(upstream.name, "unreachable").inc()
             log.warning("upstream %s unreachable: %s", upstream.name, type(exc).__name__)
             detail = f"upstream {upstream.name!r} is unreachable"
@@ -104,7 +134,9 @@ class Forwarder:
         add_via(headers)
         for name, value in extra_headers:
             headers[name] = value
-        response = web.StreamResponse(status=upstream_response.status, reason=upstream_response.reason)
+        response = web.StreamResponse(
+            status=upstream_response.status, reason=upstream_response.reason
+        )
         response.headers.update(headers)
         length = upstream_response.content_length
         if length is not None and "Content-Length" in headers:
@@ -124,20 +156,6 @@ class Forwarder:
             return response
         await response.write_eof()
         return response
-
-    async def _body(self, request: web.Request) -> AsyncIterator[bytes]:
-        limit = self._limits.max_body_bytes
-        timeout = self._limits.body_read_timeout
-        received = 0
-        while True:
-            async with asyncio.timeout(timeout):
-                chunk = await request.content.readany()
-            if not chunk:
-                return
-            received += len(chunk)
-            if received > limit:
-                raise BodyTooLargeError
-            yield chunk
 
 
 def _too_large(limit: int) -> str:

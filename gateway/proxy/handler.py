@@ -15,9 +15,9 @@ from gateway import __version__
 from gateway.counters.base import CounterBackend, CounterUnavailableError
 from gateway.metrics import Metrics
 from gateway.policy.matcher import select
+from gateway.policy.paths import PathError, normalise_path, split_target
 from gateway.proxy.access_log import AccessLogger, AccessRecord
 from gateway.proxy.forward import Forwarder
-from gateway.policy.paths import PathError, normalise_path, split_target
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.responses import json_error, json_response
 from gateway.proxy.routing import RegionMap, Router
@@ -143,11 +143,11 @@ class Gateway:
             headers.append(("X-Request-Id", record.request_id))
         self.metrics.overhead.labels(region).observe(time.perf_counter() - started)
         trusted_peer = bool(self.addresses.trusted) and _peer_trusted(self.addresses, peer)
-        response, latency = await self.forwarder.forward(
+        forwarded, latency = await self.forwarder.forward(
             request, upstream, path, query, headers, trusted_peer
         )
         record.upstream_ms = latency * 1000
-        return _done(record, response)
+        return _done(record, forwarded)
 
     def _observe(self, region: str, decision: Decision, record: AccessRecord) -> None:
         rule = decision.rule_id or "-"

@@ -8,9 +8,7 @@ from collections.abc import Iterable
 from aiohttp import web
 
 
-def json_error(
-    status: int, detail: str, headers: Iterable[tuple[str, str]] = ()
-) -> web.Response:
+def json_error(status: int, detail: str, headers: Iterable[tuple[str, str]] = ()) -> web.Response:
     response = web.Response(
         status=status,
         body=json.dumps({"detail": detail}).encode(),

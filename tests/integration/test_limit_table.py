@@ -52,7 +52,7 @@ ROWS = [
     ("runs-stats", "GET", "/runs/stats", "api_key", (1, 10), (20, 10)),
     ("catch-all", "GET", "/anything", "ip", (100, 60), (100, 60)),
     ("catch-all", "GET", "/auth/no-identity-headers", "ip", (100, 60), (100, 60)),
-    ("catch-all", "GET", f"/runs/not-a-uuid", "ip", (100, 60), (100, 60)),
+    ("catch-all", "GET", "/runs/not-a-uuid", "ip", (100, 60), (100, 60)),
 ]
 
 POLICY = re.compile(r'^"(?P<name>[a-z0-9.-]+)";q=(?P<q>\d+);w=(?P<w>\d+)$')
