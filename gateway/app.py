@@ -108,6 +108,10 @@ def create_proxy_app(
         handler_args={
             "max_line_size": settings.max_header_bytes,
             "max_field_size": settings.max_header_bytes,
+            "max_headers": settings.max_headers,
+            "keepalive_timeout": settings.client_idle_timeout,
+            # Bodies pass through as sent: decompressing would corrupt Content-Encoding.
+            "auto_decompress": False,
         },
     )
 

@@ -203,3 +203,14 @@ async def test_info_reports_table_and_backend(upstream):
             assert r.headers["RateLimit-Policy"].startswith('"high-throughput-ip"')
         assert info["rules"]["hash"] == gw.rules.table.digest
         assert info["regions"][0] == {"name": "us", "counter_backend": "memory", "healthy": True}
+
+
+async def test_compressed_request_body_passes_through_untouched(upstream):
+    import gzip
+
+    body = gzip.compress(b"hello " * 1000)
+    async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
+        async with http.post(
+            gw.url + "/echo", data=body, headers={"Content-Encoding": "gzip"}
+        ) as r:
+            assert (await r.json())["body_length"] == len(body)

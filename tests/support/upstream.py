@@ -11,7 +11,7 @@ EVENTS_KEY = web.AppKey("events", dict)
 
 
 def create_upstream_app() -> web.Application:
-    app = web.Application(client_max_size=1024**3)
+    app = web.Application(client_max_size=1024**3, handler_args={"auto_decompress": False})
     # Coordination for streaming tests: the test releases each SSE event / sees each chunk.
     app[EVENTS_KEY] = {"sse_gate": asyncio.Queue(), "chunks": asyncio.Queue()}
 

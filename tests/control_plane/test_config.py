@@ -1,0 +1,110 @@
+"""ControlPlaneConfig.from_mapping and the start-up credential bootstrap."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import aiohttp
+import pytest
+
+from gateway.upstreams.control_plane import ControlPlaneConfig, bootstrap_credentials
+from gateway.upstreams.control_plane.credentials import find_credential, hash_api_key
+
+from .support import KEY_A, TENANT_A, running_control_plane, sha
+
+
+def test_defaults(tmp_path):
+    config = ControlPlaneConfig.from_mapping({}, tmp_path, {})
+    assert config.revision_step_seconds == 2.0
+    assert config.credentials == ()
+    assert config.database_path.parent == tmp_path
+
+
+def test_environment_credential_and_pacing(tmp_path):
+    env = {
+        "GATEWAY_API_KEY": KEY_A,
+        "GATEWAY_TENANT_ID": TENANT_A,
+        "GATEWAY_REVISION_STEP_SECONDS": "0.25",
+    }
+    config = ControlPlaneConfig.from_mapping({"revision_step_seconds": 5}, tmp_path, env)
+    assert config.revision_step_seconds == 0.25
+    (credential,) = config.credentials
+    assert credential.key_sha256 == hash_api_key(KEY_A)
+    assert credential.tenant_ids == {TENANT_A}
+    assert KEY_A not in repr(config)
+    assert find_credential(config.credentials, KEY_A) is credential
+    assert find_credential(config.credentials, KEY_A + "x") is None
+
+
+def test_file_credentials_are_hashes(tmp_path):
+    section = {"credentials": [{"api_key_sha256": sha("k").upper(), "tenant_ids": ["t1", "t2"]}]}
+    config = ControlPlaneConfig.from_mapping(section, tmp_path, {})
+    assert find_credential(config.credentials, "k").tenant_ids == {"t1", "t2"}
+
+
+@pytest.mark.parametrize(
+    ("section", "env", "message"),
+    [
+        ({"revision_step_seconds": -1}, {}, "revision_step_seconds"),
+        ({"revision_step_seconds": "fast"}, {}, "revision_step_seconds"),
+        ({"revision_step_seconds": True}, {}, "revision_step_seconds"),
+        ({}, {"GATEWAY_REVISION_STEP_SECONDS": "nan"}, "GATEWAY_REVISION_STEP_SECONDS"),
+        ({"revision_step_seconds": 99999}, {}, "at most"),
+        ({"unknown": 1}, {}, "unknown"),
+        ({}, {"GATEWAY_API_KEY": "k"}, "GATEWAY_TENANT_ID"),
+        ({}, {"GATEWAY_API_KEY": "k", "GATEWAY_TENANT_ID": "bad tenant"}, "GATEWAY_TENANT_ID"),
+        ({"credentials": {"a": 1}}, {}, "credentials"),
+        ({"credentials": [{"api_key_sha256": "abc", "tenant_ids": ["t"]}]}, {}, "api_key_sha256"),
+        ({"credentials": [{"api_key_sha256": sha("k"), "tenant_ids": []}]}, {}, "tenant_ids"),
+        ({"credentials": [{"api_key": "plain", "tenant_ids": ["t"]}]}, {}, "unknown"),
+        ({"integrations": {"github": {"install_url": "ftp://x"}}}, {}, "install_url"),
+        (
+            {"integrations": {"github": {"installations": [{"id": "a"}, {"id": "a"}]}}},
+            {},
+            "duplicate",
+        ),
+        ({"integrations": {"gitlab": {}}}, {}, "gitlab"),
+    ],
+)
+def test_bad_values_are_value_errors(tmp_path, section, env, message):
+    with pytest.raises(ValueError, match=message):
+        ControlPlaneConfig.from_mapping(section, tmp_path, env)
+
+
+def test_bootstrap_is_noop_when_configured(tmp_path):
+    config = ControlPlaneConfig.from_mapping(
+        {}, tmp_path, {"GATEWAY_API_KEY": KEY_A, "GATEWAY_TENANT_ID": TENANT_A}
+    )
+    assert bootstrap_credentials(config) == (config, None)
+    assert not config.credential_file.exists()
+
+
+async def test_bootstrap_generates_keeps_and_reloads(tmp_path):
+    data_dir = tmp_path / "data"
+    config = ControlPlaneConfig.from_mapping({"revision_step_seconds": 0.05}, data_dir, {})
+    first, message = bootstrap_credentials(config)
+    stored = json.loads(config.credential_file.read_text())
+    assert stored["api_key"] in message and stored["tenant_id"] in message
+    assert stat.S_IMODE(config.credential_file.stat().st_mode) == 0o600
+    (credential,) = first.credentials
+    assert credential.key_sha256 == hash_api_key(stored["api_key"])
+
+    again, message2 = bootstrap_credentials(config)
+    assert again.credentials == first.credentials
+    assert stored["api_key"] not in message2
+    assert stored["tenant_id"] in message2
+
+    async with running_control_plane(again) as cp, aiohttp.ClientSession(cp.url) as s:
+        ok = {"X-Api-Key": stored["api_key"], "X-Tenant-Id": stored["tenant_id"]}
+        r = await s.get("/v2/deployments", headers=ok)
+        assert r.status == 200
+    # The database holds no raw key.
+    assert stored["api_key"].encode() not in config.database_path.read_bytes()
+
+
+def test_bootstrap_rejects_a_corrupt_credential_file(tmp_path):
+    config = ControlPlaneConfig.from_mapping({}, tmp_path, {})
+    config.credential_file.write_text("{not json")
+    with pytest.raises(ValueError, match="credential"):
+        bootstrap_credentials(config)

@@ -1,0 +1,103 @@
+"""Known refusals are answered from memory until their reset, without the store."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.counters.base import LimitCheck
+from gateway.counters.deny_cache import DenyCacheBackend
+from gateway.counters.factory import open_counter_backend
+from gateway.counters.memory import MemoryBackend
+from tests.counters.helpers import RecordingEvents, keys_sharing_tag, new_key
+from tests.support.redis_servers import RedisServer
+
+
+async def test_a_flood_from_one_identity_does_not_reach_redis(
+    redis_server: RedisServer,
+) -> None:
+    events = RecordingEvents()
+    backend = open_counter_backend(
+        redis_server.url, region="us", timeout_seconds=2.0, events=events
+    )
+    try:
+        check = LimitCheck(new_key(1), limit=3, window_ms=1_000, bucket_ms=100)
+        await backend.hit([LimitCheck(new_key(), 1, 1_000, 100)])  # script loaded
+        redis_server.cli("CONFIG", "RESETSTAT")
+        results = [await backend.hit([check]) for _ in range(50)]
+        assert sum(r.admitted for r in results) == 3
+        assert [r.source for r in results[:4]] == ["redis"] * 4
+        assert {r.source for r in results[4:]} == {"deny-cache"}
+        assert all(r.states[0].reset_ms > 0 and r.states[0].remaining == 0 for r in results[3:])
+        assert redis_server.commandstats()["evalsha"] == 4
+        assert events.deny_hits == 46
+        # Once the reset has passed the store is asked again, and has room again.
+        await asyncio.sleep(results[-1].states[0].reset_ms / 1000 + 0.05)
+        after = await backend.hit([check])
+        assert after.source == "redis" and after.admitted
+    finally:
+        await backend.close()
+
+
+def _clocked() -> tuple[list[int], DenyCacheBackend, MemoryBackend]:
+    now = [1_000_000]
+    memory = MemoryBackend(clock=lambda: now[0])
+    cache = DenyCacheBackend(
+        memory, clock_ms=lambda: now[0], cache_sources=frozenset({"memory"}), max_entries=8
+    )
+    return now, cache, memory
+
+
+async def test_entry_lasts_exactly_until_the_reset() -> None:
+    now, cache, _ = _clocked()
+    check = LimitCheck(new_key(), limit=1, window_ms=1_000, bucket_ms=100)
+    await cache.hit([check])
+    refused = await cache.hit([check])
+    assert refused.source == "memory" and not refused.admitted
+    reset = refused.states[0].reset_ms
+    now[0] += reset - 1
+    cached = await cache.hit([check])
+    assert cached.source == "deny-cache" and cached.states[0].reset_ms == 1
+    now[0] += 1
+    again = await cache.hit([check])
+    assert again.source == "memory" and again.admitted
+
+
+async def test_other_limits_of_the_call_are_reported_from_the_cache() -> None:
+    _now, cache, _ = _clocked()
+    narrow_key, wide_key = keys_sharing_tag(2)
+    narrow = LimitCheck(narrow_key, limit=1, window_ms=1_000, bucket_ms=100)
+    wide = LimitCheck(wide_key, limit=10, window_ms=10_000, bucket_ms=1_000)
+    await cache.hit([narrow, wide])
+    await cache.hit([narrow, wide])
+    cached = await cache.hit([narrow, wide])
+    assert cached.source == "deny-cache" and not cached.admitted
+    assert cached.states[1].allowed and cached.states[1].remaining == 9
+    # A call that includes a limit the cache knows nothing about goes to the store.
+    fresh = LimitCheck(keys_sharing_tag(1)[0], limit=5, window_ms=1_000, bucket_ms=100)
+    assert (await cache.hit([narrow, fresh])).source == "memory"
+
+
+async def test_a_changed_limit_is_not_answered_from_the_cache() -> None:
+    _, cache, _ = _clocked()
+    key = new_key()
+    await cache.hit([LimitCheck(key, 1, 1_000, 100)])
+    assert not (await cache.hit([LimitCheck(key, 1, 1_000, 100)])).admitted
+    raised = await cache.hit([LimitCheck(key, 5, 1_000, 100)])  # the rule was edited
+    assert raised.source == "memory" and raised.admitted
+
+
+async def test_shadow_refusals_are_not_cached() -> None:
+    _, cache, _ = _clocked()
+    shadow = LimitCheck(new_key(), 1, 1_000, 100, enforce=False)
+    results = [await cache.hit([shadow]) for _ in range(3)]
+    assert all(r.admitted and r.source == "memory" for r in results)
+    assert len(cache) == 0
+
+
+async def test_the_cache_is_bounded() -> None:
+    _, cache, _ = _clocked()
+    for _ in range(50):
+        check = LimitCheck(new_key(), limit=1, window_ms=1_000, bucket_ms=100)
+        await cache.hit([check])
+        assert not (await cache.hit([check])).admitted
+        assert 1 <= len(cache) <= 8

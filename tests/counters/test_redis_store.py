@@ -1,0 +1,153 @@
+"""What the Lua script leaves in Redis, and how it matches the in-process arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from gateway.counters.base import CounterBackend, LimitCheck
+from gateway.counters.factory import open_counter_backend, parse_counter_url, redis_client
+from gateway.counters.memory import MemoryBackend
+from gateway.counters.redis_backend import RedisBackend
+from tests.counters.helpers import keys_sharing_tag, new_key
+from tests.support.redis_servers import RedisClusterProcess, RedisServer
+
+
+@dataclass
+class Store:
+    """A counter stack plus a plain client to look at what it stored."""
+
+    backend: CounterBackend
+    raw: Redis | RedisCluster
+    all_keys: list[str]
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        server.cli("FLUSHALL")
+        url = server.url
+    else:
+        cluster: RedisClusterProcess = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        url = cluster.url
+    backend = open_counter_backend(url, region="eu", timeout_seconds=2.0, deny_cache=False)
+    raw = redis_client(parse_counter_url(url))
+    yield Store(backend, raw, [])
+    await backend.close()
+    await raw.aclose()
+
+
+async def stored_keys(raw: Redis | RedisCluster) -> set[str]:
+    if isinstance(raw, RedisCluster):
+        found = await raw.keys("*", target_nodes=RedisCluster.PRIMARIES)
+    else:
+        found = await raw.keys("*")
+    return {k.decode() if isinstance(k, bytes) else k for k in found}
+
+
+async def test_keys_are_exactly_the_ones_passed_and_expire(store: Store) -> None:
+    passed = [*keys_sharing_tag(2, region="eu"), new_key(region="eu")]
+    short = LimitCheck(passed[0], limit=100, window_ms=1_000, bucket_ms=100)
+    long = LimitCheck(passed[1], limit=100, window_ms=60_000, bucket_ms=1_000)
+    other = LimitCheck(passed[2], limit=100, window_ms=5_000, bucket_ms=100)
+    await store.backend.hit([short, long])
+    await store.backend.hit([other])
+    assert await stored_keys(store.raw) == set(passed)
+    assert all(key.startswith("rl:{eu:") for key in await stored_keys(store.raw))
+    assert 0 < await store.raw.pttl(passed[0]) <= 1_100
+    assert 58_000 < await store.raw.pttl(passed[1]) <= 61_000
+    assert 0 < await store.raw.pttl(passed[2]) <= 5_100
+
+
+async def test_memory_per_key_is_bounded_by_the_bucket_count(store: Store) -> None:
+    key = new_key(region="eu")
+    check = LimitCheck(key, limit=10_000, window_ms=500, bucket_ms=100)
+    for _ in range(40):  # ~1.2 s: many more buckets than the window holds
+        await store.backend.hit([check])
+        assert await store.raw.hlen(key) <= 500 // 100 + 2
+        await asyncio.sleep(0.03)
+
+
+async def test_a_refused_check_is_not_written(store: Store) -> None:
+    a, b = keys_sharing_tag(2, region="eu")
+    full = LimitCheck(a, limit=0, window_ms=1_000, bucket_ms=100)
+    other = LimitCheck(b, limit=5, window_ms=1_000, bucket_ms=100)
+    assert not (await store.backend.hit([full, other])).admitted
+    assert await stored_keys(store.raw) == set()
+
+
+async def test_script_matches_the_in_process_arithmetic(redis_server: RedisServer) -> None:
+    """The Lua script and MemoryBackend agree call by call, at the store's own times."""
+    redis = RedisBackend(redis_client(parse_counter_url(redis_server.url)), name="redis")
+    now = [0]
+    memory = MemoryBackend(clock=lambda: now[0])
+    rng = random.Random(20240601)
+    keys = keys_sharing_tag(3)
+    shapes = [(3, 300, 100, True), (5, 500, 100, True), (2, 400, 200, False)]
+    try:
+        for _ in range(120):
+            chosen = rng.sample(range(3), rng.randint(1, 3))
+            checks = [
+                LimitCheck(keys[i], shapes[i][0], shapes[i][1], shapes[i][2], enforce=shapes[i][3])
+                for i in chosen
+            ]
+            result, store_now = await redis.hit_timed(checks)
+            now[0] = store_now
+            assert memory.hit_now(checks).states == result.states
+            await asyncio.sleep(rng.choice((0, 0, 0.005, 0.02, 0.06)))
+    finally:
+        await redis.close()
+
+
+async def test_script_is_reloaded_after_script_flush(redis_server: RedisServer) -> None:
+    redis = RedisBackend(redis_client(parse_counter_url(redis_server.url)), name="redis")
+    try:
+        check = LimitCheck(new_key(), limit=10, window_ms=1_000, bucket_ms=100)
+        await redis.hit([check])
+        redis_server.cli("SCRIPT", "FLUSH")
+        loads = redis.script_loads
+        assert (await redis.hit([check])).states[0].remaining == 8  # single call path
+        assert redis.script_loads == loads + 1
+        redis_server.cli("SCRIPT", "FLUSH")
+        batch = await redis.hit_many([[check]] * 5)  # pipeline path
+        assert [r.states[0].remaining for r in batch if not isinstance(r, Exception)] == [
+            7,
+            6,
+            5,
+            4,
+            3,
+        ]
+        assert redis.script_loads == loads + 2
+    finally:
+        await redis.close()
+
+
+async def test_cluster_refuses_keys_in_different_slots(redis_cluster: RedisClusterProcess) -> None:
+    backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    try:
+        split = [LimitCheck(new_key(), 1, 1_000, 100), LimitCheck(new_key(), 1, 1_000, 100)]
+        with pytest.raises(ValueError, match="hash tag"):
+            await backend.hit(split)
+        fine = LimitCheck(new_key(), 1, 1_000, 100)
+        result = await backend.hit([fine])
+        assert result.admitted and result.source == "redis"
+    finally:
+        await backend.close()
+
+
+async def test_bad_checks_are_refused_before_reaching_redis(redis_server: RedisServer) -> None:
+    backend = open_counter_backend(redis_server.url, region="us", timeout_seconds=2.0)
+    try:
+        with pytest.raises(ValueError):
+            await backend.hit([LimitCheck(new_key(), 1, window_ms=0, bucket_ms=100)])
+        assert (await backend.hit([LimitCheck(new_key(), 1, 1_000, 100)])).source == "redis"
+    finally:
+        await backend.close()

@@ -1,0 +1,205 @@
+"""Every validation rule of the Store answers 422 JSON naming the field (never text, never 500)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+from langgraph_sdk.errors import UnprocessableEntityError
+
+GOOD_PUT = {"namespace": ["a", "b"], "key": "k", "value": {"x": 1}}
+
+
+def _put(**changes: Any) -> dict[str, Any]:
+    body = {**GOOD_PUT, **changes}
+    return {k: v for k, v in body.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+async def _expect(response: aiohttp.ClientResponse, status: int, field: str) -> str:
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    body = await response.json()
+    assert set(body) == {"detail"}
+    assert isinstance(body["detail"], str)
+    assert field in body["detail"], body["detail"]
+    return str(body["detail"])
+
+
+PUT_CASES = [
+    (_put(namespace=_DROP), "namespace"),
+    (_put(namespace=[]), "namespace"),
+    (_put(namespace="a.b"), "namespace"),
+    (_put(namespace=["a", ""]), "namespace[1]"),
+    (_put(namespace=["a.b"]), "namespace[0]"),
+    (_put(namespace=["a", 3]), "namespace[1]"),
+    (_put(namespace=["langgraph", "x"]), "namespace[0]"),
+    (_put(namespace=["x"] * 33), "namespace"),
+    (_put(namespace=["x" * 257]), "namespace[0]"),
+    (_put(key=_DROP), "key"),
+    (_put(key=""), "key"),
+    (_put(key=5), "key"),
+    (_put(key="k" * 1025), "key"),
+    (_put(value=_DROP), "value"),
+    (_put(value=[1, 2]), "value"),
+    (_put(value="text"), "value"),
+    (_put(ttl=0), "ttl"),
+    (_put(ttl=-5), "ttl"),
+    (_put(ttl="10"), "ttl"),
+    (_put(ttl=True), "ttl"),
+    (_put(ttl=1e12), "ttl"),
+    (_put(index=True), "index"),
+    (_put(index="text"), "index"),
+    (_put(index=[""]), "index[0]"),
+    (_put(index=["a..b"]), "index[0]"),
+    (_put(index=["a."]), "index[0]"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), PUT_CASES)
+async def test_put_validation(http: aiohttp.ClientSession, body: Any, field: str) -> None:
+    async with http.put("/store/items", json=body) as response:
+        await _expect(response, 422, field)
+
+
+SEARCH_CASES = [
+    ({"limit": 0}, "limit"),
+    ({"limit": 1001}, "limit"),
+    ({"limit": "10"}, "limit"),
+    ({"limit": True}, "limit"),
+    ({"limit": 2.5}, "limit"),
+    ({"offset": -1}, "offset"),
+    ({"offset": "0"}, "offset"),
+    ({"namespace_prefix": "a"}, "namespace_prefix"),
+    ({"namespace_prefix": ["a.b"]}, "namespace_prefix[0]"),
+    ({"namespace_prefix": [""]}, "namespace_prefix[0]"),
+    ({"filter": [1]}, "filter"),
+    ({"filter": "x"}, "filter"),
+    ({"filter": {"n": {"$in": [1, 2]}}}, "filter.n"),
+    ({"filter": {"n": {"$gt": 1, "$regex": "x"}}}, "filter.n"),
+    ({"query": 5}, "query"),
+    ({"query": "q" * 2049}, "query"),
+    ({"refresh_ttl": "yes"}, "refresh_ttl"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), SEARCH_CASES)
+async def test_search_validation(http: aiohttp.ClientSession, body: Any, field: str) -> None:
+    async with http.post("/store/items/search", json=body) as response:
+        await _expect(response, 422, field)
+
+
+NAMESPACES_CASES = [
+    ({"limit": 0}, "limit"),
+    ({"limit": 1001}, "limit"),
+    ({"offset": -1}, "offset"),
+    ({"max_depth": 0}, "max_depth"),
+    ({"max_depth": "2"}, "max_depth"),
+    ({"prefix": "users"}, "prefix"),
+    ({"suffix": ["a", ""]}, "suffix[1]"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), NAMESPACES_CASES)
+async def test_list_namespaces_validation(
+    http: aiohttp.ClientSession, body: Any, field: str
+) -> None:
+    async with http.post("/store/namespaces", json=body) as response:
+        await _expect(response, 422, field)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"key": "k"}, "namespace"),
+        ({"namespace": "a"}, "key"),
+        ({"namespace": "a..b", "key": "k"}, "namespace[1]"),
+        ({"namespace": "a", "key": ""}, "key"),
+        ({"namespace": "a", "key": "k", "refresh_ttl": "maybe"}, "refresh_ttl"),
+    ],
+)
+async def test_get_validation(http: aiohttp.ClientSession, params: Any, field: str) -> None:
+    async with http.get("/store/items", params=params) as response:
+        await _expect(response, 422, field)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"key": "k"}, "namespace"),
+        ({"namespace": ["a"]}, "key"),
+        ({"namespace": ["a.b"], "key": "k"}, "namespace[0]"),
+    ],
+)
+async def test_delete_validation(http: aiohttp.ClientSession, body: Any, field: str) -> None:
+    async with http.delete("/store/items", json=body) as response:
+        await _expect(response, 422, field)
+
+
+@pytest.mark.parametrize(
+    "method", ["PUT", "DELETE", "POST /store/items/search", "POST /store/namespaces"]
+)
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[1, 2]", b'"text"', b"null", b'{"limit": NaN}', b"\xff\xfe", b"[" * 100_000],
+)
+async def test_malformed_bodies_are_422(
+    http: aiohttp.ClientSession, method: str, raw: bytes
+) -> None:
+    verb, _, path = method.partition(" ")
+    async with http.request(verb, path or "/store/items", data=raw) as response:
+        await _expect(response, 422, "body")
+
+
+async def test_too_large_body_is_413_json(http: aiohttp.ClientSession) -> None:
+    big = {**GOOD_PUT, "value": {"blob": "x" * 1_100_000}}
+    async with http.put("/store/items", json=big) as response:
+        await _expect(response, 413, "body")
+
+    async def chunks() -> Any:  # no Content-Length: the limit applies while reading
+        for _ in range(40):
+            yield b"x" * 32_768
+
+    async with http.put("/store/items", data=chunks()) as response:
+        await _expect(response, 413, "body")
+
+
+async def test_unknown_paths_and_methods_are_json(http: aiohttp.ClientSession) -> None:
+    async with http.get("/store/nothing-here") as response:
+        await _expect(response, 404, "/store/nothing-here")
+    async with http.patch("/store/items", json={}) as response:
+        await _expect(response, 405, "PATCH")
+        assert "PUT" in response.headers["Allow"]
+
+
+async def test_empty_namespace_read_is_absent_not_an_error(http: aiohttp.ClientSession) -> None:
+    async with http.get("/store/items", params={"namespace": "", "key": "k"}) as response:
+        assert response.status == 200
+        assert await response.json() is None
+
+
+async def test_reads_under_the_reserved_label_are_allowed(sdk: Any) -> None:
+    assert await sdk.get_item(["langgraph", "x"], key="k") is None
+    assert (await sdk.search_items(["langgraph"]))["items"] == []
+
+
+async def test_sdk_surfaces_422_as_unprocessable_entity(sdk: Any) -> None:
+    with pytest.raises(UnprocessableEntityError) as raised:
+        await sdk.put_item(["langgraph"], key="k", value={})
+    assert raised.value.response.json()["detail"].startswith("namespace[0]")
+    with pytest.raises(UnprocessableEntityError):
+        await sdk.search_items(["a"], limit=5000)
+    with pytest.raises(UnprocessableEntityError):
+        await sdk.list_namespaces(max_depth=0)
+
+
+async def test_nothing_was_stored_by_rejected_requests(
+    sdk: Any, http: aiohttp.ClientSession
+) -> None:
+    for body, _ in PUT_CASES:
+        async with http.put("/store/items", json=body) as response:
+            assert response.status == 422
+    assert (await sdk.search_items([], limit=1000))["items"] == []

@@ -1,0 +1,334 @@
+"""Real ``redis-server`` processes for tests: standalone servers and a 3-master cluster.
+
+Every server runs on a free loopback port (never the machine's shared 6379), in its
+own temporary directory, with persistence off. ``kill9`` and ``restart`` simulate a
+crash and a recovery on the same port; ``pause``/``resume`` (SIGSTOP/SIGCONT) a
+server that hangs without closing connections.
+
+Use from a conftest::
+
+    from tests.support.redis_servers import RedisServer, RedisClusterProcess, free_port
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server") or "redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
+START_TIMEOUT_SECONDS = 10.0
+CLUSTER_TIMEOUT_SECONDS = 30.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1:``port`` (and a unix socket)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        cluster: bool = False,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.directory = directory
+        self.port = port or free_port()
+        # A port picked here may be taken by someone else before redis binds it; then
+        # the first start picks another one (restarts keep theirs).
+        self._may_repick = port is None
+        self.password = password
+        self.cluster = cluster
+        self.extra_args = extra_args
+        self.unix_socket = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp")) / "redis.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.unix_socket}"
+
+    def _args(self) -> list[str]:
+        args = [
+            REDIS_SERVER,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--appendonly", "no",
+            "--unixsocket", str(self.unix_socket),
+            "--unixsocketperm", "700",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self.directory / "redis.log"),
+        ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.cluster:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", str(self.directory / "nodes.conf"),
+                "--cluster-node-timeout", "2000",
+                "--cluster-port", str(free_port()),
+            ]  # fmt: skip
+        return args + list(self.extra_args)
+
+    def start(self) -> RedisServer:
+        """Start the process and wait until it answers PING."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if not self._may_repick or attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> RedisServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start: {self.log_tail()}")
+            # Checking the pid makes sure the answer is from this process, not from
+            # another test's server that won a race for the port.
+            if _port_open(self.port) and self._answers_as(self.proc.pid):
+                self._may_repick = False
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer within {START_TIMEOUT_SECONDS}s")
+
+    def _answers_as(self, pid: int) -> bool:
+        lines = [line.strip() for line in self.cli("INFO", "server").splitlines()]
+        return f"process_id:{pid}" in lines
+
+    def log_tail(self) -> str:
+        try:
+            return (self.directory / "redis.log").read_text()[-2000:]
+        except OSError:
+            return ""
+
+    def cli(self, *command: str) -> str:
+        """Run one command with ``redis-cli`` and return its raw output."""
+        args = [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port)]
+        if self.password:
+            args += ["--no-auth-warning", "-a", self.password]
+        done = subprocess.run(
+            [*args, *command], capture_output=True, timeout=10, check=False, text=True
+        )
+        return done.stdout
+
+    def commandstats(self) -> dict[str, int]:
+        """Calls per command since the last ``CONFIG RESETSTAT`` (``INFO commandstats``)."""
+        calls: dict[str, int] = {}
+        for line in self.cli("INFO", "commandstats").splitlines():
+            if line.startswith("cmdstat_"):
+                name, _, rest = line.partition(":")
+                fields = dict(item.split("=", 1) for item in rest.strip().split(","))
+                calls[name.removeprefix("cmdstat_")] = int(fields["calls"])
+        return calls
+
+    def kill9(self) -> None:
+        """Crash the server (SIGKILL): its data is gone, its port closes."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> RedisServer:
+        """Start again on the same port after ``kill9``/``stop``."""
+        self.kill9()
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while _port_open(self.port) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.start()
+
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP): connections stay open, nothing answers."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            shutil.rmtree(self.unix_socket.parent, ignore_errors=True)
+            return
+        if self.proc.poll() is None:
+            self.resume()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        shutil.rmtree(self.unix_socket.parent, ignore_errors=True)
+
+
+class RedisClusterProcess:
+    """Three masters (no replicas) joined with ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, *, masters: int = 3) -> None:
+        self.directory = directory
+        self.servers = [RedisServer(directory / f"node{i}", cluster=True) for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        return f"redis+cluster://{hosts}"
+
+    def start(self) -> RedisClusterProcess:
+        for server in self.servers:
+            server.start()
+        nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
+        done = subprocess.run(
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *nodes,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=CLUSTER_TIMEOUT_SECONDS,
+            check=False,
+            text=True,
+        )
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+        deadline = time.monotonic() + CLUSTER_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in self.servers):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def commandstats(self) -> dict[str, int]:
+        """Calls per command summed over every node."""
+        total: dict[str, int] = {}
+        for server in self.servers:
+            for name, calls in server.commandstats().items():
+                total[name] = total.get(name, 0) + calls
+        return total
+
+    def all_keys(self) -> list[str]:
+        keys: list[str] = []
+        for server in self.servers:
+            keys += [k for k in server.cli("--scan").splitlines() if k]
+        return keys
+
+    def flush(self) -> None:
+        for server in self.servers:
+            server.cli("FLUSHALL")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+class RedisSentinelProcess:
+    """One ``redis-server --sentinel`` watching ``master`` under the name ``service``."""
+
+    def __init__(self, directory: Path, master: RedisServer, service: str = "counters") -> None:
+        self.directory = directory
+        self.master = master
+        self.service = service
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}/0"
+
+    def start(self) -> RedisSentinelProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.service} 1000\n"
+        )
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, str(config), "--sentinel", "--logfile", str(self.directory / "log")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("redis-server --sentinel exited at start")
+            if _port_open(self.port):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError("the sentinel did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+
+@contextmanager
+def running_redis(directory: Path | None = None, **kwargs: object) -> Iterator[RedisServer]:
+    """A started ``RedisServer`` in a fresh directory, stopped on exit."""
+    base = Path(tempfile.mkdtemp(prefix="redis-test-")) if directory is None else directory
+    server = RedisServer(base, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        if directory is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+@contextmanager
+def running_cluster(directory: Path | None = None) -> Iterator[RedisClusterProcess]:
+    """A started 3-master ``RedisClusterProcess``, stopped on exit."""
+    base = Path(tempfile.mkdtemp(prefix="redis-cluster-")) if directory is None else directory
+    cluster = RedisClusterProcess(base)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        if directory is None:
+            shutil.rmtree(base, ignore_errors=True)
