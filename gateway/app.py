@@ -216,9 +216,9 @@ def build_embedded(settings: Settings) -> Embedded:
     try:
         store_config = StoreConfig.from_mapping(settings.store, data_dir)
         cp_config = ControlPlaneConfig.from_mapping(settings.control_plane, data_dir, os.environ)
+        cp_config, message = bootstrap_credentials(cp_config)
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
-    cp_config, message = bootstrap_credentials(cp_config)
     if message:
         notes.append(message)
     apps = {

@@ -1,0 +1,81 @@
+"""The real `python -m gateway` process: start-up, SIGHUP, graceful stop, workers guard."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import aiohttp
+
+from tests.support.gateway import ROOT, GatewayProcess
+
+
+def test_help_explains_and_workers_need_shared_counters(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gateway", "serve", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    for words in ("--upstream", "--redis-url", "GATEWAY_", "--trusted-proxy", "Examples"):
+        assert words in out
+    refused = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--no-embedded",
+         "--data-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert refused.returncode == 2
+    assert "--redis-url" in refused.stderr and "--workers 2" in refused.stderr
+
+
+def test_bad_configuration_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - {id: x, identity: ip, limits: {us: nope}}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--rules", str(bad), "--no-embedded"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 2
+    assert "bad.yaml" in result.stderr and "limits.us" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", "99999"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 2 and "port must be 0..65535" in result.stderr
+
+
+async def test_graceful_stop_finishes_a_stream_in_flight_and_sighup_reloads(tmp_path, upstream):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - {id: all, identity: ip, limits: {default: 1000/60}}\n")
+    log = tmp_path / "gateway.log"
+    gw = GatewayProcess(["--upstream", upstream, "--rules", str(rules), "--no-embedded",
+                         "--data-dir", str(tmp_path), "--shutdown-timeout", "20"],
+                        log_path=log)
+    try:
+        await asyncio.to_thread(gw.wait_ready)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/info") as r:
+                old = (await r.json())["rules"]["hash"]
+            rules.write_text("rules:\n  - {id: all2, identity: ip, limits: {default: 999/60}}\n")
+            gw.proc.send_signal(signal.SIGHUP)
+            for _ in range(100):
+                async with http.get(gw.url + "/info") as r:
+                    if (await r.json())["rules"]["hash"] != old:
+                        break
+                await asyncio.sleep(0.05)
+            async with http.get(gw.url + "/x") as r:
+                assert r.headers["RateLimit-Policy"] == '"all2";q=999;w=60'
+
+            # A stream of ~1.5 s is in flight when SIGTERM arrives: it must complete.
+            async with http.get(gw.url + "/ticks?n=6&every=0.25") as r:
+                first = await r.content.readline()
+                assert first == b"tick\n"
+                gw.proc.send_signal(signal.SIGTERM)
+                rest = await r.content.read()
+                assert rest == b"tick\n" * 5
+        code = await asyncio.to_thread(gw.proc.wait, 30)
+        assert code == 0
+        text = log.read_text()
+        assert "stopping: no new connections" in text and "stopped" in text
+        assert "gateway listening on http://127.0.0.1:" in text
+        assert "region us [default]: counters in in-process memory" in text
+    finally:
+        gw.stop()
