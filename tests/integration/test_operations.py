@@ -90,9 +90,10 @@ async def test_bad_file_is_refused_and_old_table_keeps_serving(tmp_path, upstrea
 async def test_file_watcher_picks_up_an_edit(tmp_path, upstream):
     rules = tmp_path / "rules.yaml"
     write_rules(rules, count=1)
-    async with running_gateway(
-        upstream, rules=[str(rules)], watch_rules=True, watch_interval=0.05
-    ) as gw, aiohttp.ClientSession() as http:
+    async with (
+        running_gateway(upstream, rules=[str(rules)], watch_rules=True, watch_interval=0.05) as gw,
+        aiohttp.ClientSession() as http,
+    ):
         old = gw.rules.table.digest
         write_rules(rules, count=2)
         deadline = time.monotonic() + 10
@@ -139,8 +140,10 @@ async def test_metrics_move_and_never_carry_raw_identities(tmp_path, upstream, c
         with caplog.at_level(logging.INFO):
             async with aiohttp.ClientSession() as http:
                 for _ in range(3):
-                    async with http.get(gw.url + "/limited?token=QUERYSECRET",
-                                        headers={"x-api-key": secret_key, "x-user-id": user}):
+                    async with http.get(
+                        gw.url + "/limited?token=QUERYSECRET",
+                        headers={"x-api-key": secret_key, "x-user-id": user},
+                    ):
                         pass
                 async with http.get(gw.url + "/ok"):
                     pass

@@ -13,14 +13,31 @@ from tests.support.gateway import ROOT, GatewayProcess
 
 
 def test_help_explains_and_workers_need_shared_counters(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "gateway", "serve", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for words in ("--upstream", "--redis-url", "GATEWAY_", "--trusted-proxy", "Examples"):
         assert words in out
     refused = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--no-embedded",
-         "--data-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--workers",
+            "2",
+            "--no-embedded",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert refused.returncode == 2
     assert "--redis-url" in refused.stderr and "--workers 2" in refused.stderr
@@ -31,13 +48,19 @@ def test_bad_configuration_is_a_clear_error(tmp_path):
     bad.write_text("rules:\n  - {id: x, identity: ip, limits: {us: nope}}\n")
     result = subprocess.run(
         [sys.executable, "-m", "gateway", "serve", "--rules", str(bad), "--no-embedded"],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 2
     assert "bad.yaml" in result.stderr and "limits.us" in result.stderr
     result = subprocess.run(
         [sys.executable, "-m", "gateway", "serve", "--port", "99999"],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 2 and "port must be 0..65535" in result.stderr
 
@@ -46,9 +69,20 @@ async def test_graceful_stop_finishes_a_stream_in_flight_and_sighup_reloads(tmp_
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - {id: all, identity: ip, limits: {default: 1000/60}}\n")
     log = tmp_path / "gateway.log"
-    gw = GatewayProcess(["--upstream", upstream, "--rules", str(rules), "--no-embedded",
-                         "--data-dir", str(tmp_path), "--shutdown-timeout", "20"],
-                        log_path=log)
+    gw = GatewayProcess(
+        [
+            "--upstream",
+            upstream,
+            "--rules",
+            str(rules),
+            "--no-embedded",
+            "--data-dir",
+            str(tmp_path),
+            "--shutdown-timeout",
+            "20",
+        ],
+        log_path=log,
+    )
     try:
         await asyncio.to_thread(gw.wait_ready)
         async with aiohttp.ClientSession() as http:
