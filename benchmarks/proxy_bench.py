@@ -96,13 +96,19 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
-            f"{platform.system()} {platform.release()}")
+    return (
+        f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}"
+    )
 
 
 def run_load(url: str, seconds: float, concurrency: int, key: str) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "-c", LOAD, url, str(seconds), str(concurrency), key],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD, url, str(seconds), str(concurrency), key],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -134,10 +140,27 @@ def main() -> None:
                 proc = None
             else:
                 port = free_port()
-                cmd = [sys.executable, "-m", "gateway", "serve", "--no-embedded", "--upstream",
-                       upstream, "--rules", str(tmp / rules), "--port", str(port),
-                       "--admin-port", "0", "--data-dir", str(tmp / "data"),
-                       "--access-log", "off", "--log-level", "WARNING"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "gateway",
+                    "serve",
+                    "--no-embedded",
+                    "--upstream",
+                    upstream,
+                    "--rules",
+                    str(tmp / rules),
+                    "--port",
+                    str(port),
+                    "--admin-port",
+                    "0",
+                    "--data-dir",
+                    str(tmp / "data"),
+                    "--access-log",
+                    "off",
+                    "--log-level",
+                    "WARNING",
+                ]
                 if redis_url:
                     cmd += ["--redis-url", redis_url, "--redis-timeout-ms", "1000"]
                 proc = subprocess.Popen(cmd, cwd=ROOT)
@@ -159,14 +182,20 @@ def main() -> None:
                 proc.wait(30)
         base = results[1][1]["rps"]
         print(f"machine: {machine()}")
-        print(f"load: {args.concurrency} keep-alive connections, {args.seconds:.0f} s per row, "
-              "upstream, gateway and load generator on one host")
-        print(f"{'configuration':42} {'req/s':>8} {'vs no-limit':>11} {'p50 ms':>7} "
-              f"{'p99 ms':>7} {'EVALSHA/req':>11} {'cmds/req':>8}")
+        print(
+            f"load: {args.concurrency} keep-alive connections, {args.seconds:.0f} s per row, "
+            "upstream, gateway and load generator on one host"
+        )
+        print(
+            f"{'configuration':42} {'req/s':>8} {'vs no-limit':>11} {'p50 ms':>7} "
+            f"{'p99 ms':>7} {'EVALSHA/req':>11} {'cmds/req':>8}"
+        )
         for name, r in results:
-            print(f"{name:42} {r['rps']:8.0f} {r['rps'] / base:11.2f} {r['p50_ms']:7.2f} "
-                  f"{r['p99_ms']:7.2f} {r['scripts_per_request']:11.2f} "
-                  f"{r['redis_commands_per_request']:8.2f}")
+            print(
+                f"{name:42} {r['rps']:8.0f} {r['rps'] / base:11.2f} {r['p50_ms']:7.2f} "
+                f"{r['p99_ms']:7.2f} {r['scripts_per_request']:11.2f} "
+                f"{r['redis_commands_per_request']:8.2f}"
+            )
     finally:
         for proc in procs:
             proc.terminate()
