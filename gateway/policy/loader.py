@@ -163,6 +163,10 @@ def load_rules_from_texts(
         digest=digest.hexdigest(),
         loaded_at=now(),
         regions=known,
+        by_region={
+            region: tuple(r for r in rules if r.unlimited or r.limits_for(region))
+            for region in known
+        },
     )
 
 
@@ -420,6 +424,7 @@ def _limit(ctx: _RuleContext, field: str, raw: Any) -> LimitSpec | None:
 
 def _compile(alternatives: tuple[MatchAlternative, ...]) -> Callable[[str, str], bool]:
     """One closure per rule, built once at load time so matching does no parsing."""
-    if len(alternatives) == 1:
-        return alternatives[0].matches
-    return lambda method, path: any(a.matches(method, path) for a in alternatives)
+    tests = tuple(a.compiled() for a in alternatives)
+    if len(tests) == 1:
+        return tests[0]
+    return lambda method, path: any(test(method, path) for test in tests)

@@ -33,10 +33,8 @@ def select(
     never changes what is enforced.
     """
     shadows: list[tuple[Rule, str]] = []
-    for rule in table.rules:
-        if not rule.unlimited and not rule.limits_for(region):
-            continue
-        if not rule.matches(method, path):
+    for rule in table.for_region(region):
+        if not rule.matcher(method, path):
             continue
         key = identity(rule.identity)
         if key is None:

@@ -45,26 +45,38 @@ class PathMatcher:
     # For template and regex: the compiled pattern (matched against the whole path).
     pattern: re.Pattern[str] | None = None
 
+    # Built once per matcher so the hot path is one call, not a chain of kind checks.
+    test: Callable[[str], bool] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "test", _path_test(self.kind, self.value, self.pattern))
+
     def matches(self, path: str) -> bool:
-        kind = self.kind
-        if kind is PathKind.ANY:
-            return True
-        if kind is PathKind.PATH:
-            return path == self.value
-        if kind is PathKind.PREFIX:
-            value = self.value
-            return path == value or (path.startswith(value) and path[len(value)] == "/")
-        if kind is PathKind.CONTAINS:
-            return self.value in path
-        if kind is PathKind.SUFFIX:
-            return path.endswith(self.value)
-        assert self.pattern is not None
-        return self.pattern.fullmatch(path) is not None
+        return self.test(path)
 
     def describe(self) -> str:
         if self.kind is PathKind.ANY:
             return "any path"
         return f"{self.kind.value} {self.value}"
+
+
+def _path_test(
+    kind: PathKind, value: str, pattern: re.Pattern[str] | None
+) -> Callable[[str], bool]:
+    if kind is PathKind.ANY:
+        return lambda path: True
+    if kind is PathKind.PATH:
+        return value.__eq__
+    if kind is PathKind.PREFIX:
+        with_slash = value + "/"
+        return lambda path: path == value or path.startswith(with_slash)
+    if kind is PathKind.CONTAINS:
+        return lambda path: value in path
+    if kind is PathKind.SUFFIX:
+        return lambda path: path.endswith(value)
+    assert pattern is not None
+    fullmatch = pattern.fullmatch
+    return lambda path: fullmatch(path) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +87,13 @@ class MatchAlternative:
     path: PathMatcher
 
     def matches(self, method: str, path: str) -> bool:
-        return (self.methods is None or method in self.methods) and self.path.matches(path)
+        return (self.methods is None or method in self.methods) and self.path.test(path)
+
+    def compiled(self) -> Callable[[str, str], bool]:
+        methods, test = self.methods, self.path.test
+        if methods is None:
+            return lambda method, path: test(path)
+        return lambda method, path: method in methods and test(path)
 
     def describe(self) -> str:
         methods = "any method" if self.methods is None else "|".join(sorted(self.methods))
@@ -116,6 +134,15 @@ class RuleTable:
     digest: str  # sha256 of the files' names and bytes, shown in /info
     loaded_at: float  # epoch seconds
     regions: frozenset[str]
+    # Per region, the rules that apply there (exempt ones, or with a limit for it), in
+    # order: computed once at load so matching never looks at inapplicable rules.
+    by_region: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
+
+    def for_region(self, region: str) -> tuple[Rule, ...]:
+        found = self.by_region.get(region)
+        if found is None:
+            return tuple(r for r in self.rules if r.unlimited or r.limits_for(region))
+        return found
 
     def by_id(self, rule_id: str) -> Rule | None:
         for rule in self.rules:

@@ -78,7 +78,10 @@ class Limiter:
             groups.append((rule, False, limit_checks(region, rule, selection.identity, True)))
         for shadow_rule, key in selection.shadows:
             groups.append((shadow_rule, True, limit_checks(region, shadow_rule, key, False)))
-        results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
+        if len(groups) == 1:  # the common case: no task scheduling for one call
+            results: Sequence[HitResult] = [await backend.hit(groups[0][2])]
+        else:
+            results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
         reports: list[LimitReport] = []
         shadow_exceeded: list[str] = []
         admitted = True
