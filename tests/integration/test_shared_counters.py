@@ -56,6 +56,14 @@ def redis_server(tmp_path):
     server.stop()
 
 
+def _args(upstream, rules_file, tmp_path, redis_url, timeout_ms):
+    # Where exact counting is under test (not outages), a long store timeout keeps a
+    # loaded 2-core CI machine from tripping the 50 ms default into the local fallback.
+    return ["--upstream", upstream, "--rules", str(rules_file), "--no-embedded",
+            "--redis-url", redis_url, "--data-dir", str(tmp_path),
+            "--redis-timeout-ms", timeout_ms]  # fmt: skip
+
+
 def _start(args, tmp_path, name, env=None):
     return GatewayProcess(args, env=env, log_path=tmp_path / f"{name}.log")
 
@@ -80,21 +88,7 @@ async def _burst(urls, path, headers, total):
 async def test_gateways_on_one_redis_admit_exactly_the_limit(
     tmp_path, rules_file, upstream, redis_server
 ):
-    common = [
-        "--upstream",
-        upstream,
-        "--rules",
-        str(rules_file),
-        "--no-embedded",
-        "--redis-url",
-        redis_server.url,
-        "--data-dir",
-        str(tmp_path),
-        # Exact counting is under test here, not outages: a loaded 2-core CI machine
-        # must not trip the 50 ms default into the local fail-open fallback.
-        "--redis-timeout-ms",
-        "3000",
-    ]
+    common = _args(upstream, rules_file, tmp_path, redis_server.url, "3000")
     gateways = [
         _start([*common, "--workers", "2"], tmp_path, "a"),  # two SO_REUSEPORT workers
         _start(common, tmp_path, "b"),
@@ -126,21 +120,7 @@ async def test_gateways_on_one_redis_admit_exactly_the_limit(
 
 
 async def test_gateways_with_skewed_clocks_agree(tmp_path, rules_file, upstream, redis_server):
-    common = [
-        "--upstream",
-        upstream,
-        "--rules",
-        str(rules_file),
-        "--no-embedded",
-        "--redis-url",
-        redis_server.url,
-        "--data-dir",
-        str(tmp_path),
-        # Exact counting is under test here, not outages: a loaded 2-core CI machine
-        # must not trip the 50 ms default into the local fail-open fallback.
-        "--redis-timeout-ms",
-        "3000",
-    ]
+    common = _args(upstream, rules_file, tmp_path, redis_server.url, "3000")
     env = {"PYTHONPATH": SKEW_DIR}
     early = _start(common, tmp_path, "early", {**env, "GATEWAY_TEST_CLOCK_SKEW": "-600"})
     late = _start(common, tmp_path, "late", {**env, "GATEWAY_TEST_CLOCK_SKEW": "900"})
@@ -161,23 +141,7 @@ async def test_gateways_with_skewed_clocks_agree(tmp_path, rules_file, upstream,
 
 
 async def test_redis_killed_under_traffic(tmp_path, rules_file, upstream, redis_server):
-    gw = _start(
-        [
-            "--upstream",
-            upstream,
-            "--rules",
-            str(rules_file),
-            "--no-embedded",
-            "--redis-url",
-            redis_server.url,
-            "--data-dir",
-            str(tmp_path),
-            "--redis-timeout-ms",
-            "50",
-        ],
-        tmp_path,
-        "gw",
-    )
+    gw = _start(_args(upstream, rules_file, tmp_path, redis_server.url, "50"), tmp_path, "gw")
     try:
         await _ready(gw)
         async with aiohttp.ClientSession() as http:
