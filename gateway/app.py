@@ -106,9 +106,11 @@ def create_proxy_app(
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         handler_args={
-            "max_line_size": settings.max_header_bytes,
-            "max_field_size": settings.max_header_bytes,
-            "max_headers": settings.max_headers,
+            # aiohttp's own limits answer in plain text, so they are set well above ours
+            # and the handler enforces the configured ones with a JSON 431.
+            "max_line_size": max(4 * settings.max_header_bytes, 16384),
+            "max_field_size": max(4 * settings.max_header_bytes, 16384),
+            "max_headers": 4 * settings.max_headers,
             "keepalive_timeout": settings.client_idle_timeout,
             # Bodies pass through as sent: decompressing would corrupt Content-Encoding.
             "auto_decompress": False,
@@ -151,6 +153,8 @@ def create_proxy_app(
             ),
             metrics=metrics,
             access_log=AccessLogger(settings.access_log),
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
         )
         app[GATEWAY_KEY] = gateway
         watcher = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,8 @@ Every option can also be set with an environment variable GATEWAY_<NAME> (for ex
 GATEWAY_REDIS_URL, GATEWAY_TRUSTED_PROXIES=10.0.0.0/8,192.168.0.0/16) or in the YAML
 config file under the same name with underscores (redis_url: ...). Precedence:
 flag > environment > config file > default. The config file alone takes 'regions',
-'routes', 'store' and 'control_plane' sections (see docs/configuration.md).
+'routes', 'store' and 'control_plane' sections (see README.md, "Configuration",
+and docs/deployment.md).
 
 Examples:
   gateway serve                                    # built-in upstreams, memory counters
@@ -211,7 +213,7 @@ def _rules_explain(args: argparse.Namespace) -> int:
 
     try:
         text = explain(
-            rules=args.rules or Settings().rules,
+            rules=args.rules or _rules_from_env() or Settings().rules,
             method=args.method,
             target=args.target,
             headers=args.header,
@@ -226,6 +228,11 @@ def _rules_explain(args: argparse.Namespace) -> int:
         return 2
     print(text)
     return 0
+
+
+def _rules_from_env() -> list[str]:
+    raw = os.environ.get("GATEWAY_RULES", "")
+    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

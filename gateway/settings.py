@@ -244,6 +244,16 @@ def _validate(s: Settings) -> None:
             bad(f"{name} must be positive")
     if s.max_body_bytes < 0 or s.max_header_bytes < 256:
         bad("max_body_bytes must be >= 0 and max_header_bytes >= 256")
+    if s.identity_secret is not None and len(s.identity_secret.encode()) < 16:
+        bad("identity_secret must be at least 16 bytes (use a long random string)")
+    from gateway.counters.factory import parse_counter_url
+
+    for region in s.region_table():
+        if region.counter_url is not None and not region.counter_url.startswith("memory:"):
+            try:
+                parse_counter_url(region.counter_url)
+            except ValueError as exc:
+                bad(f"counter URL of region {region.name}: {exc}")
     names = [r.name for r in s.region_table()]
     if s.regions and s.region not in names:
         bad(f"default region {s.region!r} is not in the 'regions' section ({', '.join(names)})")

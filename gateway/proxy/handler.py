@@ -51,6 +51,8 @@ class Gateway:
     forwarder: Forwarder
     metrics: Metrics
     access_log: AccessLogger
+    max_header_bytes: int = 8190
+    max_headers: int = 100
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -80,6 +82,9 @@ class Gateway:
         self, request: web.Request, record: AccessRecord, started: float
     ) -> web.StreamResponse:
         method = request.method
+        too_big = self._headers_too_large(request)
+        if too_big:
+            return _done(record, json_error(431, too_big))
         if method in REFUSED_METHODS:
             return _done(record, json_error(405, f"{method} is not accepted by this gateway"))
         raw_path, query = split_target(request.raw_path)
@@ -149,6 +154,16 @@ class Gateway:
         record.upstream_ms = latency * 1000
         return _done(record, forwarded)
 
+    def _headers_too_large(self, request: web.Request) -> str | None:
+        headers = request.raw_headers
+        if len(headers) > self.max_headers:
+            return f"too many request headers (at most {self.max_headers})"
+        limit = self.max_header_bytes
+        for name, value in headers:
+            if len(name) + len(value) > limit:
+                return f"request header {name[:64].decode(errors='replace')!r} is over {limit} bytes"
+        return None
+
     def _observe(self, region: str, decision: Decision, record: AccessRecord) -> None:
         rule = decision.rule_id or "-"
         kind = decision.identity_kind or "-"
@@ -156,8 +171,8 @@ class Gateway:
         if decision.source == "fallback" and decision.outcome is Outcome.ALLOWED:
             label = "fallback"
         self._count(region, rule, kind, label)
-        for shadow_rule in decision.shadow_exceeded:
-            self._count(region, shadow_rule, kind, "shadow_limited")
+        for shadow_rule, shadow_kind in decision.shadow_exceeded:
+            self._count(region, shadow_rule, shadow_kind, "shadow_limited")
             log.info("shadow rule %s would have limited this request", shadow_rule)
         if decision.near_limit:
             self.metrics.near_limit.labels(region, rule).inc()

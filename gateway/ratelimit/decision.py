@@ -36,7 +36,8 @@ class Decision:
     reports: tuple[LimitReport, ...] = ()
     retry_after: int = 0
     source: str = ""  # counter source: memory, redis, fallback, deny-cache
-    shadow_exceeded: tuple[str, ...] = ()  # shadow rules that would have rejected
+    # Shadow rules that would have rejected: (rule id, identity kind) pairs.
+    shadow_exceeded: tuple[tuple[str, str], ...] = ()
 
     @property
     def near_limit(self) -> bool:

@@ -83,7 +83,7 @@ class Limiter:
         else:
             results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
         reports: list[LimitReport] = []
-        shadow_exceeded: list[str] = []
+        shadow_exceeded: list[tuple[str, str]] = []
         admitted = True
         source = ""
         for (group_rule, is_shadow, _), result in zip(groups, results, strict=True):
@@ -91,7 +91,7 @@ class Limiter:
             reports.extend(group_reports)
             if is_shadow:
                 if any(r.exceeded for r in group_reports):
-                    shadow_exceeded.append(group_rule.id)
+                    shadow_exceeded.append((group_rule.id, group_rule.identity.value))
             else:
                 admitted = result.admitted
                 source = result.source
