@@ -1,9 +1,10 @@
 """Coalescing of concurrent checks into pipelines.
 
-Checks that arrive while a round trip is in flight wait in a queue and go out
-together in the next pipeline, so the number of round trips per second is bounded by
-``max_in_flight / round-trip time`` however many requests arrive: under load each
-pipeline just carries more checks.
+A check that finds nothing in flight goes out at once. Checks that arrive while a
+round trip is in flight wait in a queue and go out together in the next pipeline, so
+the number of round trips per second is bounded by ``max_in_flight / round-trip
+time`` however many requests arrive: under load each pipeline just carries more
+checks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.counters.base import CounterUnavailableError, HitResult, LimitCheck
 
@@ -21,6 +22,8 @@ class BatchCounterBackend(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult: ...
 
     async def hit_many(
         self, batch: Sequence[Sequence[LimitCheck]]
@@ -61,6 +64,7 @@ class CoalescingBackend:
         self._batch_timeout = batch_timeout_seconds
         self._pending: deque[_Pending] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._alone: set[asyncio.Task[HitResult]] = set()
         # Counted by hand: a finished task leaves ``_tasks`` only in a later callback,
         # and a check queued in between would wait for a drain that never comes.
         self._draining = 0
@@ -82,14 +86,42 @@ class CoalescingBackend:
             raise CounterUnavailableError("the counter backend is closed")
         if len(self._pending) >= self._max_pending:
             raise CoalescerOverloadedError("too many counter checks waiting")
+        if self._draining == 0 and not self._pending:
+            return await self._hit_alone(checks)
         future: asyncio.Future[HitResult] = asyncio.get_running_loop().create_future()
         self._pending.append((checks, future))
         if self._draining < self._max_in_flight:
-            self._draining += 1
-            task = asyncio.create_task(self._drain())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._start_drain()
         return await future
+
+    async def _hit_alone(self, checks: Sequence[LimitCheck]) -> HitResult:
+        # Nothing in flight: send this one at once as a plain call (a pipeline costs
+        # more than it saves for one check). Checks arriving meanwhile queue up and
+        # leave together as soon as it is back. The call runs in its own task and
+        # the caller waits through a shield: a caller that gives up (timeout) must
+        # not cancel the command mid-reply, which would cost the connection and,
+        # under load, turn slowness into a reconnect storm.
+        self._draining += 1
+        self.batches += 1
+        self.batched_calls += 1
+        task = asyncio.create_task(self._inner.hit(checks))
+        self._alone.add(task)
+        task.add_done_callback(self._alone_done)
+        return await asyncio.shield(task)
+
+    def _alone_done(self, task: asyncio.Task[HitResult]) -> None:
+        self._alone.discard(task)
+        self._draining -= 1
+        if not task.cancelled():
+            task.exception()  # retrieved here, since its caller may have gone
+        if self._pending and self._draining < self._max_in_flight and not self._closed:
+            self._start_drain()
+
+    def _start_drain(self) -> None:
+        self._draining += 1
+        task = asyncio.create_task(self._drain())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
         try:
@@ -135,7 +167,7 @@ class CoalescingBackend:
 
     async def close(self) -> None:
         self._closed = True
-        tasks = list(self._tasks)
+        tasks: list[asyncio.Task[Any]] = [*self._tasks, *self._alone]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

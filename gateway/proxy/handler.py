@@ -161,7 +161,8 @@ class Gateway:
         limit = self.max_header_bytes
         for name, value in headers:
             if len(name) + len(value) > limit:
-                return f"request header {name[:64].decode(errors='replace')!r} is over {limit} bytes"
+                shown = name[:64].decode(errors="replace")
+                return f"request header {shown!r} is over {limit} bytes"
         return None
 
     def _observe(self, region: str, decision: Decision, record: AccessRecord) -> None:

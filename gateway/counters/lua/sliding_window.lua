@@ -9,7 +9,7 @@
 --
 -- The time is the store's own (TIME), never a gateway's, so gateways with skewed
 -- clocks agree. Fields older than the trailing window are deleted on every call and
--- every counted key expires one window plus one bucket after its last increment, so
+-- every counted key expires one window plus one bucket after its newest bucket began, so
 -- memory per identity is bounded by the bucket count, whatever the limit.
 
 -- Scripts that read TIME and then write must replicate effects, not the script
@@ -88,8 +88,10 @@ for i = 1, n do
   if admitted and has_room then
     local cur = math.floor(now / width)
     redis.call('HINCRBY', KEYS[i], string.format('%d', cur), 1)
-    redis.call('PEXPIRE', KEYS[i], window + width)
     if counts[cur] == nil then
+      -- Only a new bucket needs a later expiry: one set while this bucket was
+      -- current already outlasts it (the key lives until its newest bucket leaves).
+      redis.call('PEXPIRE', KEYS[i], window + width)
       counts[cur] = 0
       list[#list + 1] = cur
     end

@@ -21,8 +21,8 @@ CREATE TABLE IF NOT EXISTS items (
     expires_at REAL,
     UNIQUE (namespace, key)
 );
-CREATE INDEX IF NOT EXISTS items_by_namespace_updated ON items (namespace, updated_at DESC);
-CREATE INDEX IF NOT EXISTS items_by_updated ON items (updated_at DESC);
+CREATE INDEX IF NOT EXISTS items_by_namespace_updated ON items (namespace, updated_at, id);
+CREATE INDEX IF NOT EXISTS items_by_updated ON items (updated_at, id);
 CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL;
 
 CREATE VIRTUAL TABLE IF NOT EXISTS items_fts USING fts5(

@@ -1,22 +1,25 @@
 """SQLite storage of Store items, run on worker threads so the event loop never blocks.
 
-One writer thread per process owns the write connection (writes in a process queue up
-instead of contending for the lock); a small pool of reader threads has one connection each.
-Several processes may share the file: WAL lets readers proceed beside the writer, the busy
-timeout makes writers of different processes wait their turn, and every write is a single
-short statement committed before it is acknowledged.
+One writer thread per process owns the write connection; a small pool of reader threads has
+one connection each. Writes queue up and the writer commits whatever has accumulated in one
+short transaction (group commit: one fsync for many writes), then acknowledges each; nothing
+is acknowledged before its commit. Several processes may share the file: WAL lets readers
+proceed beside the writer and the busy timeout makes writers of different processes take
+turns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -41,6 +44,8 @@ from gateway.upstreams.store.text_index import match_expression, searchable_text
 T = TypeVar("T")
 
 SWEEP_BATCH = 500
+# Upper bound on writes committed together, so one transaction stays short.
+MAX_GROUP_COMMIT = 256
 _ITEM_COLUMNS = "i.namespace, i.key, i.value, i.created_at, i.updated_at, i.id, i.ttl_minutes"
 _LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
 # Keeps a rewritten item strictly newer than before, so "last updated first" holds even
@@ -77,33 +82,44 @@ def _dotted(namespace: Namespace) -> str:
     return ".".join(namespace)
 
 
-def _prefix_condition(column: str, prefix: Namespace) -> tuple[str, list[Any]]:
+def _prefix_condition(
+    connection: sqlite3.Connection, column: str, prefix: Namespace
+) -> tuple[str, list[Any]]:
     if not prefix:
         return "1", []
     dotted = _dotted(prefix)
     # '/' is the character after '.', so [p + '.', p + '/') is every namespace below p.
-    return (
-        f"({column} = ? OR ({column} >= ? AND {column} < ?))",
-        [dotted, dotted + ".", dotted + "/"],
-    )
+    below = [dotted + ".", dotted + "/"]
+    has_children = connection.execute(
+        "SELECT 1 FROM items WHERE namespace >= ? AND namespace < ? LIMIT 1", below
+    ).fetchone()
+    if has_children is None:
+        # One namespace: the (namespace, updated_at) index yields rows already in order,
+        # so a page costs its own size instead of a sort of the whole namespace.
+        return f"{column} = ?", [dotted]
+    return f"({column} = ? OR ({column} >= ? AND {column} < ?))", [dotted, *below]
 
 
-def _namespace_matches(dotted: str, prefix_json: str | None, suffix_json: str | None) -> int:
-    labels = dotted.split(".")
-    for pattern_json, from_end in ((prefix_json, False), (suffix_json, True)):
-        if pattern_json is None:
+@contextlib.contextmanager
+def _snapshot(connection: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A read transaction, so several SELECTs see one state of the database."""
+    connection.execute("BEGIN")
+    try:
+        yield connection
+    finally:
+        connection.execute("COMMIT")
+
+
+def _namespace_matches(labels: list[str], request: ListNamespaces) -> bool:
+    for pattern, from_end in ((request.prefix, False), (request.suffix, True)):
+        if pattern is None:
             continue
-        pattern: list[str] = json.loads(pattern_json)
         if len(pattern) > len(labels):
-            return 0
+            return False
         window = labels[len(labels) - len(pattern) :] if from_end else labels[: len(pattern)]
         if any(p not in ("*", label) for p, label in zip(pattern, window, strict=True)):
-            return 0
-    return 1
-
-
-def _namespace_truncate(dotted: str, depth: int) -> str:
-    return ".".join(dotted.split(".")[:depth])
+            return False
+    return True
 
 
 class StoreBusyError(StoreRequestError):
@@ -123,6 +139,9 @@ class SQLiteStorage:
         self._connections_lock = threading.Lock()
         self._local = threading.local()
         self._writer: ThreadPoolExecutor | None = None
+        self._write_queue: queue.SimpleQueue[
+            tuple[Callable[[sqlite3.Connection], Any], Future[Any]]
+        ] = queue.SimpleQueue()
         self._readers: ThreadPoolExecutor | None = None
 
     # -- lifetime -----------------------------------------------------------------
@@ -164,12 +183,6 @@ class SQLiteStorage:
         connection.execute(f"PRAGMA synchronous = {self._config.sqlite_synchronous.upper()}")
         connection.create_function(
             CANONICAL_JSON_SQL_FUNCTION, 1, canonical_json_text, deterministic=True
-        )
-        connection.create_function(
-            "store_namespace_matches", 3, _namespace_matches, deterministic=True
-        )
-        connection.create_function(
-            "store_namespace_truncate", 2, _namespace_truncate, deterministic=True
         )
         return connection
 
@@ -214,9 +227,55 @@ class SQLiteStorage:
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, call)
         except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
-                raise StoreBusyError() from exc
-            raise
+            raise _busy_or_same(exc) from exc
+
+    async def _write(self, operation: Callable[[sqlite3.Connection], T]) -> T:
+        """Queue a write; it returns once the transaction holding it has committed."""
+        if self._writer is None:
+            raise RuntimeError("the store is not open")
+        done: Future[Any] = Future()
+        self._write_queue.put((operation, done))
+        self._writer.submit(self._commit_queued_writes)
+        try:
+            result: T = await asyncio.wrap_future(done)
+        except sqlite3.OperationalError as exc:
+            raise _busy_or_same(exc) from exc
+        return result
+
+    def _commit_queued_writes(self) -> None:
+        batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]] = []
+        while len(batch) < MAX_GROUP_COMMIT:
+            try:
+                operation, done = self._write_queue.get_nowait()
+            except queue.Empty:
+                break
+            if done.set_running_or_notify_cancel():  # False: the caller gave up
+                batch.append((operation, done))
+        if not batch:
+            return  # an earlier call already committed these writes
+        connection = self._connection()
+        outcomes: list[tuple[Future[Any], Any, BaseException | None]] = []
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            for operation, done in batch:
+                try:
+                    outcomes.append((done, operation(connection), None))
+                except sqlite3.Error as exc:
+                    # SQLite undoes just the failed statement; the others still commit.
+                    outcomes.append((done, None, exc))
+            connection.execute("COMMIT")
+        except Exception as exc:  # every waiter must hear back, whatever went wrong
+            if connection.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    connection.execute("ROLLBACK")
+            for _, done in batch:
+                done.set_exception(exc)
+            return
+        for done, result, error in outcomes:
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
 
     # -- operations ---------------------------------------------------------------
 
@@ -238,28 +297,7 @@ class SQLiteStorage:
             ttl,
             expires_at,
         )
-        await self._run(self._writer, functools.partial(self._put, params))
-
-    def _put(self, params: tuple[Any, ...]) -> None:
-        self._connection().execute(
-            f"""
-            INSERT INTO items (namespace, key, value, search_text, created_at, updated_at,
-                               ttl_minutes, expires_at)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-            ON CONFLICT (namespace, key) DO UPDATE SET
-                value = excluded.value,
-                search_text = excluded.search_text,
-                created_at = CASE
-                    WHEN items.expires_at IS NOT NULL AND items.expires_at <= excluded.created_at
-                    THEN excluded.created_at ELSE items.created_at END,
-                updated_at = CASE
-                    WHEN items.updated_at >= excluded.updated_at
-                    THEN items.updated_at + {_UPDATED_AT_STEP} ELSE excluded.updated_at END,
-                ttl_minutes = excluded.ttl_minutes,
-                expires_at = excluded.expires_at
-            """,
-            params,
-        )
+        await self._write(functools.partial(_put, params=params))
 
     async def get(self, ref: ItemRef, refresh_ttl: bool | None) -> dict[str, Any] | None:
         """The live item, or None; optionally pushes its expiry forward."""
@@ -270,7 +308,7 @@ class SQLiteStorage:
         if row is None:
             return None
         if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
-            await self._run(self._writer, functools.partial(self._refresh_rows, [row.id], now))
+            await self._write(functools.partial(_refresh_rows, ids=[row.id], now=now))
         return row.as_item()
 
     def _get(self, namespace: str, key: str, now: float) -> _Row | None:
@@ -288,24 +326,9 @@ class SQLiteStorage:
     def _refresh(self, requested: bool | None) -> bool:
         return self._config.refresh_ttl_on_read if requested is None else requested
 
-    def _refresh_rows(self, ids: Sequence[int], now: float) -> None:
-        marks = ",".join("?" * len(ids))
-        self._connection().execute(
-            "UPDATE items SET expires_at = ? + ttl_minutes * 60.0 "
-            f"WHERE id IN ({marks}) AND ttl_minutes IS NOT NULL AND expires_at > ?",
-            (now, *ids, now),
-        )
-
     async def delete(self, ref: ItemRef) -> None:
         """Remove an item; removing an absent item is not an error."""
-        await self._run(
-            self._writer, functools.partial(self._delete, _dotted(ref.namespace), ref.key)
-        )
-
-    def _delete(self, namespace: str, key: str) -> None:
-        self._connection().execute(
-            "DELETE FROM items WHERE namespace = ? AND key = ?", (namespace, key)
-        )
+        await self._write(functools.partial(_delete, namespace=_dotted(ref.namespace), key=ref.key))
 
     async def search(self, request: SearchItems) -> list[dict[str, Any]]:
         """Listing (newest update first) or, with a query, BM25-ranked matches (best first)."""
@@ -314,68 +337,81 @@ class SQLiteStorage:
         if self._refresh(request.refresh_ttl):
             expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
             if expiring:
-                await self._run(self._writer, functools.partial(self._refresh_rows, expiring, now))
+                await self._write(functools.partial(_refresh_rows, ids=expiring, now=now))
         # Listing mode reports score null, as the API schema has it.
         return [{**row.as_item(), "score": score} for row, score in rows]
 
     def _search(self, request: SearchItems, now: float) -> list[tuple[_Row, float | None]]:
-        prefix_sql, prefix_params = _prefix_condition("i.namespace", request.namespace_prefix)
-        filter_sql, filter_params = compile_filter(request.filter, "i.value")
-        connection = self._connection()
-        if request.query is None:
-            cursor = connection.execute(
-                f"SELECT {_ITEM_COLUMNS} FROM items AS i "
-                f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
-                "ORDER BY i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
-                (*prefix_params, now, *filter_params, request.limit, request.offset),
+        with _snapshot(self._connection()) as connection:
+            prefix_sql, prefix_params = _prefix_condition(
+                connection, "i.namespace", request.namespace_prefix
             )
-            return [(_Row(*found), None) for found in cursor]
-        expression = match_expression(request.query)
-        if expression is None:
-            return []
-        cursor = connection.execute(
-            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
-            "FROM items_fts JOIN items AS i ON i.id = items_fts.rowid "
-            f"WHERE items_fts MATCH ? AND {prefix_sql} AND {_LIVE} AND {filter_sql} "
-            "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
-            (expression, *prefix_params, now, *filter_params, request.limit, request.offset),
-        )
-        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
-        return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
+            filter_sql, filter_params = compile_filter(request.filter, "i.value")
+            if request.query is None:
+                cursor = connection.execute(
+                    f"SELECT {_ITEM_COLUMNS} FROM items AS i "
+                    f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
+                    "ORDER BY i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+                    (*prefix_params, now, *filter_params, request.limit, request.offset),
+                )
+                return [(_Row(*found), None) for found in cursor]
+            expression = match_expression(request.query)
+            if expression is None:
+                return []
+            cursor = connection.execute(
+                f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
+                "FROM items_fts JOIN items AS i ON i.id = items_fts.rowid "
+                f"WHERE items_fts MATCH ? AND {prefix_sql} AND {_LIVE} AND {filter_sql} "
+                "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+                (expression, *prefix_params, now, *filter_params, request.limit, request.offset),
+            )
+            # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
+            return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
 
     async def list_namespaces(self, request: ListNamespaces) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
         now = self._clock()
         dotted = await self._run(
-            self._readers, functools.partial(self._list_namespaces, request, now)
+            self._readers, functools.partial(self._live_namespaces, request, now)
         )
-        return [namespace.split(".") for namespace in dotted]
+        shown: set[str] = set()
+        for namespace in dotted:
+            labels = namespace.split(".")
+            if _namespace_matches(labels, request):
+                depth = request.max_depth or len(labels)
+                shown.add(".".join(labels[:depth]))
+        page = sorted(shown)[request.offset : request.offset + request.limit]
+        return [namespace.split(".") for namespace in page]
 
-    def _list_namespaces(self, request: ListNamespaces, now: float) -> list[str]:
-        literal_prefix: list[str] = []
+    def _live_namespaces(self, request: ListNamespaces, now: float) -> list[str]:
+        literal: list[str] = []
         for label in request.prefix or ():
             if label == "*":
                 break
-            literal_prefix.append(label)
-        prefix_sql, prefix_params = _prefix_condition("i.namespace", tuple(literal_prefix))
-        conditions = [prefix_sql, _LIVE]
-        params: list[Any] = [*prefix_params, now]
-        needs_match = request.suffix is not None or len(literal_prefix) < len(request.prefix or ())
-        if needs_match:
-            conditions.append("store_namespace_matches(i.namespace, ?, ?)")
-            params.extend(
-                None if labels is None else json.dumps(list(labels))
-                for labels in (request.prefix, request.suffix)
-            )
-        if request.max_depth is None:
-            shown = "i.namespace"
-        else:
-            shown = "store_namespace_truncate(i.namespace, ?)"
-            params.insert(0, request.max_depth)
+            literal.append(label)
+        params: dict[str, Any] = {"now": now, "low": "", "high": None}
+        upper = ""
+        if literal:
+            params["low"] = _dotted(tuple(literal))
+            params["high"] = params["low"] + "/"
+            upper = "AND namespace < :high"
         cursor = self._connection().execute(
-            f"SELECT DISTINCT {shown} AS shown FROM items AS i "
-            f"WHERE {' AND '.join(conditions)} ORDER BY shown LIMIT ? OFFSET ?",
-            (*params, request.limit, request.offset),
+            f"""
+            WITH RECURSIVE walk(namespace) AS (
+                SELECT (SELECT namespace FROM items
+                        WHERE namespace >= :low {upper}
+                          AND (expires_at IS NULL OR expires_at > :now)
+                        ORDER BY namespace LIMIT 1)
+                UNION ALL
+                SELECT (SELECT namespace FROM items
+                        WHERE namespace > walk.namespace {upper}
+                          AND (expires_at IS NULL OR expires_at > :now)
+                        ORDER BY namespace LIMIT 1)
+                FROM walk WHERE walk.namespace IS NOT NULL
+            )
+            SELECT namespace FROM walk WHERE namespace IS NOT NULL
+            """,
+            params,
         )
         return [found[0] for found in cursor]
 
@@ -384,18 +420,10 @@ class SQLiteStorage:
         now = self._clock()
         removed = 0
         while True:
-            batch = await self._run(self._writer, functools.partial(self._sweep_batch, now))
+            batch = await self._write(functools.partial(_sweep_batch, now=now))
             removed += batch
             if batch < SWEEP_BATCH:
                 return removed
-
-    def _sweep_batch(self, now: float) -> int:
-        cursor = self._connection().execute(
-            "DELETE FROM items WHERE id IN "
-            "(SELECT id FROM items WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?)",
-            (now, SWEEP_BATCH),
-        )
-        return cursor.rowcount
 
     async def count_items(self) -> int:
         """How many rows the table holds, expired or not (for tests and benchmarks)."""
@@ -403,3 +431,56 @@ class SQLiteStorage:
             self._readers,
             lambda: int(self._connection().execute("SELECT count(*) FROM items").fetchone()[0]),
         )
+
+
+def _busy_or_same(exc: sqlite3.OperationalError) -> Exception:
+    if "locked" in str(exc) or "busy" in str(exc):
+        return StoreBusyError()
+    return exc
+
+
+# Write operations: each runs inside the writer's group-commit transaction.
+
+
+def _put(connection: sqlite3.Connection, *, params: tuple[Any, ...]) -> None:
+    connection.execute(
+        f"""
+        INSERT INTO items (namespace, key, value, search_text, created_at, updated_at,
+                           ttl_minutes, expires_at)
+        VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+        ON CONFLICT (namespace, key) DO UPDATE SET
+            value = excluded.value,
+            search_text = excluded.search_text,
+            created_at = CASE
+                WHEN items.expires_at IS NOT NULL AND items.expires_at <= excluded.created_at
+                THEN excluded.created_at ELSE items.created_at END,
+            updated_at = CASE
+                WHEN items.updated_at >= excluded.updated_at
+                THEN items.updated_at + {_UPDATED_AT_STEP} ELSE excluded.updated_at END,
+            ttl_minutes = excluded.ttl_minutes,
+            expires_at = excluded.expires_at
+        """,
+        params,
+    )
+
+
+def _delete(connection: sqlite3.Connection, *, namespace: str, key: str) -> None:
+    connection.execute("DELETE FROM items WHERE namespace = ? AND key = ?", (namespace, key))
+
+
+def _refresh_rows(connection: sqlite3.Connection, *, ids: Sequence[int], now: float) -> None:
+    marks = ",".join("?" * len(ids))
+    connection.execute(
+        "UPDATE items SET expires_at = ? + ttl_minutes * 60.0 "
+        f"WHERE id IN ({marks}) AND ttl_minutes IS NOT NULL AND expires_at > ?",
+        (now, *ids, now),
+    )
+
+
+def _sweep_batch(connection: sqlite3.Connection, *, now: float) -> int:
+    cursor = connection.execute(
+        "DELETE FROM items WHERE id IN "
+        "(SELECT id FROM items WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?)",
+        (now, SWEEP_BATCH),
+    )
+    return cursor.rowcount
