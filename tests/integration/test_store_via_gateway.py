@@ -23,12 +23,12 @@ async def store_base_url(running_store):  # noqa: F811 - overrides the direct UR
 
 
 async def test_store_calls_are_rate_limited_like_any_other(store_base_url):
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession() as client:
         for n in range(100):
-            async with http.post(store_base_url + "/store/items/search", json={}) as r:
+            async with client.post(store_base_url + "/store/items/search", json={}) as r:
                 assert r.status == 200
                 assert r.headers["RateLimit"].startswith(f'"catch-all";r={99 - n};t=')
-        async with http.post(store_base_url + "/store/items/search", json={}) as r:
+        async with client.post(store_base_url + "/store/items/search", json={}) as r:
             assert r.status == 429
-        async with http.get(store_base_url + "/store/openapi.json") as r:
+        async with client.get(store_base_url + "/store/openapi.json") as r:
             assert r.status == 429  # the same client address, the same catch-all bucket
