@@ -88,3 +88,27 @@ async def test_closed_coalescer_refuses_new_checks(store: RedisBackend) -> None:
     await coalescing.close()
     with pytest.raises(CounterUnavailableError):
         await coalescing.hit([LimitCheck(new_key(), 1, 1_000, 100)])
+
+
+async def test_a_caller_that_gives_up_does_not_cost_the_connection(
+    store: RedisBackend, redis_server: RedisServer
+) -> None:
+    coalescing = CoalescingBackend(store)
+    check = LimitCheck(new_key(), limit=10, window_ms=60_000, bucket_ms=1_000)
+    await coalescing.hit([check])  # a pooled connection exists now
+
+    def connections() -> int:
+        for line in redis_server.cli("INFO", "stats").splitlines():
+            if line.startswith("total_connections_received:"):
+                return int(line.split(":")[1])
+        raise AssertionError("no total_connections_received in INFO stats")
+
+    before = connections()
+    impatient = asyncio.ensure_future(coalescing.hit([check]))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the command is on the wire
+    impatient.cancel()
+    result = await coalescing.hit([check])
+    # The abandoned call still completed (and counted): the connection survived.
+    assert result.states[0].remaining == 7
+    assert connections() == before + 1  # just redis-cli's own connection for INFO
