@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 from redis.asyncio import BlockingConnectionPool, Redis  # noqa: E402
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from gateway.counters.base import CounterBackend, LimitCheck  # noqa: E402
 from gateway.counters.coalesce import CoalescingBackend  # noqa: E402
 from gateway.counters.factory import (  # noqa: E402
@@ -52,14 +53,7 @@ from tests.support.redis_servers import RedisServer  # noqa: E402
 
 
 def machine_info(server: RedisServer) -> str:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     version = next(
         (
             line.split(":", 1)[1].strip()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -26,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import describe  # noqa: E402
 from tests.support.redis_servers import RedisServer, free_port  # noqa: E402
 
 UPSTREAM = textwrap.dedent(
@@ -85,21 +84,6 @@ def wait_ok(url: str, timeout: float = 20) -> None:
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up")
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
-        f"{platform.system()} {platform.release()}"
-    )
 
 
 def run_load(url: str, seconds: float, concurrency: int, key: str) -> dict[str, object]:
@@ -181,7 +165,7 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(30)
         base = results[1][1]["rps"]
-        print(f"machine: {machine()}")
+        print(f"machine: {describe()}")
         print(
             f"load: {args.concurrency} keep-alive connections, {args.seconds:.0f} s per row, "
             "upstream, gateway and load generator on one host"

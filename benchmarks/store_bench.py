@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import random
 import re
 import sqlite3
@@ -37,6 +36,7 @@ import aiohttp
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.machine import machine_info  # noqa: E402
 from gateway.upstreams.store.schema import SCHEMA  # noqa: E402
 from gateway.upstreams.store.text_index import searchable_text  # noqa: E402
 
@@ -47,25 +47,6 @@ VOCABULARY = [a + b + c for a in _SYLLABLES for b in _SYLLABLES for c in _SYLLAB
 _ZIPF_CUMULATIVE = list(itertools.accumulate(1.0 / (rank + 1) for rank in range(len(VOCABULARY))))
 QUERY_WORDS = VOCABULARY[20:2000]
 COLORS = ["red", "green", "blue", "black", "white"]
-
-
-def machine_info() -> dict[str, str]:
-    """nproc, CPU model, Python and SQLite versions."""
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": model,
-        "python": platform.python_version(),
-        "sqlite": sqlite3.sqlite_version,
-        "platform": platform.platform(),
-    }
 
 
 def make_value(rng: random.Random, index: int) -> dict[str, Any]:
