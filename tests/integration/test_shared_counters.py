@@ -174,8 +174,23 @@ async def test_redis_killed_under_traffic(tmp_path, rules_file, upstream, redis_
             assert (await get("/closed"))[0] == 200  # back on Redis without a restart
             statuses = [(await get("/k", {"x-api-key": "after"}))[0] for _ in range(55)]
             assert statuses.count(200) == 50 and statuses[-1] == 429
+            # deny cache: refusals after the first are answered without Redis
+            statuses = [(await get("/k", {"x-api-key": "after"}))[0] for _ in range(5)]
+            assert statuses == [429] * 5
+            async with http.get(f"http://127.0.0.1:{gw.admin_port}/metrics") as r:
+                metrics = await r.text()
         text = (tmp_path / "gw.log").read_text()
         assert "circuit breaker open" in text and "circuit breaker closed" in text
+        for line in [
+            'gateway_counter_breaker_transitions_total{region="us",state="open"}',
+            'gateway_counter_breaker_state{region="us"} 0.0',
+            'gateway_fallback_decisions_total{region="us"}',
+            'gateway_deny_cache_hits_total{region="us"}',
+            'gateway_counter_store_errors_total{kind="connection",region="us"}',
+            'gateway_requests_total{decision="unavailable",identity="ip",region="us",rule="closed"}',
+            'gateway_requests_total{decision="fallback",identity="ip",region="us",rule="open"}',
+        ]:
+            assert line in metrics, line
     finally:
         gw.stop()
 

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.settings import SettingsError, load_settings
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    config = tmp_path / "gw.yaml"
+    config.write_text("port: 7001\nadmin_port: 7101\nregion: eu\nworkers: 3\n")
+    env = {"GATEWAY_PORT": "7002", "GATEWAY_ADMIN_PORT": "7102"}
+    s = load_settings({"port": 7003}, env=env, config_file=str(config))
+    assert s.port == 7003  # flag
+    assert s.admin_port == 7102  # env beats file
+    assert s.region == "eu"  # file beats default
+    assert s.workers == 3
+    assert s.host == "127.0.0.1"  # default
+    assert load_settings({}, env={"GATEWAY_CONFIG": str(config)}).port == 7001
+
+
+def test_lists_and_booleans_from_env():
+    s = load_settings(
+        {},
+        env={
+            "GATEWAY_TRUSTED_PROXIES": "10.0.0.0/8, 192.168.0.0/16",
+            "GATEWAY_EMBEDDED": "false",
+            "GATEWAY_RULES": "a.yaml,b",
+        },
+    )
+    assert s.trusted_proxies == ("10.0.0.0/8", "192.168.0.0/16")
+    assert s.embedded is False and not s.embedded_enabled
+    assert s.rules == ("a.yaml", "b")
+    assert load_settings({}, env={}).embedded_enabled  # no upstream: built-ins on
+    assert not load_settings({"upstream": "http://127.0.0.1:1"}, env={}).embedded_enabled
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("prot: 1\n", "unknown key(s) ['prot']"),
+        ("port: many\n", "setting 'port' from config file"),
+        ("regions: {us: {redis_url: 'redis://x:1', typo: 1}}\n", "regions.us takes"),
+        ("region: mars\n", "region must be one of"),
+        ("regions: {us: {}}\nregion: eu\n", "default region 'eu' is not in"),
+        ("redis_url: 'mysql://x'\n", "counter URL of region us"),
+        ("identity_secret: short\n", "at least 16 bytes"),
+        ("upstream: 'ftp://x'\n", "http:// or https://"),
+        ("- just\n- a list\n", "expected a mapping"),
+    ],
+)
+def test_bad_config_files_say_what_is_wrong(tmp_path, text, words):
+    config = tmp_path / "gw.yaml"
+    config.write_text(text)
+    with pytest.raises(SettingsError) as info:
+        load_settings({}, env={}, config_file=str(config))
+    assert words in str(info.value)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(SettingsError, match="GATEWAY_WORKERS"):
+        load_settings({}, env={"GATEWAY_WORKERS": "lots"})
+
+
+def test_regions_section_orders_the_default_first(tmp_path):
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        "region: eu\nregions:\n  us: {hosts: [API.example.com]}\n"
+        "  eu: {redis_url: 'redis://127.0.0.1:6390/0', hosts: eu.example.com}\n"
+    )
+    s = load_settings({}, env={}, config_file=str(config))
+    table = s.region_table()
+    assert [r.name for r in table] == ["eu", "us"]
+    assert table[0].counter_url == "redis://127.0.0.1:6390/0"
+    assert table[1].hosts == ("api.example.com",)
