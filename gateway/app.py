@@ -388,7 +388,17 @@ async def _start_first(
 def run(settings: Settings) -> int:
     """Entry point of ``gateway serve``."""
     configure_logging(settings.log_level)
-    shared = all(r.counter_url for r in settings.region_table())
+    shared = all(
+        r.counter_url and not r.counter_url.startswith("memory:") for r in settings.region_table()
+    )
+    if shared and not settings.identity_secret:
+        log.warning(
+            "counters are shared in Redis but no identity_secret is configured: this instance "
+            "uses the one generated in %s/identity-secret. Every instance sharing the counters "
+            "must use the same secret (set GATEWAY_IDENTITY_SECRET), or one API key is "
+            "counted separately on each instance.",
+            settings.data_dir,
+        )
     if settings.workers > 1 and not shared:
         log.error(
             "--workers %d needs shared counters: in-process counters would let each worker "
@@ -397,13 +407,30 @@ def run(settings: Settings) -> int:
             settings.workers,
         )
         return 2
-    embedded = build_embedded(settings) if settings.embedded_enabled else None
     if settings.workers == 1:
+        embedded = build_embedded(settings) if settings.embedded_enabled else None
         _run_loop(serve(settings, embedded=embedded))
         return 0
+    # Everything that can fail at start-up is checked once here, before forking, so a
+    # bad rule file or a busy port is one clear message, not N crashing workers.
+    prepare_rules(settings, Metrics())
+    identity_secret(settings.identity_secret, Path(settings.data_dir))
+    check_port_free(settings.host, settings.port)
+    embedded = build_embedded(settings) if settings.embedded_enabled else None
     from gateway.workers import supervise
 
     return supervise(settings, embedded)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``OSError`` (with the address) when nothing could listen on host:port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 def _run_loop(main: Any) -> None:

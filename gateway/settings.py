@@ -83,7 +83,8 @@ class Settings:
         return self.upstream is None if self.embedded is None else self.embedded
 
     def region_table(self) -> tuple[RegionSettings, ...]:
-        """Every region served, the default first; the default one gets --redis-url."""
+        """Every region served, the default first. Without a 'regions' section there is
+        one region, the default, counted in --redis-url."""
         if not self.regions:
             return (RegionSettings(self.region, self.redis_url),)
         ordered = sorted(self.regions, key=lambda r: r.name != self.region)
@@ -244,6 +245,17 @@ def _validate(s: Settings) -> None:
             bad(f"{name} must be positive")
     if s.max_body_bytes < 0 or s.max_header_bytes < 256:
         bad("max_body_bytes must be >= 0 and max_header_bytes >= 256")
+    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        bad(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {s.log_level!r}")
+    from gateway.ratelimit.identity import ClientAddressPolicy
+
+    try:
+        ClientAddressPolicy.parse(s.trusted_proxies, s.ipv6_prefix)
+    except ValueError as exc:
+        bad(str(exc))
+    if s.regions and s.redis_url:
+        bad("redis_url (--redis-url) and a 'regions' section were both given: with regions, "
+            "give each region its redis_url in the config file")  # fmt: skip
     if s.identity_secret is not None and len(s.identity_secret.encode()) < 16:
         bad("identity_secret must be at least 16 bytes (use a long random string)")
     from gateway.counters.factory import parse_counter_url

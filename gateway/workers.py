@@ -41,11 +41,18 @@ def _fork_worker(
     return pid
 
 
+STARTUP_GRACE_SECONDS = 10.0  # a worker that dies sooner failed to start: do not loop
+RESTART_DELAY_SECONDS = 1.0
+
+
 def supervise(settings: Settings, embedded: Embedded | None) -> int:
     urls = embedded.urls() if embedded is not None else {}
     workers: dict[int, int] = {}  # pid -> index
+    started: dict[int, float] = {}  # index -> when it was (re)started
+    failed_start = False
     for index in range(settings.workers):
         workers[_fork_worker(settings, index, urls, embedded)] = index
+        started[index] = time.monotonic()
     log.info("started %d workers on port %d (pids %s)", settings.workers, settings.port,
              ", ".join(str(p) for p in workers))  # fmt: skip
 
@@ -62,9 +69,20 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
                 log.info("built-in %s listening on %s", name, urls[name])
             for note in embedded.notes:
                 log.warning("%s", note)
+        nonlocal failed_start
         try:
             while not stopping.is_set():
-                _reap_and_restart(settings, workers, urls, embedded)
+                for index, status in _reap(workers):
+                    if time.monotonic() - started[index] < STARTUP_GRACE_SECONDS:
+                        log.error("worker %d failed while starting (status %d); stopping",
+                                  index, status)  # fmt: skip
+                        failed_start = True
+                        stopping.set()
+                        break
+                    log.error("worker %d exited (status %d); starting it again", index, status)
+                    await asyncio.sleep(RESTART_DELAY_SECONDS)
+                    workers[_fork_worker(settings, index, urls, embedded)] = index
+                    started[index] = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), 0.5)
             _signal_all(workers, signal.SIGTERM)
@@ -77,7 +95,7 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
             await service.stop()
 
     _run_loop(main())
-    return 0
+    return 1 if failed_start else 0
 
 
 def _signal_all(workers: dict[int, int], sig: int) -> None:
@@ -95,11 +113,3 @@ def _reap(workers: dict[int, int]) -> list[tuple[int, int]]:
         if done:
             gone.append((workers.pop(pid), status))
     return gone
-
-
-def _reap_and_restart(
-    settings: Settings, workers: dict[int, int], urls: dict[str, str], embedded: Embedded | None
-) -> None:
-    for index, status in _reap(workers):
-        log.error("worker %d exited (status %d); starting it again", index, status)
-        workers[_fork_worker(settings, index, urls, embedded)] = index

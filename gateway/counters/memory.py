@@ -22,8 +22,9 @@ from gateway.ratelimit.window import current_bucket, ms_until_room, oldest_count
 Clock = Callable[[], int]
 
 
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
+def monotonic_ms() -> int:
+    # Monotonic: a wall-clock step (NTP) must neither forget nor stretch a window.
+    return time.monotonic_ns() // 1_000_000
 
 
 class _Window:
@@ -55,7 +56,7 @@ class MemoryBackend:
 
     def __init__(
         self,
-        clock: Clock = wall_clock_ms,
+        clock: Clock = monotonic_ms,
         max_keys: int = 1_000_000,
         sweep_every: int = 10_000,
         label: str = "memory",
@@ -140,3 +141,6 @@ class MemoryBackend:
 
     async def close(self) -> None:
         self._windows.clear()
+
+
+wall_clock_ms = monotonic_ms  # TEMP alias until factory.py is updated

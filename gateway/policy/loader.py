@@ -43,7 +43,10 @@ MAX_WINDOW_SECONDS = 7 * 86400
 MAX_COUNT = 10**9
 MAX_FILE_BYTES = 1_048_576
 TEMPLATE_TYPES = {
-    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    # Every spelling common servers (pydantic, Python's uuid) accept for one UUID, so a
+    # client cannot leave a UUID-keyed rule by writing the same id differently.
+    "uuid": r"(?:urn:uuid:)?(?:[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?"
+    r"[0-9a-fA-F]{4}-?[0-9a-fA-F]{12})",
     "int": r"[0-9]+",
     "str": r"[^/]+",
 }
@@ -314,6 +317,8 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
         if bad:
             ctx.error(f"{field}.methods", f"unknown method(s) {sorted(bad)}")
             return None
+        if "GET" in upper:
+            upper.add("HEAD")  # a HEAD is a GET without the body: the same limit applies
         methods = frozenset(upper)
     forms = [k for k in PATH_KINDS if k in entry]
     if len(forms) > 1:

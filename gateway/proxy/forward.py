@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from gateway.metrics import Metrics
 from gateway.proxy.headers import add_via, end_to_end
@@ -26,6 +27,14 @@ class Upstream:
     name: str
     base_url: str  # scheme://host:port with no trailing slash (a path prefix is allowed)
     preserve_host: bool = True
+
+
+class StreamAbortedError(Exception):
+    """A response stream ended early after its headers were sent (status for the log)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 class _BodyReader:
@@ -87,7 +96,8 @@ class Forwarder:
             return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0
         reader = _BodyReader(request, self._limits) if request.body_exists else None
         body = reader.chunks() if reader is not None else None
-        url = upstream.base_url + path + ("?" + query if query else "")
+        # encoded=True: the query string goes out byte for byte as the client sent it.
+        url = URL(upstream.base_url + path + ("?" + query if query else ""), encoded=True)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self._limits.upstream_timeout):
@@ -143,19 +153,41 @@ class Forwarder:
             response.content_length = length
         elif request.version >= aiohttp.HttpVersion11:
             response.enable_chunked_encoding()
-        await response.prepare(request)
         try:
-            async for chunk in upstream_response.content.iter_any():
+            await response.prepare(request)
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            raise StreamAbortedError(499, "client went away") from exc
+        content = upstream_response.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Headers are gone already: the only honest signal left is a cut connection.
+                self._metrics.upstream_errors.labels(upstream.name, "broken_stream").inc()
+                log.warning("upstream %s broke the response stream: %s", upstream.name, exc)
+                if request.transport is not None:
+                    request.transport.close()
+                raise StreamAbortedError(502, "upstream broke the stream") from exc
+            if not chunk:
+                break
+            try:
                 await response.write(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # Headers are gone already: the only honest signal left is a cut connection.
-            self._metrics.upstream_errors.labels(upstream.name, "broken_stream").inc()
-            log.warning("upstream %s broke the response stream: %s", upstream.name, exc)
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        await response.write_eof()
+            except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+                # The client hung up (common with event streams): not the upstream's fault.
+                raise StreamAbortedError(499, "client went away") from exc
+        try:
+            await response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            raise StreamAbortedError(499, "client went away") from exc
         return response
+
+
+UNTRUSTED_FORWARDING = ("Forwarded", "X-Real-IP", "X-Forwarded-Host", "X-Forwarded-Port")
+
+
+def forwarded_for_chain(request: web.Request) -> str:
+    """Every ``X-Forwarded-For`` line joined in order: proxies may add their own line."""
+    return ", ".join(request.headers.getall("X-Forwarded-For", ()))
 
 
 def _too_large(limit: int) -> str:
@@ -167,11 +199,15 @@ def _request_headers(
 ) -> CIMultiDict[str]:
     headers = end_to_end(request.headers)
     peer = request.remote or ""
-    if trusted_peer and "X-Forwarded-For" in request.headers:
-        headers["X-Forwarded-For"] = f"{request.headers['X-Forwarded-For']}, {peer}"
+    forwarded_for = forwarded_for_chain(request)
+    if trusted_peer and forwarded_for:
+        headers["X-Forwarded-For"] = f"{forwarded_for}, {peer}"
     else:
-        # From an untrusted peer a forwarding header is whatever the client wrote: replace it.
+        # From an untrusted peer forwarding headers are whatever the client wrote: replace
+        # the one we own, drop the others so the upstream cannot be misled by them.
         headers["X-Forwarded-For"] = peer
+        for name in UNTRUSTED_FORWARDING:
+            headers.popall(name, None)
     if not (trusted_peer and "X-Forwarded-Proto" in request.headers):
         headers["X-Forwarded-Proto"] = "https" if request.secure else "http"
     add_via(headers)

@@ -17,7 +17,8 @@ from gateway.metrics import Metrics
 from gateway.policy.matcher import select
 from gateway.policy.paths import PathError, normalise_path, split_target
 from gateway.proxy.access_log import AccessLogger, AccessRecord
-from gateway.proxy.forward import Forwarder
+from gateway.proxy.forward import Forwarder, StreamAbortedError, forwarded_for_chain
+from gateway.proxy.headers import connection_tokens
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.responses import json_error, json_response
 from gateway.proxy.routing import RegionMap, Router
@@ -68,7 +69,7 @@ class Gateway:
         try:
             response = await self._handle(request, record, started)
         except asyncio.CancelledError:
-            record.status = 499  # the client went away
+            record.status = record.status or 499  # the client went away
             raise
         finally:
             self.metrics.inflight.dec()
@@ -88,7 +89,8 @@ class Gateway:
         if method in REFUSED_METHODS:
             return _done(record, json_error(405, f"{method} is not accepted by this gateway"))
         raw_path, query = split_target(request.raw_path)
-        if request.url.is_absolute() and request.url.host and not raw_path.startswith("/"):
+        # Only the raw target is looked at: parsing it (or Host) as a URL can fail.
+        if not raw_path.startswith("/") and "://" in raw_path:
             return _done(record, json_error(400, "absolute-form request targets are refused"))
         try:
             path = normalise_path(raw_path)
@@ -102,14 +104,13 @@ class Gateway:
         region = self.regions.region_for(request.host if "Host" in request.headers else None)
         record.region = region
         peer = request.remote
-        client_ip = self.addresses.client_address(peer, request.headers.get("X-Forwarded-For"))
+        client_ip = self.addresses.client_address(peer, forwarded_for_chain(request) or None)
         record.client = client_ip
-        identity = RequestIdentity(
-            self.hasher,
-            client_ip,
-            valid_identity_header(request.headers.get("x-api-key")),
-            valid_identity_header(request.headers.get("x-user-id")),
-        )
+        try:
+            api_key, user_id = identity_headers(request)
+        except ValueError as exc:
+            return _done(record, json_error(400, str(exc)))
+        identity = RequestIdentity(self.hasher, client_ip, api_key, user_id)
         selection = select(self.rules.table, region, method, path, identity.key_for)
         try:
             decision = await self.limiter.decide(region, selection)
@@ -148,9 +149,15 @@ class Gateway:
             headers.append(("X-Request-Id", record.request_id))
         self.metrics.overhead.labels(region).observe(time.perf_counter() - started)
         trusted_peer = bool(self.addresses.trusted) and _peer_trusted(self.addresses, peer)
-        forwarded, latency = await self.forwarder.forward(
-            request, upstream, path, query, headers, trusted_peer
-        )
+        try:
+            forwarded, latency = await self.forwarder.forward(
+                request, upstream, path, query, headers, trusted_peer
+            )
+        except StreamAbortedError as exc:
+            # The response had started; aiohttp treats a cancelled handler as a dropped
+            # connection and stays quiet, which is what both cases are.
+            record.status = exc.status
+            raise asyncio.CancelledError from exc
         record.upstream_ms = latency * 1000
         return _done(record, forwarded)
 
@@ -221,6 +228,27 @@ def _peer_trusted(policy: ClientAddressPolicy, peer: str | None) -> bool:
         return policy.is_trusted(ipaddress.ip_address(peer or ""))
     except ValueError:
         return False
+
+
+IDENTITY_HEADERS = ("x-api-key", "x-user-id")
+
+
+def identity_headers(request: web.Request) -> tuple[str | None, str | None]:
+    """The API key and user id that form identities, exactly as the upstream will see them.
+
+    A header named in ``Connection`` is hop-by-hop and never reaches the upstream, so it
+    forms no identity either; a repeated identity header is refused (``ValueError``)
+    because upstreams disagree about which copy counts.
+    """
+    dropped = connection_tokens(request.headers)
+    values: list[str | None] = []
+    for name in IDENTITY_HEADERS:
+        found = request.headers.getall(name, ())
+        if len(found) > 1:
+            raise ValueError(f"send one {name} header, not {len(found)}")
+        value = found[0] if found and name not in dropped else None
+        values.append(valid_identity_header(value))
+    return values[0], values[1]
 
 
 def _request_id(request: web.Request) -> str:

@@ -16,7 +16,8 @@ HOP_BY_HOP = frozenset(
 VIA = "1.1 ratelimit-gateway"
 
 
-def _named_in_connection(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+def connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+    """Lower-case header names listed in ``Connection`` (hop-by-hop for this request)."""
     named: set[str] = set()
     for value in headers.getall("Connection", ()):
         named.update(token.strip().lower() for token in value.split(",") if token.strip())
@@ -27,7 +28,7 @@ def end_to_end(
     headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: Iterable[str] = ()
 ) -> CIMultiDict[str]:
     """A copy without hop-by-hop headers (including those the Connection header names)."""
-    skip = HOP_BY_HOP | _named_in_connection(headers) | {d.lower() for d in drop}
+    skip = HOP_BY_HOP | connection_tokens(headers) | {d.lower() for d in drop}
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
         if name.lower() not in skip:

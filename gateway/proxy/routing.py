@@ -42,4 +42,5 @@ class RegionMap:
             name = name[: name.find("]") + 1]
         else:
             name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
-        return self._hosts.get(name, self.default)
+        # "api.example.com." is the same host as "api.example.com".
+        return self._hosts.get(name.rstrip("."), self.default)

@@ -113,3 +113,54 @@ async def test_graceful_stop_finishes_a_stream_in_flight_and_sighup_reloads(tmp_
         assert "region us [default]: counters in in-process memory" in text
     finally:
         gw.stop()
+
+
+def _serve(*args, timeout=30):
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_workers_fail_fast_and_clearly(tmp_path):
+    import socket
+
+    memory = _serve(
+        "--workers", "2", "--redis-url", "memory://", "--no-embedded", "--data-dir", str(tmp_path)
+    )
+    assert memory.returncode == 2 and "needs shared counters" in memory.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - {id: x, identity: ip, limits: {us: 0/1}}\n")
+    rules = _serve(
+        "--workers",
+        "2",
+        "--redis-url",
+        "redis://127.0.0.1:1/0",
+        "--no-embedded",
+        "--rules",
+        str(bad),
+        "--data-dir",
+        str(tmp_path),
+    )
+    assert rules.returncode == 2 and "limits.us" in rules.stderr
+    assert "Traceback" not in rules.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = _serve(
+            "--workers",
+            "2",
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--no-embedded",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path),
+        )
+    assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    assert "Traceback" not in taken.stderr

@@ -51,6 +51,7 @@ async def running_gateway(
     upstream: str | None = None,
     builtin: Mapping[str, str] | None = None,
     rules: Sequence[str] = (DEFAULT_RULES,),
+    config_file: str | None = None,
     **overrides: Any,
 ):
     """Start the proxy app (what `gateway serve` runs) on a free loopback port."""
@@ -62,7 +63,7 @@ async def running_gateway(
         "access_log": "off",
         **overrides,
     }
-    settings = load_settings(flags, env={})
+    settings = load_settings(flags, env={}, config_file=config_file)
     metrics = Metrics()
     source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
     app = create_proxy_app(settings, Upstreams(dict(builtin or {})), metrics, source, SECRET)

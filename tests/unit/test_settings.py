@@ -72,3 +72,24 @@ def test_regions_section_orders_the_default_first(tmp_path):
     assert [r.name for r in table] == ["eu", "us"]
     assert table[0].counter_url == "redis://127.0.0.1:6390/0"
     assert table[1].hosts == ("api.example.com",)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ({"trusted_proxies": ["10.0.0.0/33"]}, "bad trusted-proxy CIDR"),
+        ({"ipv6_prefix": 200}, "ipv6 prefix must be 1..128"),
+        ({"log_level": "verbose"}, "log_level must be"),
+    ],
+)
+def test_bad_flags_are_settings_errors(flags, words):
+    with pytest.raises(SettingsError, match=words.split()[0]) as info:
+        load_settings(flags, env={})
+    assert words in str(info.value)
+
+
+def test_redis_url_with_regions_section_is_refused(tmp_path):
+    config = tmp_path / "gw.yaml"
+    config.write_text("regions: {us: {redis_url: 'redis://127.0.0.1:1/0'}}\n")
+    with pytest.raises(SettingsError, match="both given"):
+        load_settings({"redis_url": "redis://127.0.0.1:2/0"}, env={}, config_file=str(config))
