@@ -173,8 +173,14 @@ def create_proxy_app(
 
     app.cleanup_ctx.append(resources)
 
-    # A middleware rather than a route: every request target reaches the gateway's own
-    # checks, including those the router cannot match (CONNECT host:port, "*").
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await request.app[GATEWAY_KEY].handle(request)
+
+    # The catch-all route serves every origin-form target without the router building a
+    # 404 exception per request; the middleware catches what the router cannot match
+    # (CONNECT host:port, "*") so those reach the gateway's own checks too.
+    app.router.add_route("*", "/{tail:.*}", handle)
+
     @web.middleware
     async def everything(
         request: web.Request, handler: Callable[[web.Request], Any]

@@ -7,6 +7,7 @@ Labels never carry raw API keys or user ids: identities appear only as their kin
 from __future__ import annotations
 
 import logging
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -17,6 +18,8 @@ LATENCY_BUCKETS = (
     2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
+
 BREAKER_STATES = {"closed": 0, "open": 1, "half_open": 2}
 
 
@@ -24,6 +27,7 @@ class Metrics:
     """Every metric the gateway exports."""
 
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -109,6 +113,17 @@ class Metrics:
         self.inflight = Gauge(
             "gateway_inflight_requests", "Requests being handled right now.", registry=r
         )
+
+    def child(self, metric: MetricT, *labels: str) -> MetricT:
+        """``metric.labels(*labels)``, memoised: prometheus-client's own lookup costs more
+        than the rest of a counter increment, and the hot path does several per request.
+        Label values come from configuration (regions, rule ids, upstreams), so the memo is
+        bounded."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def counter_events(self, region: str) -> RegionCounterEvents:
         return RegionCounterEvents(self, region)

@@ -127,7 +127,7 @@ class Forwarder:
             detail = f"upstream {upstream.name!r} is unreachable"
             return json_error(502, detail, extra_headers), time.perf_counter() - started
         latency = time.perf_counter() - started
-        self._metrics.upstream_latency.labels(upstream.name).observe(latency)
+        self._metrics.child(self._metrics.upstream_latency, upstream.name).observe(latency)
         try:
             return await self._relay(request, upstream, upstream_response, extra_headers), latency
         finally:

@@ -75,7 +75,8 @@ class Gateway:
             self.metrics.inflight.dec()
             record.duration_ms = (time.perf_counter() - started) * 1000
             if record.status:
-                self.metrics.responses.labels(record.region, f"{record.status // 100}xx").inc()
+                status_class = f"{record.status // 100}xx"
+                self.metrics.child(self.metrics.responses, record.region, status_class).inc()
             self.access_log.emit(record)
         return response
 
@@ -132,7 +133,7 @@ class Gateway:
                 f"retry in {decision.retry_after} seconds"
             )
             headers.append(("Retry-After", str(decision.retry_after)))
-            self.metrics.overhead.labels(region).observe(time.perf_counter() - started)
+            self.metrics.child(self.metrics.overhead, region).observe(time.perf_counter() - started)
             return _done(record, json_error(429, detail, headers))
 
         if path == INFO_PATH and method in ("GET", "HEAD"):
@@ -147,7 +148,7 @@ class Gateway:
         record.upstream = upstream.name
         if record.request_id:
             headers.append(("X-Request-Id", record.request_id))
-        self.metrics.overhead.labels(region).observe(time.perf_counter() - started)
+        self.metrics.child(self.metrics.overhead, region).observe(time.perf_counter() - started)
         trusted_peer = bool(self.addresses.trusted) and _peer_trusted(self.addresses, peer)
         try:
             forwarded, latency = await self.forwarder.forward(
@@ -183,14 +184,14 @@ class Gateway:
             self._count(region, shadow_rule, shadow_kind, "shadow_limited")
             log.info("shadow rule %s would have limited this request", shadow_rule)
         if decision.near_limit:
-            self.metrics.near_limit.labels(region, rule).inc()
+            self.metrics.child(self.metrics.near_limit, region, rule).inc()
         record.rule = decision.rule_id
         record.decision = label
         if decision.identity_hash:
             record.identity = f"{kind}:{decision.identity_hash[:12]}"
 
     def _count(self, region: str, rule: str, kind: str, decision: str) -> None:
-        self.metrics.requests.labels(region, rule, kind, decision).inc()
+        self.metrics.child(self.metrics.requests, region, rule, kind, decision).inc()
 
     async def info(self) -> dict[str, object]:
         table = self.rules.table
