@@ -4,8 +4,13 @@ When the store refuses a request, each enforced limit it found full is remembere
 until its reset time: until then no request can fit in that limit (other instances
 only add to the count), so the answer is the same as the store's, without the round
 trip. The cache never admits anything; it only refuses earlier, and only while the
-refusal is certain. The reset is measured from when the call was sent, so the entry
-never outlives the store's own reset.
+refusal is certain.
+
+Two readings of the store's reset, each on its safe side: an entry is valid until
+the reset measured from when the call was sent (the store decided later than that,
+so the entry never outlives the store's own reset), while the reset reported to
+callers (``Retry-After``) is measured from when the answer arrived (the store decided
+earlier than that, so it is never earlier than the real reset).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ def monotonic_ms() -> int:
 
 @dataclass(slots=True)
 class _Entry:
-    until_ms: int  # the entry is valid until then
-    reset_at_ms: int  # when the limit next frees a slot
+    until_ms: int  # the entry is valid until then (measured from the send)
+    reset_at_ms: int  # reported reset: when the limit next frees a slot, at the latest
     remaining: int
     allowed: bool  # the limit had room when the store last answered
     denied: bool  # an enforced limit that was full: this entry refuses on its own
@@ -84,7 +89,7 @@ class DenyCacheBackend:
             return cached
         result = await self._inner.hit(checks)
         if not result.admitted and result.source in self._sources:
-            self._remember(checks, result, now)
+            self._remember(checks, result, now, self._clock())
         return result
 
     def _lookup(self, checks: Sequence[LimitCheck], now: int) -> HitResult | None:
@@ -112,7 +117,9 @@ class DenyCacheBackend:
             return None
         return HitResult(False, tuple(states), source="deny-cache")
 
-    def _remember(self, checks: Sequence[LimitCheck], result: HitResult, sent_at: int) -> None:
+    def _remember(
+        self, checks: Sequence[LimitCheck], result: HitResult, sent_at: int, answered_at: int
+    ) -> None:
         until = sent_at
         for check, state in zip(checks, result.states, strict=True):
             if check.enforce and not state.allowed:
@@ -126,7 +133,7 @@ class DenyCacheBackend:
             entry_until = sent_at + state.reset_ms if denied else until
             self._entries[check.key] = _Entry(
                 entry_until,
-                sent_at + state.reset_ms,
+                max(sent_at, answered_at) + state.reset_ms,
                 state.remaining,
                 state.allowed,
                 denied,

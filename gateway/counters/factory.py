@@ -23,7 +23,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 from gateway.counters.base import CounterBackend, CounterEvents, NoEvents
 from gateway.counters.coalesce import CoalescingBackend
 from gateway.counters.deny_cache import DenyCacheBackend, monotonic_ms
-from gateway.counters.memory import MemoryBackend, wall_clock_ms
+from gateway.counters.memory import MemoryBackend
 from gateway.counters.redis_backend import RedisBackend
 from gateway.counters.resilient import ResilientBackend
 
@@ -32,6 +32,8 @@ MAX_CONNECTIONS = 32
 # Bounds for redis-py's own socket operations; a request's wait is bounded much more
 # tightly by ResilientBackend's timeout.
 SOCKET_TIMEOUT_SECONDS = 1.0
+# Pipelines in flight at once per store (each on its own pooled connection).
+MAX_IN_FLIGHT = 1
 
 ACCEPTED_FORMS = (
     "memory://, redis://[[user]:password@]host[:port][/db], rediss://… (TLS), "
@@ -290,14 +292,21 @@ def open_counter_backend(
     the backend's name: the keys carry the region already.
     """
     if url is None or url == "":
-        return MemoryBackend(clock=clock or wall_clock_ms)
+        return MemoryBackend(clock=clock) if clock else MemoryBackend()
     parsed = parse_counter_url(url)
     if parsed.scheme == "memory":
-        return MemoryBackend(clock=clock or wall_clock_ms)
+        return MemoryBackend(clock=clock) if clock else MemoryBackend()
     events = events or NoEvents()
     store = RedisBackend(redis_client(parsed), name=f"{parsed.display} (region {region})")
     inner: CounterBackend = (
-        CoalescingBackend(store, batch_timeout_seconds=max(1.0, 4 * timeout_seconds))
+        CoalescingBackend(
+            store,
+            max_in_flight=MAX_IN_FLIGHT,
+            batch_timeout_seconds=max(1.0, 4 * timeout_seconds),
+            # The store timeout runs on the wire; the wait for a turn is bounded apart.
+            call_timeout_seconds=timeout_seconds,
+            queue_timeout_seconds=max(1.0, 20 * timeout_seconds),
+        )
         if coalesce
         else store
     )
@@ -306,7 +315,11 @@ def open_counter_backend(
         timeout_seconds=timeout_seconds,
         failure_threshold=breaker_failures,
         reset_seconds=breaker_reset_seconds,
-        fallback=MemoryBackend(clock=clock or wall_clock_ms, label="fallback"),
+        fallback=(
+            MemoryBackend(clock=clock, label="fallback")
+            if clock
+            else MemoryBackend(label="fallback")
+        ),
         events=events,
     )
     if not deny_cache:

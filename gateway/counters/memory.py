@@ -141,6 +141,3 @@ class MemoryBackend:
 
     async def close(self) -> None:
         self._windows.clear()
-
-
-wall_clock_ms = monotonic_ms  # TEMP alias until factory.py is updated

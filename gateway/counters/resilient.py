@@ -7,6 +7,13 @@ lets through) and a call with an enforced fail-closed check raises
 ``CounterUnavailableError``. After ``reset_seconds`` one probe call goes to the store
 again; when it succeeds the breaker closes and traffic returns to the store, with no
 restart.
+
+The timeout is the store's: with a ``CoalescingBackend`` built with
+``call_timeout_seconds`` it runs from when a round trip is sent until its reply, so
+time a check spends waiting for its turn under a burst is not taken for an outage.
+That wait has its own, longer bound; running past it (``CoalescerOverloadedError``)
+is local overload: the check is answered like an outage (fallback or fail closed)
+but the breaker does not count it, and no store error is reported.
 """
 
 from __future__ import annotations
@@ -27,9 +34,15 @@ from gateway.counters.base import (
     LimitCheck,
     NoEvents,
 )
+from gateway.counters.coalesce import CoalescerOverloadedError, CoalescingBackend
 from gateway.counters.memory import MemoryBackend
 
 log = logging.getLogger("gateway.counters")
+
+# At most one log line this often about checks that waited too long locally.
+OVERLOAD_LOG_SECONDS = 10.0
+# Added to the inner backend's own bound: the outer timeout is only a safety net.
+SAFETY_MARGIN_SECONDS = 0.5
 
 CLOSED = "closed"
 OPEN = "open"
@@ -126,6 +139,15 @@ class ResilientBackend:
             raise ValueError("timeout_seconds must be > 0")
         self._inner = inner
         self._timeout = timeout_seconds
+        # When the inner backend times the store on the wire itself, waiting outside
+        # the store is bounded there too and this is only an outer safety net.
+        inner_bound = inner.max_wait_seconds if isinstance(inner, CoalescingBackend) else None
+        self._deadline = (
+            timeout_seconds if inner_bound is None else inner_bound + SAFETY_MARGIN_SECONDS
+        )
+        self._monotonic = monotonic
+        self._overloaded = 0
+        self._overload_logged_at: float | None = None
         self._events: CounterEvents = events or NoEvents()
         self._fallback = fallback if fallback is not None else MemoryBackend(label="fallback")
         self._breaker = CircuitBreaker(
@@ -151,7 +173,7 @@ class ResilientBackend:
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         if self._breaker.allow():
             try:
-                async with asyncio.timeout(self._timeout):
+                async with asyncio.timeout(self._deadline):
                     result = await self._inner.hit(checks)
             except asyncio.CancelledError:
                 self._breaker.release()
@@ -160,6 +182,10 @@ class ResilientBackend:
                 # A malformed check is the caller's bug, not an outage of the store.
                 self._breaker.release()
                 raise
+            except CoalescerOverloadedError:
+                # Waited too long for a turn here: local overload, not the store's fault.
+                self._breaker.release()
+                self._note_overload()
             except Exception as exc:
                 kind = failure_kind(exc)
                 self._events.store_error(kind)
@@ -169,6 +195,18 @@ class ResilientBackend:
                 self._breaker.success()
                 return result
         return self._fallback_hit(checks)
+
+    def _note_overload(self) -> None:
+        self._overloaded += 1
+        now = self._monotonic()
+        last = self._overload_logged_at
+        if last is None or now - last >= OVERLOAD_LOG_SECONDS:
+            self._overload_logged_at = now
+            log.warning(
+                "counter checks waited too long for a turn to the store (%d so far); "
+                "answered by the local fallback or refused (fail closed)",
+                self._overloaded,
+            )
 
     def _fallback_hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         if any(check.enforce and not check.fail_open for check in checks):

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from gateway.counters.base import CounterUnavailableError, LimitCheck
-from gateway.counters.coalesce import CoalescingBackend
+from gateway.counters.base import CounterUnavailableError, HitResult, LimitCheck, LimitState
+from gateway.counters.coalesce import (
+    CoalescerOverloadedError,
+    CoalescingBackend,
+    StoreTimeoutError,
+)
 from gateway.counters.factory import parse_counter_url, redis_client
 from gateway.counters.redis_backend import RedisBackend
-from tests.counters.helpers import new_key
+from gateway.counters.resilient import ResilientBackend
+from tests.counters.helpers import RecordingEvents, new_key
 from tests.support.redis_servers import RedisServer
 
 
@@ -112,3 +117,127 @@ async def test_a_caller_that_gives_up_does_not_cost_the_connection(
     # The abandoned call still completed (and counted): the connection survived.
     assert result.states[0].remaining == 7
     assert connections() == before + 1  # just redis-cli's own connection for INFO
+
+
+class FakeStore:
+    """A batch store answering every check as admitted; keys in ``hang`` never answer
+    until ``release`` is set, and each round trip takes ``delay`` seconds."""
+
+    name = "fake"
+
+    def __init__(self, delay: float = 0.0, hang: frozenset[str] = frozenset()) -> None:
+        self.delay = delay
+        self.hang = hang
+        self.release = asyncio.Event()
+        self.round_trips: list[list[str]] = []
+
+    async def _trip(self, batch: Sequence[Sequence[LimitCheck]]) -> list[HitResult | Exception]:
+        self.round_trips.append([checks[0].key for checks in batch])
+        await asyncio.sleep(self.delay)
+        if any(checks[0].key in self.hang for checks in batch):
+            await self.release.wait()
+        return [HitResult(True, (LimitState(True, 1, 0),), source="redis") for _ in batch]
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        result = (await self._trip([checks]))[0]
+        assert isinstance(result, HitResult)
+        return result
+
+    async def hit_many(self, batch: Sequence[Sequence[LimitCheck]]) -> list[HitResult | Exception]:
+        return await self._trip(batch)
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self.release.set()
+
+
+def checks_named(*names: str) -> list[list[LimitCheck]]:
+    return [[LimitCheck(name, 1_000, 60_000, 1_000)] for name in names]
+
+
+async def test_time_waiting_for_a_turn_is_not_store_time() -> None:
+    # Each round trip takes 10 ms against a 250 ms store timeout; the last checks
+    # wait far longer than that in the queue (one check per pipeline) and still pass.
+    store = FakeStore(delay=0.01)
+    coalescing = CoalescingBackend(
+        store, max_batch=1, call_timeout_seconds=0.25, queue_timeout_seconds=30.0
+    )
+    try:
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(
+            *(coalescing.hit(c) for c in checks_named(*(f"k{i}" for i in range(60))))
+        )
+        assert asyncio.get_running_loop().time() - started > 0.25 * 2
+        assert all(r.admitted and r.source == "redis" for r in results)
+        assert coalescing.wire_timeouts == 0 and coalescing.queue_timeouts == 0
+    finally:
+        await coalescing.close()
+
+
+async def test_a_round_trip_past_the_timeout_fails_its_whole_batch_only() -> None:
+    store = FakeStore(hang=frozenset({"stuck"}))
+    coalescing = CoalescingBackend(
+        store, max_batch=3, call_timeout_seconds=0.05, queue_timeout_seconds=30.0
+    )
+    try:
+        names = ("first", "stuck", "a", "b", "c", "d")
+        results = await asyncio.wait_for(
+            asyncio.gather(*(coalescing.hit(c) for c in checks_named(*names)),
+                           return_exceptions=True),
+            10.0,
+        )  # fmt: skip
+        assert store.round_trips == [["first"], ["stuck", "a", "b"], ["c", "d"]]
+        assert isinstance(results[0], HitResult)
+        assert all(isinstance(r, StoreTimeoutError) for r in results[1:4])
+        assert all(isinstance(r, TimeoutError) for r in results[1:4])
+        # The stuck pipeline no longer held the only slot: the next batch went out.
+        assert all(isinstance(r, HitResult) for r in results[4:])
+        assert coalescing.wire_timeouts == 1
+    finally:
+        await coalescing.close()
+
+
+async def test_a_check_that_waits_too_long_for_a_turn_is_overload_not_an_outage() -> None:
+    store = FakeStore(hang=frozenset({"slow"}))
+    coalescing = CoalescingBackend(
+        store, call_timeout_seconds=30.0, queue_timeout_seconds=0.05, batch_timeout_seconds=30.0
+    )
+    events = RecordingEvents()
+    resilient = ResilientBackend(coalescing, timeout_seconds=30.0, events=events)
+    try:
+        slow = asyncio.ensure_future(resilient.hit(checks_named("slow")[0]))
+        await asyncio.sleep(0)
+        waiting = [LimitCheck(new_key(), 10, 60_000, 1_000) for _ in range(3)]
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(resilient.hit([c]) for c in waiting)), 10.0
+        )
+        assert {a.source for a in answers} == {"fallback"} and all(a.admitted for a in answers)
+        closed = LimitCheck(new_key(), 10, 60_000, 1_000, fail_open=False)
+        with pytest.raises(CounterUnavailableError):
+            await asyncio.wait_for(resilient.hit([closed]), 10.0)
+        assert coalescing.queue_timeouts == 4
+        # Not a store failure: nothing reported, the breaker did not count it.
+        assert events.errors == [] and events.breaker == []
+        assert resilient.breaker_state == "closed"
+        store.release.set()
+        assert (await asyncio.wait_for(slow, 10.0)).source == "redis"
+    finally:
+        await resilient.close()
+
+
+async def test_a_full_queue_is_refused_as_overload() -> None:
+    store = FakeStore(hang=frozenset({"slow"}))
+    coalescing = CoalescingBackend(store, max_pending=2)
+    try:
+        slow = asyncio.ensure_future(coalescing.hit(checks_named("slow")[0]))
+        await asyncio.sleep(0)
+        queued = [asyncio.ensure_future(coalescing.hit(c)) for c in checks_named("a", "b")]
+        await asyncio.sleep(0)
+        with pytest.raises(CoalescerOverloadedError):
+            await coalescing.hit(checks_named("c")[0])
+        store.release.set()
+        assert all(r.admitted for r in await asyncio.gather(slow, *queued))
+    finally:
+        await coalescing.close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Sequence
 
-from gateway.counters.base import LimitCheck
+from gateway.counters.base import HitResult, LimitCheck
 from gateway.counters.deny_cache import DenyCacheBackend
 from gateway.counters.factory import open_counter_backend
 from gateway.counters.memory import MemoryBackend
@@ -101,3 +103,48 @@ async def test_the_cache_is_bounded() -> None:
         await cache.hit([check])
         assert not (await cache.hit([check])).admitted
         assert 1 <= len(cache) <= 8
+
+
+async def test_reported_reset_is_never_earlier_than_the_real_one() -> None:
+    # The store decides somewhere between the send and the answer. The entry must
+    # expire no later than the real reset (measured from the send), while the reset
+    # reported to callers must be no earlier than it (measured from the answer).
+    now = [1_000_000]
+    memory = MemoryBackend(clock=lambda: now[0])
+
+    class SlowStore:
+        name = "slow"
+        decided_at: list[int] = []
+
+        async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+            now[0] += 400  # on the way there
+            self.decided_at.append(now[0])
+            result = await memory.hit(checks)
+            now[0] += 700  # on the way back: crosses a second boundary
+            return HitResult(result.admitted, result.states, source="redis")
+
+        async def healthy(self) -> bool:
+            return True
+
+        async def close(self) -> None:
+            pass
+
+    store = SlowStore()
+    cache = DenyCacheBackend(store, clock_ms=lambda: now[0])
+    check = LimitCheck(new_key(), limit=1, window_ms=10_000, bucket_ms=1_000)
+    assert (await cache.hit([check])).admitted
+    refused = await cache.hit([check])
+    assert not refused.admitted and refused.source == "redis"
+    real_reset = store.decided_at[-1] + refused.states[0].reset_ms
+    seen = 0
+    while True:
+        cached = await cache.hit([check])
+        if cached.source != "deny-cache":
+            break
+        seen += 1
+        assert now[0] < real_reset  # the entry never outlives the real reset
+        reported = cached.states[0].reset_ms
+        assert now[0] + reported >= real_reset
+        assert math.ceil(reported / 1000) >= math.ceil((real_reset - now[0]) / 1000)
+        now[0] += 97
+    assert seen > 10

@@ -207,3 +207,24 @@ def test_failure_kinds() -> None:
     assert failure_kind(RedisConnectionError()) == "connection"
     assert failure_kind(ConnectionRefusedError()) == "connection"
     assert failure_kind(ResponseError("WRONGTYPE")) == "error"
+
+
+async def test_a_burst_on_a_healthy_store_admits_exactly_the_limit(
+    redis_server: RedisServer,
+) -> None:
+    # Regression: the 50 ms store timeout used to cover the wait in the coalescing
+    # queue, so a burst timed out locally, fell back to local counts (over-admitting)
+    # and opened the breaker against a perfectly healthy store.
+    events = RecordingEvents()
+    backend = open_counter_backend(redis_server.url, region="us", events=events)
+    try:
+        check = LimitCheck(new_key(10), limit=15, window_ms=10_000, bucket_ms=1_000)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(backend.hit([check]) for _ in range(1000))), WAIT_SECONDS
+        )
+        assert sum(r.admitted for r in results) == 15
+        assert {r.source for r in results} == {"redis"}
+        assert events.errors == [] and events.fallbacks == 0
+        assert events.breaker == [] and resilient_of(backend).breaker_state == "closed"
+    finally:
+        await backend.close()
