@@ -33,9 +33,7 @@ def select(
     never changes what is enforced.
     """
     shadows: list[tuple[Rule, str]] = []
-    for rule in table.for_region(region):
-        if not rule.matcher(method, path):
-            continue
+    for rule in table.candidates(region, method, path):
         key = identity(rule.identity)
         if key is None:
             continue

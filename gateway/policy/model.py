@@ -25,6 +25,7 @@ class PathKind(StrEnum):
 
 
 PATH_KINDS = tuple(k.value for k in PathKind if k is not PathKind.ANY)
+MATCH_CACHE_ENTRIES = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,22 @@ class RuleTable:
     # Per region, the rules that apply there (exempt ones, or with a limit for it), in
     # order: computed once at load so matching never looks at inapplicable rules.
     by_region: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
+    # (region, method, path) -> the rules whose method and path match, in order. Which of
+    # them applies then depends only on the identity headers present, so this part of the
+    # work is done once per distinct request line; bounded by clearing when full.
+    match_cache: dict[tuple[str, str, str], tuple[Rule, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
+        key = (region, method, path)
+        found = self.match_cache.get(key)
+        if found is None:
+            found = tuple(r for r in self.for_region(region) if r.matcher(method, path))
+            if len(self.match_cache) >= MATCH_CACHE_ENTRIES:
+                self.match_cache.clear()
+            self.match_cache[key] = found
+        return found
 
     def for_region(self, region: str) -> tuple[Rule, ...]:
         found = self.by_region.get(region)

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from gateway.policy import model
+from gateway.policy.loader import load_rules_from_texts
+from gateway.policy.matcher import select
+from gateway.policy.model import IdentityKind
+
+TEXT = """
+rules:
+  - {id: trial, match: {prefix: /a}, identity: ip, shadow: true, limits: {default: 1/1}}
+  - {id: a-key, match: {prefix: /a}, identity: api_key, limits: {default: 5/1}}
+  - {id: a-user, match: {prefix: /a}, identity: user_ip, limits: {us: 5/1}}
+  - {id: rest, identity: ip, limits: {default: 9/1}}
+"""
+
+
+def lookup(api_key=None, user=None):
+    def key_for(kind: IdentityKind):
+        return {
+            IdentityKind.IP: "ip-hash",
+            IdentityKind.API_KEY: api_key,
+            IdentityKind.USER_IP: user,
+        }[kind]
+
+    return key_for
+
+
+def test_first_formable_rule_wins_and_shadows_are_collected():
+    table = load_rules_from_texts([("t.yaml", TEXT)])
+    chosen = select(table, "us", "GET", "/a/b", lookup(api_key="k"))
+    assert chosen.rule.id == "a-key" and chosen.identity == "k"
+    assert [(r.id, key) for r, key in chosen.shadows] == [("trial", "ip-hash")]
+    assert select(table, "us", "GET", "/a", lookup(user="u")).rule.id == "a-user"
+    # a-user has no limit in eu: it does not apply there
+    assert select(table, "eu", "GET", "/a", lookup(user="u")).rule.id == "rest"
+    assert select(table, "us", "GET", "/ab", lookup(api_key="k")).rule.id == "rest"
+
+
+def test_match_cache_gives_the_same_answers_and_stays_bounded(monkeypatch):
+    monkeypatch.setattr(model, "MATCH_CACHE_ENTRIES", 50)
+    table = load_rules_from_texts([("t.yaml", TEXT)])
+    for n in range(500):
+        path = f"/a/{n}" if n % 2 else f"/z/{n}"
+        first = select(table, "us", "GET", path, lookup(api_key="k"))
+        again = select(table, "us", "GET", path, lookup())
+        assert first.rule.id == ("a-key" if n % 2 else "rest")
+        assert again.rule.id == "rest"  # same path, other headers: not a cached rule
+        assert len(table.match_cache) <= 50
