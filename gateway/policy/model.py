@@ -26,6 +26,7 @@ class PathKind(StrEnum):
 
 PATH_KINDS = tuple(k.value for k in PathKind if k is not PathKind.ANY)
 MATCH_CACHE_ENTRIES = 16_384
+MATCH_CACHE_MAX_PATH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,8 @@ class RuleTable:
         found = self.match_cache.get(key)
         if found is None:
             found = tuple(r for r in self.for_region(region) if r.matcher(method, path))
+            if len(path) > MATCH_CACHE_MAX_PATH:
+                return found  # long paths would make the bounded cache large in bytes
             if len(self.match_cache) >= MATCH_CACHE_ENTRIES:
                 self.match_cache.clear()
             self.match_cache[key] = found
