@@ -58,7 +58,7 @@ def open_backend(
 ) -> CounterBackend:
     """The counter backend for one region (memory when no URL is configured)."""
     if url is None or url.startswith("memory:"):
-        return MemoryBackend()
+        return MemoryBackend(max_keys=settings.memory_max_keys)
     from gateway.counters.factory import open_counter_backend
 
     return open_counter_backend(

@@ -57,6 +57,7 @@ class Settings:
     identity_secret: str | None = None
     redis_timeout_ms: float = 50.0
     deny_cache: bool = True
+    memory_max_keys: int = 1_000_000  # in-process counters kept at most (~400 bytes each)
     upstream_connect_timeout: float = 5.0
     upstream_timeout: float = 60.0  # until the upstream's response headers
     upstream_read_timeout: float = 300.0  # longest silence inside a streamed body
@@ -232,6 +233,8 @@ def _validate(s: Settings) -> None:
         port = getattr(s, port_name)
         if not 0 <= port <= 65535:
             bad(f"{port_name} must be 0..65535, not {port}")
+    if s.memory_max_keys < 1000:
+        bad(f"memory_max_keys must be at least 1000, not {s.memory_max_keys}")
     if s.workers < 1 or s.workers > 64:
         bad(f"workers must be 1..64, not {s.workers}")
     if s.access_log not in ("plain", "json", "off"):

@@ -13,8 +13,8 @@ check-then-increment atomic on one event loop.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 
 from gateway.counters.base import HitResult, LimitCheck, LimitState
 from gateway.ratelimit.window import current_bucket, ms_until_room, oldest_counted_bucket
@@ -28,27 +28,37 @@ def monotonic_ms() -> int:
 
 
 class _Window:
-    """Counted ``[bucket, count]`` pairs, oldest first, plus when the whole thing expires."""
+    """Counted buckets, oldest first, as one flat list ``[bucket, count, bucket, count…]``
+    (a flat list costs a fraction of a deque of pairs; at most ~61 pairs, so trimming
+    the front by slicing is cheap), plus when the whole window expires."""
 
-    __slots__ = ("buckets", "expires_ms")
+    __slots__ = ("expires_ms", "flat")
 
     def __init__(self) -> None:
-        self.buckets: deque[list[int]] = deque()
+        self.flat: list[int] = []
         self.expires_ms = 0
 
     def prune(self, oldest: int) -> None:
-        buckets = self.buckets
-        while buckets and buckets[0][0] < oldest:
-            buckets.popleft()
+        flat = self.flat
+        drop = 0
+        while drop < len(flat) and flat[drop] < oldest:
+            drop += 2
+        if drop:
+            del flat[:drop]
 
     def total(self) -> int:
-        return sum(count for _, count in self.buckets)
+        return sum(self.flat[1::2])
+
+    def pairs(self) -> Iterator[tuple[int, int]]:
+        flat = self.flat
+        return zip(flat[0::2], flat[1::2], strict=True)
 
     def add(self, bucket: int) -> None:
-        if self.buckets and self.buckets[-1][0] == bucket:
-            self.buckets[-1][1] += 1
+        flat = self.flat
+        if flat and flat[-2] == bucket:
+            flat[-1] += 1
         else:
-            self.buckets.append([bucket, 1])
+            flat += (bucket, 1)
 
 
 class MemoryBackend:
@@ -83,7 +93,7 @@ class MemoryBackend:
         now = self._clock()
         self._calls += 1
         if self._calls % self._sweep_every == 0:
-            self.sweep(now)
+            self.sweep_oldest(now)
         windows: list[_Window] = []
         totals: list[int] = []
         admitted = True
@@ -103,7 +113,7 @@ class MemoryBackend:
                 window.expires_ms = max(window.expires_ms, now + check.window_ms + check.bucket_ms)
                 total += 1
             reset = ms_until_room(
-                ((b, c) for b, c in window.buckets),
+                window.pairs(),
                 total,
                 check.limit,
                 now,
@@ -111,7 +121,7 @@ class MemoryBackend:
                 check.bucket_ms,
             )
             states.append(LimitState(has_room, max(0, check.limit - total), reset))
-            if not window.buckets:
+            if not window.flat:
                 self._windows.pop(check.key, None)
         return HitResult(admitted, tuple(states), source=self._label)
 
@@ -127,6 +137,22 @@ class MemoryBackend:
         else:
             self._windows.move_to_end(key)
         return window
+
+    def sweep_oldest(self, now_ms: int, budget: int = 1000) -> int:
+        """Drop expired counters from the least recently used end, at most ``budget``.
+
+        Called on the request path, so it never scans the whole table (that would stall
+        the event loop with a million keys); the LRU order puts idle keys first.
+        """
+        windows = self._windows
+        removed = 0
+        while windows and removed < budget:
+            key, window = next(iter(windows.items()))
+            if window.expires_ms > now_ms:
+                break
+            del windows[key]
+            removed += 1
+        return removed
 
     def sweep(self, now_ms: int | None = None) -> int:
         """Drop counters whose whole window has passed; returns how many."""

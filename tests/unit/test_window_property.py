@@ -98,7 +98,7 @@ def test_memory_is_bounded_per_identity_and_idle_identities_are_evicted():
         clock.now += 7
         backend.hit_now([check])
     window = backend._windows["k"]
-    assert len(window.buckets) <= 62  # one entry per visible bucket, whatever the count
+    assert len(window.flat) <= 2 * 62  # one pair per visible bucket, whatever the count
     for n in range(5000):
         backend.hit_now([LimitCheck(f"id{n}", 5, 1000, 100)])
     assert len(backend) <= 1000  # the LRU cap holds under many distinct clients
@@ -106,3 +106,16 @@ def test_memory_is_bounded_per_identity_and_idle_identities_are_evicted():
     before = len(backend)
     assert backend.sweep() == before
     assert len(backend) == 0
+
+
+def test_request_path_sweep_removes_idle_keys_without_scanning_everything():
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock, sweep_every=100)
+    for n in range(3000):
+        backend.hit_now([LimitCheck(f"idle{n}", 5, 1000, 100)])
+    clock.now += 10_000  # every one of them is idle now
+    for _ in range(200):  # two sweeps of at most 1000 keys each, from the LRU end
+        backend.hit_now([LimitCheck("busy", 1000, 1000, 100)])
+    assert 1000 <= len(backend) <= 3000 - 1000
+    assert backend.sweep_oldest(clock.now, budget=10_000) >= 1
+    assert len(backend) == 1  # only the busy key is left
