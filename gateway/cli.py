@@ -20,9 +20,10 @@ SERVE_EPILOG = """\
 Every option can also be set with an environment variable GATEWAY_<NAME> (for example
 GATEWAY_REDIS_URL, GATEWAY_TRUSTED_PROXIES=10.0.0.0/8,192.168.0.0/16) or in the YAML
 config file under the same name with underscores (redis_url: ...). Precedence:
-flag > environment > config file > default. The config file alone takes 'regions',
-'routes', 'store' and 'control_plane' sections (see README.md, "Configuration",
-and docs/deployment.md).
+flag > environment > config file > default. Settings with no flag here (bounds and
+timeouts such as max_body_bytes, upstream_timeout, memory_max_keys) are set the same
+way. The config file alone takes 'regions', 'routes', 'store' and 'control_plane'
+sections. Every setting: README.md, "Configuration", and docs/deployment.md.
 
 Examples:
   gateway serve                                    # built-in upstreams, memory counters

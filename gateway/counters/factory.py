@@ -8,6 +8,7 @@ connects: redis-py connects on first use and the script is loaded on the first
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +40,19 @@ ACCEPTED_FORMS = (
     "memory://, redis://[[user]:password@]host[:port][/db], rediss://… (TLS), "
     "unix://[[user]:password@]/path/to/socket[?db=N], "
     "redis+cluster://[[user]:password@]host:port[,host:port…] (rediss+cluster:// for TLS), "
-    "redis+sentinel://[[user]:password@]host:port[,host:port…]/service-name[/db]"
+    "redis+sentinel://[[user]:password@]host:port[,host:port…]/service-name[/db]; "
+    "TLS options for rediss:// and rediss+cluster://: ?ssl_ca_certs=/path/ca.pem (trust "
+    "a private CA), ssl_cert_reqs=required|optional|none (default required), "
+    "ssl_check_hostname=true|false (default true), ssl_certfile=/path and "
+    "ssl_keyfile=/path (a client certificate)"
 )
 QUERY_KEYS = frozenset(
     {"db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 )
+SSL_FILE_KEYS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+SSL_CERT_REQS = frozenset({"none", "optional", "required"})
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 SCHEMES = frozenset(
     {"memory", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel"}
 )
@@ -122,6 +131,24 @@ def _parse_db(text: str) -> int:
     return int(text)
 
 
+def _parse_ssl_option(key: str, value: str) -> str:
+    """Check one ``ssl_*`` value now: redis-py would only see it on the first connect,
+    and a bad one would then look like an outage (fallback) instead of a bad URL."""
+    if key in SSL_FILE_KEYS:
+        if not value:
+            raise _bad(f"{key} needs a file path")
+        return value
+    lowered = value.lower()
+    if key == "ssl_cert_reqs":
+        if lowered not in SSL_CERT_REQS:
+            raise _bad("ssl_cert_reqs must be required, optional or none")
+        return lowered
+    # ssl_check_hostname
+    if lowered not in TRUE_WORDS | FALSE_WORDS:
+        raise _bad("ssl_check_hostname must be true or false")
+    return "true" if lowered in TRUE_WORDS else "false"
+
+
 def parse_counter_url(url: str) -> CounterUrl:
     """Parse and validate a counter URL; ``ValueError`` says what forms are accepted."""
     if len(url) > MAX_URL_LENGTH:
@@ -146,7 +173,7 @@ def parse_counter_url(url: str) -> CounterUrl:
         if key == "db":
             db = _parse_db(value)
         else:
-            options.append((key, value))
+            options.append((key, _parse_ssl_option(key, value)))
     if options and not scheme.startswith("rediss"):
         raise _bad("ssl_* options need a rediss:// URL")
     username: str | None = None
@@ -207,7 +234,13 @@ def _connection_kwargs(parsed: CounterUrl) -> dict[str, Any]:
         kwargs["ssl"] = True
         for key, value in parsed.options:
             if key == "ssl_check_hostname":
-                kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+                kwargs[key] = value == "true"
+            elif key in SSL_FILE_KEYS:
+                # Checked here, when the backend is built, rather than when the URL is
+                # parsed (configuration checks may run where the files are not).
+                if not os.path.isfile(value) or not os.access(value, os.R_OK):
+                    raise _bad(f"{key}: no readable file at {value}")
+                kwargs[key] = value
             else:
                 kwargs[key] = value
     return kwargs

@@ -3,7 +3,9 @@
 Every server runs on a free loopback port (never the machine's shared 6379), in its
 own temporary directory, with persistence off. ``kill9`` and ``restart`` simulate a
 crash and a recovery on the same port; ``pause``/``resume`` (SIGSTOP/SIGCONT) a
-server that hangs without closing connections.
+server that hangs without closing connections. ``RedisServer(..., tls=True)`` serves
+TLS only (``tls-port``, plain port off) with a throwaway CA and server certificate
+made by ``openssl`` in its directory (``make_tls_files``).
 
 Use from a conftest::
 
@@ -21,10 +23,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
+OPENSSL = shutil.which("openssl") or "openssl"
 START_TIMEOUT_SECONDS = 10.0
 CLUSTER_TIMEOUT_SECONDS = 30.0
 
@@ -44,6 +49,48 @@ def _port_open(port: int) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1 / localhost it signed."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def _openssl(*args: str) -> None:
+    done = subprocess.run(
+        [OPENSSL, *args], capture_output=True, timeout=30, check=False, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"openssl {args[0]} failed: {done.stderr[-2000:]}")
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """Make a CA (valid one day) and a server certificate for 127.0.0.1 in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = directory / "ca.key", directory / "ca.crt"
+    key, csr, cert = directory / "server.key", directory / "server.csr", directory / "server.crt"
+    ext = directory / "server.ext"
+    ext.write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+        "basicConstraints=CA:FALSE\n"
+        "keyUsage=digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\n"
+    )
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl(
+        "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca_cert),
+        "-days", "1", "-subj", "/CN=ratelimit-gateway test CA",
+    )  # fmt: skip
+    _openssl("req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext),
+    )  # fmt: skip
+    return TlsFiles(ca_cert, cert, key)
+
+
 class RedisServer:
     """One ``redis-server`` process on 127.0.0.1:``port`` (and a unix socket)."""
 
@@ -54,6 +101,7 @@ class RedisServer:
         port: int | None = None,
         password: str | None = None,
         cluster: bool = False,
+        tls: bool = False,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.directory = directory
@@ -64,12 +112,18 @@ class RedisServer:
         self.password = password
         self.cluster = cluster
         self.extra_args = extra_args
+        # With TLS, ``port`` is the TLS port and the plain TCP port is off.
+        self.tls_files = make_tls_files(directory / "tls") if tls else None
         self.unix_socket = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp")) / "redis.sock"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        """``redis://…/0``, or for a TLS server ``rediss://…/0?ssl_ca_certs=<its CA>``."""
         auth = f":{self.password}@" if self.password else ""
+        if self.tls_files is not None:
+            ca = quote(str(self.tls_files.ca_cert), safe="/")
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={ca}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
@@ -77,9 +131,20 @@ class RedisServer:
         return f"unix://{self.unix_socket}"
 
     def _args(self) -> list[str]:
+        if self.tls_files is None:
+            ports = ["--port", str(self.port)]
+        else:
+            ports = [
+                "--port", "0",
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls_files.cert),
+                "--tls-key-file", str(self.tls_files.key),
+                "--tls-ca-cert-file", str(self.tls_files.ca_cert),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         args = [
             REDIS_SERVER,
-            "--port", str(self.port),
+            *ports,
             "--bind", "127.0.0.1",
             "--dir", str(self.directory),
             "--save", "",
@@ -143,6 +208,8 @@ class RedisServer:
     def cli(self, *command: str) -> str:
         """Run one command with ``redis-cli`` and return its raw output."""
         args = [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port)]
+        if self.tls_files is not None:
+            args += ["--tls", "--cacert", str(self.tls_files.ca_cert)]
         if self.password:
             args += ["--no-auth-warning", "-a", self.password]
         done = subprocess.run(
