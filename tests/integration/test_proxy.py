@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 
-from tests.support.gateway import free_port, running_gateway
+from tests.support.gateway import free_port, raw_request, running_gateway
 from tests.support.upstream import EVENTS_KEY
 
 
@@ -132,25 +132,16 @@ async def test_unreachable_upstream_is_502_and_slow_is_504(upstream):
             assert "in time" in (await r.json())["detail"]
 
 
-async def _raw(port: int, request: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(request)
-    await writer.drain()
-    data = await asyncio.wait_for(reader.read(65536), 10)
-    writer.close()
-    return data
-
-
 async def test_open_proxy_requests_are_refused(upstream):
     async with running_gateway(upstream) as gw:
         port = int(gw.url.rsplit(":", 1)[1])
-        absolute = await _raw(
+        absolute = await raw_request(
             port,
             b"GET http://example.com/x HTTP/1.1\r\nHost: example.com\r\nConnection: close\r\n\r\n",
         )
         assert absolute.startswith(b"HTTP/1.1 400"), absolute[:100]
         assert b'"detail"' in absolute
-        connect = await _raw(
+        connect = await raw_request(
             port, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
         )
         assert connect.split(b"\r\n")[0].split(b" ")[1] in (b"400", b"405"), connect[:100]

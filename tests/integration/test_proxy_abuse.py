@@ -8,16 +8,7 @@ import uuid
 
 import aiohttp
 
-from tests.support.gateway import running_gateway
-
-
-async def _raw(port: int, request: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(request)
-    await writer.drain()
-    data = await asyncio.wait_for(reader.read(65536), 10)
-    writer.close()
-    return data
+from tests.support.gateway import raw_request, running_gateway
 
 
 def _port(gw) -> int:
@@ -40,7 +31,7 @@ async def test_identity_header_named_in_connection_is_no_identity(upstream):
 
 async def test_repeated_identity_header_is_refused(upstream):
     async with running_gateway(upstream) as gw:
-        reply = await _raw(
+        reply = await raw_request(
             _port(gw),
             b"GET /x HTTP/1.1\r\nHost: a\r\nx-api-key: k1\r\nx-api-key: k2\r\n"
             b"Connection: close\r\n\r\n",
@@ -54,7 +45,7 @@ async def test_every_forwarded_for_line_is_read(upstream):
         statuses = []
         for n in range(101):
             # the client's own line rotates; the trusted proxy's line names the client
-            reply = await _raw(
+            reply = await raw_request(
                 _port(gw),
                 f"GET /x HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 10.9.0.{n % 250}\r\n"
                 f"X-Forwarded-For: 203.0.113.50\r\nConnection: close\r\n\r\n".encode(),
@@ -66,7 +57,7 @@ async def test_every_forwarded_for_line_is_read(upstream):
 async def test_malformed_host_headers_are_not_500(upstream):
     async with running_gateway(upstream) as gw:
         for host in (b"x:99999", b"x:abc", b"x:-1", b"::1", b"\xff\xfe"):
-            reply = await _raw(
+            reply = await raw_request(
                 _port(gw), b"GET /x HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
             )
             status = int(reply.split(b" ")[1])
@@ -87,7 +78,7 @@ async def test_spoofable_forwarding_headers_are_dropped_from_untrusted_peers(ups
 
 async def test_query_string_is_forwarded_byte_for_byte(upstream):
     async with running_gateway(upstream) as gw:
-        reply = await _raw(
+        reply = await raw_request(
             _port(gw),
             b"GET /echo?a=%zz&b=%2F&c=1+2 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
         )

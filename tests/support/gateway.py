@@ -156,6 +156,18 @@ class GatewayProcess:
         return self.proc.returncode
 
 
+async def raw_request(port: int, request: bytes) -> bytes:
+    """Send bytes as they are (requests aiohttp's client would refuse to write)."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(65536), 10)
+    writer.close()
+    return data
+
+
 async def get_json(session: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, Any]:
     async with session.get(url, **kw) as r:
         return r.status, await r.json(content_type=None)
