@@ -38,8 +38,10 @@ async def run_quickstart(
 ) -> QuickstartResult:
     """Run the quick-start; any unexpected answer raises :class:`ControlPlaneError`.
 
-    The new revision after the PATCH is taken as the first entry of the revision list,
-    as the description specifies. On failure the deployment is left in place so it can
+    The new revision after the PATCH is the ``latest_revision_id`` of the PATCH's answer
+    (exact even when other writers add revisions meanwhile); only when the answer lacks it
+    is it taken as the first entry of the revision list, as the description specifies.
+    On failure the deployment is left in place so it can
     be inspected; its id is in the error message.
     """
 
@@ -62,12 +64,8 @@ async def run_quickstart(
             on_progress=on_progress,
         )
         step(f"revision {first['id']} DEPLOYED")
-        await client.update_deployment(deployment_id, patch_body)
-        revisions = await client.list_revisions(deployment_id)
-        resources = revisions.get("resources")
-        if not isinstance(resources, list) or not resources or not isinstance(resources[0], dict):
-            raise ControlPlaneError(f"revision list of {deployment_id} is empty after PATCH")
-        second_id = _field(resources[0], "id")
+        patched = await client.update_deployment(deployment_id, patch_body)
+        second_id = await _new_revision_id(client, deployment_id, patched)
         step(f"patched deployment {deployment_id}; latest revision {second_id}")
         second = await client.wait_for_revision(
             deployment_id,
@@ -84,6 +82,19 @@ async def run_quickstart(
         await client.delete_deployment(deployment_id)
         step(f"deleted deployment {deployment_id}")
     return QuickstartResult(deployment, first, second, delete)
+
+
+async def _new_revision_id(
+    client: ControlPlaneClient, deployment_id: str, patched: Mapping[str, Any]
+) -> str:
+    latest = patched.get("latest_revision_id")
+    if isinstance(latest, str) and latest:
+        return latest
+    revisions = await client.list_revisions(deployment_id)
+    resources = revisions.get("resources")
+    if not isinstance(resources, list) or not resources or not isinstance(resources[0], dict):
+        raise ControlPlaneError(f"revision list of {deployment_id} is empty after PATCH")
+    return _field(resources[0], "id")
 
 
 def _add_context(exc: ControlPlaneError, deployment_id: str) -> None:

@@ -26,9 +26,21 @@ class Credential:
     label: str = ""
 
 
-def hash_api_key(api_key: str) -> str:
-    """Return the SHA-256 hex digest under which ``api_key`` is stored."""
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+def hash_api_key(api_key: str | bytes) -> str:
+    """Return the SHA-256 hex digest under which ``api_key`` (text is UTF-8) is stored."""
+    raw = api_key if isinstance(api_key, bytes) else api_key.encode("utf-8")
+    return hashlib.sha256(raw).hexdigest()
+
+
+def api_key_bytes(header_value: str) -> bytes | None:
+    """The presented key as UTF-8 bytes, or None when no credential can match it: it is not
+    valid UTF-8 (aiohttp decodes header bytes with ``surrogateescape``, so undecodable bytes
+    arrive as lone surrogates) or it is longer than ``MAX_API_KEY_BYTES`` bytes."""
+    try:
+        raw = header_value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return raw if len(raw) <= MAX_API_KEY_BYTES else None
 
 
 def is_hex_digest(value: str) -> bool:
@@ -41,13 +53,17 @@ def is_valid_tenant_id(value: str) -> bool:
     return bool(_TENANT_ID.match(value))
 
 
-def find_credential(credentials: tuple[Credential, ...], api_key: str) -> Credential | None:
-    """Return the credential whose digest matches ``api_key``.
+def find_credential(credentials: tuple[Credential, ...], api_key: str | bytes) -> Credential | None:
+    """Return the credential whose digest matches ``api_key`` (None for text that is not
+    encodable UTF-8).
 
     Every stored digest is compared (no early exit) with ``hmac.compare_digest`` so the
     time taken does not reveal which, or how much of, a digest matched.
     """
-    presented = hash_api_key(api_key).encode("ascii")
+    try:
+        presented = hash_api_key(api_key).encode("ascii")
+    except UnicodeEncodeError:
+        return None
     found: Credential | None = None
     for credential in credentials:
         if hmac.compare_digest(presented, credential.key_sha256.encode("ascii")):

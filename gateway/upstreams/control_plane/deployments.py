@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 from aiohttp import web
 
 from . import validation
-from .http_helpers import not_found, page, page_response, path_id, read_json, runtime, tenant
+from .http_helpers import (
+    Runtime,
+    not_found,
+    page,
+    page_response,
+    path_id,
+    read_json,
+    runtime,
+    tenant,
+)
+from .integrations import integration_visible
 
 log = logging.getLogger("gateway.control_plane")
 
@@ -17,11 +28,27 @@ def _missing_deployment(deployment_id: str) -> NoReturn:
     not_found(f"Deployment ID {deployment_id} not found.")
 
 
+def _check_integration(rt: Runtime, tenant_id: str, source_config: Mapping[str, Any]) -> None:
+    """A named ``integration_id`` must be one this tenant can see, when integrations are
+    configured at all. Another tenant's integration and a non-existent one get the same
+    422, so the answer reveals nothing about other tenants. With no integrations configured
+    (the default embedded setup) any id is accepted, so the quick-start works as is."""
+    integration_id = source_config.get("integration_id")
+    if integration_id is None or not rt.config.github_integrations:
+        return
+    if not integration_visible(rt.config, tenant_id, str(integration_id)):
+        raise validation.ValidationFailed(
+            f"source_config.integration_id: no integration {integration_id} is available "
+            "to this tenant (see GET /v1/integrations/github/install)"
+        )
+
+
 async def create_deployment(request: web.Request) -> web.Response:
     rt = runtime(request)
     data = validation.deployment_create(await read_json(request))
+    _check_integration(rt, tenant(request), data["source_config"])
     db = rt.database()
-    deployment = await db.run(db.store.create_deployment, tenant(request), data, rt.clock())
+    deployment = await db.run(db.store.create_deployment, tenant(request), data, rt.clock)
     rt.revision_created()
     log.info(
         "deployment created: id=%s tenant=%s revision=%s",
@@ -57,6 +84,7 @@ async def patch_deployment(request: web.Request) -> web.Response:
     rt = runtime(request)
     deployment_id = path_id(request, "deployment_id")
     patch = validation.deployment_patch(await read_json(request))
+    _check_integration(rt, tenant(request), patch.get("source_config", {}))
     db = rt.database()
     result = await db.run(
         db.store.patch_deployment,
@@ -64,7 +92,7 @@ async def patch_deployment(request: web.Request) -> web.Response:
         deployment_id,
         patch,
         validation.check_complete,
-        rt.clock(),
+        rt.clock,
     )
     if result is None:
         _missing_deployment(deployment_id)
@@ -116,7 +144,7 @@ async def redeploy_revision(request: web.Request) -> web.Response:
     revision_id = path_id(request, "revision_id")
     db = rt.database()
     deployment = await db.run(
-        db.store.redeploy, tenant(request), deployment_id, revision_id, rt.clock()
+        db.store.redeploy, tenant(request), deployment_id, revision_id, rt.clock
     )
     if deployment is None:
         if await db.run(db.store.get_deployment, tenant(request), deployment_id) is None:

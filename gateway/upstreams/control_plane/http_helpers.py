@@ -12,10 +12,10 @@ from typing import Any, NoReturn
 from aiohttp import web
 
 from .config import ControlPlaneConfig
-from .credentials import MAX_API_KEY_BYTES, find_credential, is_valid_tenant_id
+from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
 from .lifecycle import LifecycleDriver
 from .storage import Conflict, Database
-from .validation import ValidationFailed
+from .validation import ValidationFailed, check_json_values, check_text
 
 log = logging.getLogger("gateway.control_plane")
 
@@ -100,9 +100,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     api_key = request.headers.get("X-Api-Key", "")
     if not api_key:
         return json_error(401, "Missing X-Api-Key header.")
+    # None for a key that is not UTF-8 (aiohttp keeps such header bytes as lone
+    # surrogates) or longer than MAX_API_KEY_BYTES bytes: no credential can match it.
+    presented = api_key_bytes(api_key)
     credential = None
-    if len(api_key) <= MAX_API_KEY_BYTES:
-        credential = find_credential(runtime(request).config.credentials, api_key)
+    if presented is not None:
+        credential = find_credential(runtime(request).config.credentials, presented)
     if credential is None:
         return json_error(401, "Invalid API key.")
     tenant_id = request.headers.get("X-Tenant-Id", "")
@@ -115,14 +118,17 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 
 async def read_json(request: web.Request) -> object:
-    """The request body as JSON; 422 when absent or malformed (size is bounded by the app)."""
+    """The request body as JSON; 422 when absent or malformed (size is bounded by the app),
+    or when it holds a non-finite number or a string that is not encodable UTF-8."""
     raw = await request.read()
     if not raw.strip():
         raise ValidationFailed("body: a JSON body is required")
     try:
-        return json.loads(raw)
+        document: object = json.loads(raw)
     except (ValueError, RecursionError):
         raise ValidationFailed("body: malformed JSON") from None
+    check_json_values(document)
+    return document
 
 
 def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
@@ -155,4 +161,4 @@ def path_id(request: web.Request, name: str) -> str:
     value = request.match_info[name]
     if len(value) > 256:
         raise ValidationFailed(f"{name}: at most 256 characters")
-    return value
+    return check_text(value, name)

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .config import GithubIntegration
+from .config import ControlPlaneConfig, GithubIntegration
 from .http_helpers import not_found, path_id, runtime, tenant
 
 
 def _visible(integration: GithubIntegration, tenant_id: str) -> bool:
     return integration.tenant_ids is None or tenant_id in integration.tenant_ids
+
+
+def integration_visible(config: ControlPlaneConfig, tenant_id: str, integration_id: str) -> bool:
+    """True when ``integration_id`` is configured and ``tenant_id`` may use it."""
+    return any(
+        item.id == integration_id and _visible(item, tenant_id)
+        for item in config.github_integrations
+    )
 
 
 async def github_install(request: web.Request) -> web.Response:

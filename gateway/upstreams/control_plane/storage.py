@@ -23,6 +23,7 @@ from .lifecycle import IN_FLIGHT, next_step
 
 T = TypeVar("T")
 Row = dict[str, Any]
+Clock = Callable[[], float]
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -104,6 +105,12 @@ CREATE TABLE IF NOT EXISTS auth_flows (
 """
 
 
+def _dumps(value: object) -> str:
+    # allow_nan=False: a non-finite number must never be stored (it is not JSON); request
+    # validation refuses them first, so this only guards against a bug.
+    return json.dumps(value, sort_keys=True, allow_nan=False)
+
+
 class Conflict(Exception):
     """A unique constraint of the API was violated (answered with 409)."""
 
@@ -141,6 +148,25 @@ class ControlPlaneStore:
 
     def _tx(self) -> _Transaction:
         return _Transaction(self._conn)
+
+    def _stamp(self, clock: Clock, sql: str, key: str) -> float:
+        """The time for a record written in the current write transaction.
+
+        Read only once the write lock is held (never before ``BEGIN IMMEDIATE``, which may
+        wait for another process), and never earlier than the newest stamp ``sql`` (a
+        ``SELECT MAX(created_at) …`` with one parameter, ``key``) finds, so ``created_at``
+        order is commit order even if the wall clock steps back. Equal stamps are ordered
+        by ``seq``, which SQLite assigns at insert time, i.e. also in commit order.
+        """
+        assert self._conn.in_transaction
+        now = clock()
+        newest = self._conn.execute(sql, (key,)).fetchone()[0]
+        return now if newest is None else max(now, float(newest))
+
+    def _revision_stamp(self, clock: Clock, deployment_id: str) -> float:
+        return self._stamp(
+            clock, "SELECT MAX(created_at) FROM revisions WHERE deployment_id = ?", deployment_id
+        )
 
     # ---- deployments ---------------------------------------------------------------------
 
@@ -216,17 +242,20 @@ class ControlPlaneStore:
         )
         return revision_id
 
-    def create_deployment(self, tenant_id: str, data: Row, now: float) -> Row:
+    def create_deployment(self, tenant_id: str, data: Row, clock: Clock) -> Row:
         """Insert a deployment and its first revision; returns the deployment."""
         deployment: Row = {
             "id": str(uuid.uuid4()),
             "tenant_id": tenant_id,
             "source": data["source"],
-            "source_config": json.dumps(data["source_config"], sort_keys=True),
-            "source_revision_config": json.dumps(data["source_revision_config"], sort_keys=True),
-            "secret_names": json.dumps([name for name, _ in data["secrets"]]),
+            "source_config": _dumps(data["source_config"]),
+            "source_revision_config": _dumps(data["source_revision_config"]),
+            "secret_names": _dumps([name for name, _ in data["secrets"]]),
         }
         with self._tx():
+            now = self._stamp(
+                clock, "SELECT MAX(created_at) FROM deployments WHERE tenant_id = ?", tenant_id
+            )
             self._conn.execute(
                 "INSERT INTO deployments (id, tenant_id, name, source, source_config, "
                 "source_revision_config, secret_names, status, created_at, updated_at) "
@@ -270,7 +299,7 @@ class ControlPlaneStore:
         deployment_id: str,
         patch: Row,
         check: Callable[[str, Row, Row], None],
-        now: float,
+        clock: Clock,
     ) -> tuple[Row, bool] | None:
         """Apply a validated PATCH; returns (deployment, whether a revision was created).
 
@@ -289,11 +318,12 @@ class ControlPlaneStore:
             if "secrets" in patch:
                 secret_names = [name for name, _ in patch["secrets"]]
             check(row["source"], source_config, revision_config)
+            now = self._revision_stamp(clock, deployment_id)
             updated = dict(row)
             updated.update(
-                source_config=json.dumps(source_config, sort_keys=True),
-                source_revision_config=json.dumps(revision_config, sort_keys=True),
-                secret_names=json.dumps(secret_names),
+                source_config=_dumps(source_config),
+                source_revision_config=_dumps(revision_config),
+                secret_names=_dumps(secret_names),
             )
             self._conn.execute(
                 "UPDATE deployments SET source_config = ?, source_revision_config = ?, "
@@ -340,9 +370,14 @@ class ControlPlaneStore:
         return None if row is None else self._revision_out(row)
 
     def redeploy(
-        self, tenant_id: str, deployment_id: str, revision_id: str, now: float
+        self, tenant_id: str, deployment_id: str, revision_id: str, clock: Clock
     ) -> Row | None:
-        """Start a new revision from a past revision's configuration; returns the deployment."""
+        """Start a new revision from a past revision's configuration; returns the deployment.
+
+        The deployment takes that configuration too (``source_config``,
+        ``source_revision_config`` and the secret names), so it describes what its latest
+        revision runs and a later PATCH starts from the redeployed configuration.
+        """
         with self._tx():
             deployment = self._deployment_row(tenant_id, deployment_id)
             if deployment is None:
@@ -353,6 +388,18 @@ class ControlPlaneStore:
             ).fetchone()
             if past is None:
                 return None
+            now = self._revision_stamp(clock, deployment_id)
+            self._conn.execute(
+                "UPDATE deployments SET source_config = ?, source_revision_config = ?, "
+                "secret_names = ?, updated_at = ? WHERE id = ?",
+                (
+                    past["source_config"],
+                    past["source_revision_config"],
+                    past["secret_names"],
+                    now,
+                    deployment_id,
+                ),
+            )
             self._insert_revision(
                 {
                     "id": deployment_id,

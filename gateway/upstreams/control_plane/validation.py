@@ -8,6 +8,7 @@ does; see :func:`build_problem`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -48,6 +49,46 @@ class ValidationFailed(Exception):
 JSONObject = dict[str, Any]
 
 
+MAX_PATH_KEY = 64
+
+
+def check_text(value: str, where: str) -> str:
+    """``value`` when it can be encoded as UTF-8; a lone surrogate (which JSON's ``\\ud800``
+    escape can produce) is refused, because nothing downstream could store or send it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationFailed(f"{where}: not valid UTF-8 text (lone surrogate)") from None
+    return value
+
+
+def _path_key(key: str) -> str:
+    return key if len(key) <= MAX_PATH_KEY else key[:MAX_PATH_KEY] + "..."
+
+
+def check_json_values(document: object, where: str = "body") -> None:
+    """Refuse what JSON parsing lets through but no JSON answer can carry: non-finite
+    numbers (``1e400``, ``NaN``, ``Infinity``) and strings, object keys included, that are
+    not encodable UTF-8. The message names the field, never the value (it may be secret).
+    The walk is iterative, so nesting depth is bounded only by the parser."""
+    stack: list[tuple[object, str]] = [(document, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValidationFailed(f"{path}: expected a finite number")
+        elif isinstance(value, str):
+            check_text(value, path)
+        elif isinstance(value, dict):
+            children: list[tuple[object, str]] = []
+            for key, child in value.items():
+                check_text(key, f"{path}: a field name")
+                children.append((child, f"{path}.{_path_key(key)}"))
+            stack.extend(reversed(children))
+        elif isinstance(value, list):
+            stack.extend((value[i], f"{path}[{i}]") for i in reversed(range(len(value))))
+
+
 def _object(value: object, where: str) -> JSONObject:
     if not isinstance(value, dict):
         raise ValidationFailed(f"{where}: expected a JSON object")
@@ -68,6 +109,7 @@ def _string(
     if not isinstance(value, str):
         kind = "a string or null" if nullable else "a string"
         raise ValidationFailed(f"{where}: expected {kind}")
+    check_text(value, where)
     if len(value) > max_len:
         raise ValidationFailed(f"{where}: at most {max_len} characters")
     return value
@@ -211,14 +253,18 @@ def deployment_create(raw: object) -> JSONObject:
         "custom_url": None,
         "resource_spec": None,
     }
-    source_config.update(source_config_patch(body.get("source_config") or {}))
+    # null means "not given"; any other value must have the right type (``0``, ``""`` or
+    # ``{}`` for a list are 422, not silently empty).
+    if body.get("source_config") is not None:
+        source_config.update(source_config_patch(body["source_config"]))
     revision_config: JSONObject = {
         "repo_ref": None,
         "langgraph_config_path": None,
         "image_uri": None,
     }
-    revision_config.update(revision_config_patch(body.get("source_revision_config") or {}))
-    secrets = secrets_list(body.get("secrets") or [])
+    if body.get("source_revision_config") is not None:
+        revision_config.update(revision_config_patch(body["source_revision_config"]))
+    secrets = secrets_list(body["secrets"]) if body.get("secrets") is not None else []
     check_complete(str(source), source_config, revision_config)
     return {
         "name": name,
