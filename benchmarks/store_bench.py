@@ -5,6 +5,7 @@ and drives it over HTTP with aiohttp, so the numbers include HTTP, JSON and SQLi
 
     .venv/bin/python benchmarks/store_bench.py                 # 10k items
     .venv/bin/python benchmarks/store_bench.py --million       # also at 1M items (slow)
+    .venv/bin/python benchmarks/store_bench.py --large 200000  # also at another scale
     .venv/bin/python benchmarks/store_bench.py --synchronous normal
 
 Large stores are preloaded straight into SQLite (same schema, same triggers) because putting
@@ -305,6 +306,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=10_000)
     parser.add_argument("--million", action="store_true", help="also run at 1,000,000 items")
+    parser.add_argument(
+        "--large", type=int, metavar="N", help="also run at N items (preloaded above 50k)"
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--reads", type=int, default=2_000)
     parser.add_argument("--puts", type=int, default=5_000, help="puts measured on preloaded stores")
@@ -322,6 +326,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
         work_dir = Path(tmp)
         results += asyncio.run(run_scale(args.items, args, work_dir, rng))
+        if args.large:
+            results += asyncio.run(run_scale(args.large, args, work_dir, rng))
         if args.million:
             results += asyncio.run(run_scale(1_000_000, args, work_dir, rng))
         results += asyncio.run(run_listing_growth(args, work_dir))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Namespaces are stored dot-joined (labels cannot contain '.'), so "every namespace under
 # a.b" is the index range ['a.b.', 'a.b/') plus 'a.b' itself.
 # `id` is an explicit INTEGER PRIMARY KEY because the FTS index refers to it: implicit
 # rowids may change on VACUUM.
+# `items_by_namespace_recency` carries `expires_at` so that walking a namespace newest first
+# (a listing page, a deep offset, the set of ids a scoped search ranks) checks liveness from
+# the index alone, without reading each table row.
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS items (
     id INTEGER PRIMARY KEY,
@@ -21,7 +24,8 @@ CREATE TABLE IF NOT EXISTS items (
     expires_at REAL,
     UNIQUE (namespace, key)
 );
-CREATE INDEX IF NOT EXISTS items_by_namespace_updated ON items (namespace, updated_at, id);
+CREATE INDEX IF NOT EXISTS items_by_namespace_recency
+    ON items (namespace, updated_at, id, expires_at);
 CREATE INDEX IF NOT EXISTS items_by_updated ON items (updated_at, id);
 CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL;
 
@@ -47,3 +51,16 @@ END;
 
 PRAGMA user_version = {SCHEMA_VERSION};
 """
+
+# Run, in one transaction before SCHEMA, on a file written by an older schema version (its
+# user_version). Every step is idempotent, so two processes opening the file at once are safe.
+MIGRATIONS: dict[int, str] = {
+    # 1 -> 2: the namespace index gained expires_at (see above).
+    1: "DROP INDEX IF EXISTS items_by_namespace_updated;",
+}
+
+
+def upgrade_script(from_version: int) -> str:
+    """SQL (no transaction control) bringing a file at ``from_version`` to SCHEMA_VERSION."""
+    steps = [MIGRATIONS[v] for v in range(max(from_version, 1), SCHEMA_VERSION) if v in MIGRATIONS]
+    return "".join(steps) + SCHEMA

@@ -38,7 +38,7 @@ from gateway.upstreams.store.requests import (
     PutItem,
     SearchItems,
 )
-from gateway.upstreams.store.schema import SCHEMA, SCHEMA_VERSION
+from gateway.upstreams.store.schema import SCHEMA_VERSION, upgrade_script
 from gateway.upstreams.store.text_index import match_expression, searchable_text
 
 T = TypeVar("T")
@@ -48,6 +48,11 @@ SWEEP_BATCH = 500
 MAX_GROUP_COMMIT = 256
 _ITEM_COLUMNS = "i.namespace, i.key, i.value, i.created_at, i.updated_at, i.id, i.ttl_minutes"
 _LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
+_LIVE_S = "(s.expires_at IS NULL OR s.expires_at > ?)"
+# A search under a namespace prefix holding at most this many live items ranks only those
+# items (see SQLiteStorage._search); above it, the prefix is checked on each match instead.
+# Crossover measured at 1M items: ~0.8 us per prefix item against ~1.8 us per store-wide match.
+SCOPED_SEARCH_MAX_ITEMS = 10_000
 # Keeps a rewritten item strictly newer than before, so "last updated first" holds even
 # when two writes land within the clock's resolution.
 _UPDATED_AT_STEP = 0.000001
@@ -82,11 +87,10 @@ def _dotted(namespace: Namespace) -> str:
     return ".".join(namespace)
 
 
-def _prefix_condition(
-    connection: sqlite3.Connection, column: str, prefix: Namespace
-) -> tuple[str, list[Any]]:
+def _prefix_bounds(connection: sqlite3.Connection, prefix: Namespace) -> list[str] | None:
+    """Which namespaces ``prefix`` covers: None (all), ``[p]`` (one) or ``[p, low, high]``."""
     if not prefix:
-        return "1", []
+        return None
     dotted = _dotted(prefix)
     # '/' is the character after '.', so [p + '.', p + '/') is every namespace below p.
     below = [dotted + ".", dotted + "/"]
@@ -96,8 +100,29 @@ def _prefix_condition(
     if has_children is None:
         # One namespace: the (namespace, updated_at) index yields rows already in order,
         # so a page costs its own size instead of a sort of the whole namespace.
-        return f"{column} = ?", [dotted]
-    return f"({column} = ? OR ({column} >= ? AND {column} < ?))", [dotted, *below]
+        return [dotted]
+    return [dotted, *below]
+
+
+def _prefix_sql(column: str, bounds: list[str] | None) -> str:
+    """The condition on ``column`` for ``bounds`` from ``_prefix_bounds`` (same parameters)."""
+    if bounds is None:
+        return "1"
+    if len(bounds) == 1:
+        return f"{column} = ?"
+    return f"({column} = ? OR ({column} >= ? AND {column} < ?))"
+
+
+def _holds_at_most(
+    connection: sqlite3.Connection, bounds: list[str], now: float, limit: int
+) -> bool:
+    """Whether at most ``limit`` live items are under ``bounds`` (walks at most limit + 1)."""
+    found = connection.execute(
+        f"SELECT count(*) FROM (SELECT 1 FROM items AS s "
+        f"WHERE {_prefix_sql('s.namespace', bounds)} AND {_LIVE_S} LIMIT ?)",
+        (*bounds, now, limit + 1),
+    ).fetchone()[0]
+    return int(found) <= limit
 
 
 @contextlib.contextmanager
@@ -215,7 +240,8 @@ class SQLiteStorage:
                 f"{self._config.database_path} has store schema {version}; "
                 f"this version understands up to {SCHEMA_VERSION}"
             )
-        self._retry_locked(lambda: connection.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;"))
+        script = upgrade_script(version)
+        self._retry_locked(lambda: connection.executescript(f"BEGIN IMMEDIATE;{script}COMMIT;"))
 
     def _connection(self) -> sqlite3.Connection:
         connection: sqlite3.Connection = self._local.connection
@@ -343,9 +369,9 @@ class SQLiteStorage:
 
     def _search(self, request: SearchItems, now: float) -> list[tuple[_Row, float | None]]:
         with _snapshot(self._connection()) as connection:
-            prefix_sql, prefix_params = _prefix_condition(
-                connection, "i.namespace", request.namespace_prefix
-            )
+            bounds = _prefix_bounds(connection, request.namespace_prefix)
+            prefix_sql = _prefix_sql("i.namespace", bounds)
+            prefix_params = bounds or []
             filter_sql, filter_params = compile_filter(request.filter, "i.value")
             if request.query is None:
                 cursor = connection.execute(
@@ -358,12 +384,41 @@ class SQLiteStorage:
             expression = match_expression(request.query)
             if expression is None:
                 return []
+            if bounds is not None and _holds_at_most(
+                connection, bounds, now, SCOPED_SEARCH_MAX_ITEMS
+            ):
+                # A small prefix: collect its live ids off the namespace index into a
+                # temporary set, and let FTS5 keep only the matches in that set before any
+                # item row is read. FTS5 still walks the query terms' match lists (bm25 needs
+                # their store-wide statistics anyway), but that walk is cheap; the costly part,
+                # reading the item row of every match in the store, now happens only for
+                # matches under the prefix. Scores are unchanged: bm25() depends on the row and
+                # the whole index, not on which rows a query visits. CROSS JOIN keeps FTS5
+                # as the outer loop and '+' keeps the set from becoming a rowid lookup, which
+                # would restart FTS5 (and its bm25 statistics) once per id.
+                scope_sql = (
+                    "+items_fts.rowid IN (SELECT s.id FROM items AS s "
+                    f"WHERE {_prefix_sql('s.namespace', bounds)} AND {_LIVE_S}) AND "
+                )
+                scope_params: list[Any] = [*bounds, now]
+                join = "CROSS JOIN"
+            else:
+                scope_sql, scope_params, join = "", [], "JOIN"
             cursor = connection.execute(
                 f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
-                "FROM items_fts JOIN items AS i ON i.id = items_fts.rowid "
-                f"WHERE items_fts MATCH ? AND {prefix_sql} AND {_LIVE} AND {filter_sql} "
+                f"FROM items_fts {join} items AS i ON i.id = items_fts.rowid "
+                f"WHERE items_fts MATCH ? AND {scope_sql}{prefix_sql} AND {_LIVE} "
+                f"AND {filter_sql} "
                 "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
-                (expression, *prefix_params, now, *filter_params, request.limit, request.offset),
+                (
+                    expression,
+                    *scope_params,
+                    *prefix_params,
+                    now,
+                    *filter_params,
+                    request.limit,
+                    request.offset,
+                ),
             )
             # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
             return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
