@@ -1,15 +1,18 @@
 """The one place a counter URL becomes a backend.
 
 ``None`` or ``memory://`` give the in-process backend. Redis URLs give the full stack
-``DenyCacheBackend(ResilientBackend(CoalescingBackend(RedisBackend)))``. Nothing here
-connects: redis-py connects on first use and the script is loaded on the first
-``NOSCRIPT``, so the factory may run before the event loop does.
+``DenyCacheBackend(ResilientBackend(CoalescingBackend(RedisBackend)))``. For a Redis
+Cluster the middle of it is built once per master (``PerNodeBackend``), so a master
+that is down or hung opens only its own breaker: keys on the other masters keep
+being counted in Redis. Nothing here connects: redis-py connects on first use and
+the script is loaded on the first ``NOSCRIPT``, so the factory may run before the
+event loop does.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -19,14 +22,15 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.maint_notifications import MaintNotificationsConfig
 
-from gateway.counters.base import CounterBackend, CounterEvents, NoEvents
+from gateway.counters.base import CounterBackend, CounterEvents, HitResult, LimitCheck, NoEvents
 from gateway.counters.coalesce import CoalescingBackend
 from gateway.counters.deny_cache import DenyCacheBackend, monotonic_ms
 from gateway.counters.memory import MemoryBackend
 from gateway.counters.redis_backend import RedisBackend
-from gateway.counters.resilient import ResilientBackend
+from gateway.counters.resilient import CLOSED, HALF_OPEN, OPEN, ResilientBackend
 
 MAX_URL_LENGTH = 2048
 MAX_CONNECTIONS = 32
@@ -253,6 +257,12 @@ def redis_client(parsed: CounterUrl) -> Redis | RedisCluster:
     # every new connection that a plain server answers with an error.
     no_notifications = MaintNotificationsConfig(enabled=False)
     if parsed.scheme.endswith("+cluster"):
+        # No retry at the cluster level: there redis-py answers a connection error in
+        # a pipeline by closing every connection to every node (and sleeping 0.25 s)
+        # before the retry, which would break the round trips in flight to the healthy
+        # masters. A failed call still marks the slot map for a refresh, and the
+        # failed node's free connections are dropped, so the next call starts clean.
+        kwargs["retry"] = Retry(NoBackoff(), 0)
         return RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in parsed.hosts],
             max_connections=MAX_CONNECTIONS,
@@ -306,6 +316,114 @@ def _ssl_connection_class() -> type[Any]:
     return SSLConnection
 
 
+_BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+
+
+class _NodeBreakers:
+    """The breakers of every master reported as one: the worst state among them.
+
+    Errors, fallback decisions and deny-cache hits pass through unchanged.
+    """
+
+    def __init__(self, events: CounterEvents) -> None:
+        self._events = events
+        self._states: dict[str, str] = {}
+        self._reported = CLOSED
+
+    def for_node(self, node: str) -> CounterEvents:
+        return _NodeEvents(self, node)
+
+    def changed(self, node: str, state: str) -> None:
+        self._states[node] = state
+        worst = max(self._states.values(), key=lambda s: _BREAKER_RANK.get(s, 1))
+        if worst != self._reported:
+            self._reported = worst
+            self._events.breaker_changed(worst)
+
+    @property
+    def events(self) -> CounterEvents:
+        return self._events
+
+
+class _NodeEvents:
+    def __init__(self, breakers: _NodeBreakers, node: str) -> None:
+        self._breakers = breakers
+        self._node = node
+
+    def store_error(self, kind: str) -> None:
+        self._breakers.events.store_error(kind)
+
+    def breaker_changed(self, state: str) -> None:
+        self._breakers.changed(self._node, state)
+
+    def fallback_used(self) -> None:
+        self._breakers.events.fallback_used()
+
+    def deny_cache_hit(self) -> None:
+        self._breakers.events.deny_cache_hit()
+
+
+class PerNodeBackend:
+    """Redis Cluster: a timeout, breaker and coalescer per master, on one client.
+
+    Each call goes to the stack of the master that serves its keys' slot, as the
+    client's slot map says at that moment (one stack for all calls until the map is
+    loaded). All stacks share the client and the fallback counters.
+    """
+
+    def __init__(
+        self,
+        client: RedisCluster,
+        build: Callable[[RedisBackend, CounterEvents], CounterBackend],
+        *,
+        name: str,
+        events: CounterEvents,
+    ) -> None:
+        self._client = client
+        self._build = build
+        self._name = name
+        self._breakers = _NodeBreakers(events)
+        self._stacks: dict[str, CounterBackend] = {}
+        self._probe = RedisBackend(client, name=name, close_client=False)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def stacks(self) -> dict[str, CounterBackend]:
+        """The stack per master (``host:port``; ``""`` before the slot map is known)."""
+        return self._stacks
+
+    def node_for(self, key: str) -> str:
+        nodes = self._client.nodes_manager.slots_cache.get(key_slot(key.encode()))
+        return nodes[0].name if nodes else ""
+
+    def stack_for(self, key: str) -> CounterBackend:
+        node = self.node_for(key)
+        stack = self._stacks.get(node)
+        if stack is None:
+            store = RedisBackend(
+                self._client, name=f"{self._name} [{node or 'any'}]", close_client=False
+            )
+            stack = self._stacks[node] = self._build(store, self._breakers.for_node(node))
+        return stack
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        if not checks:
+            return HitResult(True, (), source="redis")
+        return await self.stack_for(checks[0].key).hit(checks)
+
+    async def healthy(self) -> bool:
+        return await self._probe.healthy()
+
+    async def close(self) -> None:
+        for stack in list(self._stacks.values()):
+            await stack.close()
+        self._stacks.clear()
+        await self._client.aclose()
+
+
 def open_counter_backend(
     url: str | None,
     *,
@@ -330,31 +448,39 @@ def open_counter_backend(
     if parsed.scheme == "memory":
         return MemoryBackend(clock=clock) if clock else MemoryBackend()
     events = events or NoEvents()
-    store = RedisBackend(redis_client(parsed), name=f"{parsed.display} (region {region})")
-    inner: CounterBackend = (
-        CoalescingBackend(
-            store,
-            max_in_flight=MAX_IN_FLIGHT,
-            batch_timeout_seconds=max(1.0, 4 * timeout_seconds),
-            # The store timeout runs on the wire; the wait for a turn is bounded apart.
-            call_timeout_seconds=timeout_seconds,
-            queue_timeout_seconds=max(1.0, 20 * timeout_seconds),
+    name = f"{parsed.display} (region {region})"
+    fallback = (
+        MemoryBackend(clock=clock, label="fallback") if clock else MemoryBackend(label="fallback")
+    )
+
+    def build(store: RedisBackend, store_events: CounterEvents) -> ResilientBackend:
+        inner: CounterBackend = (
+            CoalescingBackend(
+                store,
+                max_in_flight=MAX_IN_FLIGHT,
+                batch_timeout_seconds=max(1.0, 4 * timeout_seconds),
+                # The store timeout runs on the wire; the wait for a turn is bounded apart.
+                call_timeout_seconds=timeout_seconds,
+                queue_timeout_seconds=max(1.0, 20 * timeout_seconds),
+            )
+            if coalesce
+            else store
         )
-        if coalesce
-        else store
-    )
-    resilient = ResilientBackend(
-        inner,
-        timeout_seconds=timeout_seconds,
-        failure_threshold=breaker_failures,
-        reset_seconds=breaker_reset_seconds,
-        fallback=(
-            MemoryBackend(clock=clock, label="fallback")
-            if clock
-            else MemoryBackend(label="fallback")
-        ),
-        events=events,
-    )
+        return ResilientBackend(
+            inner,
+            timeout_seconds=timeout_seconds,
+            failure_threshold=breaker_failures,
+            reset_seconds=breaker_reset_seconds,
+            fallback=fallback,
+            events=store_events,
+        )
+
+    client = redis_client(parsed)
+    resilient: CounterBackend
+    if isinstance(client, RedisCluster):
+        resilient = PerNodeBackend(client, build, name=name, events=events)
+    else:
+        resilient = build(RedisBackend(client, name=name), events)
     if not deny_cache:
         return resilient
     return DenyCacheBackend(resilient, events=events, clock_ms=clock or monotonic_ms)

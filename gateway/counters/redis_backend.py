@@ -70,9 +70,12 @@ class RedisBackend:
     node); ``CoalescingBackend`` uses it to batch concurrent requests.
     """
 
-    def __init__(self, client: RedisClient, *, name: str) -> None:
+    def __init__(self, client: RedisClient, *, name: str, close_client: bool = True) -> None:
         self._client = client
         self._name = name
+        # False when several backends share one client (one per cluster master); the
+        # owner closes it.
+        self._close_client = close_client
         self._cluster = isinstance(client, RedisCluster)
         self._sha = script_sha()
         # Round trips started (single calls, pipelines, script loads); for benchmarks.
@@ -175,4 +178,5 @@ class RedisBackend:
             return False
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._close_client:
+            await self._client.aclose()

@@ -59,9 +59,7 @@ class TlsFiles:
 
 
 def _openssl(*args: str) -> None:
-    done = subprocess.run(
-        [OPENSSL, *args], capture_output=True, timeout=30, check=False, text=True
-    )
+    done = subprocess.run([OPENSSL, *args], capture_output=True, timeout=30, check=False, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"openssl {args[0]} failed: {done.stderr[-2000:]}")
 
@@ -112,6 +110,9 @@ class RedisServer:
         self.password = password
         self.cluster = cluster
         self.extra_args = extra_args
+        # Fixed for the server's life: a restarted node must come back on the bus port
+        # its peers have in their nodes.conf.
+        self.cluster_port = free_port() if cluster else 0
         # With TLS, ``port`` is the TLS port and the plain TCP port is off.
         self.tls_files = make_tls_files(directory / "tls") if tls else None
         self.unix_socket = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp")) / "redis.sock"
@@ -162,7 +163,7 @@ class RedisServer:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(self.directory / "nodes.conf"),
                 "--cluster-node-timeout", "2000",
-                "--cluster-port", str(free_port()),
+                "--cluster-port", str(self.cluster_port),
             ]  # fmt: skip
         return args + list(self.extra_args)
 
@@ -267,11 +268,20 @@ class RedisServer:
 
 
 class RedisClusterProcess:
-    """Three masters (no replicas) joined with ``redis-cli --cluster create``."""
+    """Three masters (no replicas) joined with ``redis-cli --cluster create``.
 
-    def __init__(self, directory: Path, *, masters: int = 3) -> None:
+    ``full_coverage=False`` sets ``cluster-require-full-coverage no``: when a master
+    is down, the others keep serving their own slots instead of refusing everything
+    with ``CLUSTERDOWN`` (what a deployment that wants partial availability sets).
+    """
+
+    def __init__(self, directory: Path, *, masters: int = 3, full_coverage: bool = True) -> None:
         self.directory = directory
-        self.servers = [RedisServer(directory / f"node{i}", cluster=True) for i in range(masters)]
+        extra = () if full_coverage else ("--cluster-require-full-coverage", "no")
+        self.servers = [
+            RedisServer(directory / f"node{i}", cluster=True, extra_args=extra)
+            for i in range(masters)
+        ]
 
     @property
     def url(self) -> str:
@@ -307,6 +317,32 @@ class RedisClusterProcess:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def server_for_key(self, key: str) -> RedisServer:
+        """The master that serves ``key``'s slot (asked of a live node)."""
+        for server in self.servers:
+            if server.proc is None or server.proc.poll() is not None:
+                continue
+            slot = int(server.cli("CLUSTER", "KEYSLOT", key).strip())
+            for line in server.cli("CLUSTER", "NODES").splitlines():
+                fields = line.split()
+                if "master" not in fields[2]:
+                    continue
+                port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                for ranges in fields[8:]:
+                    low, _, high = ranges.partition("-")
+                    if low.isdigit() and int(low) <= slot <= int(high or low):
+                        return next(s for s in self.servers if s.port == port)
+        raise LookupError(f"no live node knows who serves {key!r}")
+
+    def wait_state(self, state: str, servers: list[RedisServer] | None = None) -> None:
+        """Wait until each of ``servers`` (default: all) reports ``cluster_state:<state>``."""
+        deadline = time.monotonic() + CLUSTER_TIMEOUT_SECONDS
+        for server in servers or self.servers:
+            while f"cluster_state:{state}" not in server.cli("CLUSTER", "INFO"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node {server.port} did not reach cluster_state:{state}")
+                time.sleep(0.05)
 
     def commandstats(self) -> dict[str, int]:
         """Calls per command summed over every node."""
