@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 import aiohttp
@@ -203,3 +205,126 @@ async def test_nothing_was_stored_by_rejected_requests(
         async with http.put("/store/items", json=body) as response:
             assert response.status == 422
     assert (await sdk.search_items([], limit=1000))["items"] == []
+
+
+# -- text SQLite cannot bind, numbers JSON cannot write, documents too deep to walk ---------
+
+_SURROGATE = "\ud800"  # aiohttp's json= writes it as the escape "\ud800", as a client would
+
+SURROGATE_CASES = [
+    ("PUT", _put(namespace=["a", "b" + _SURROGATE]), "namespace[1]"),
+    ("PUT", _put(key="k" + _SURROGATE), "key"),
+    ("PUT", _put(value={"text": _SURROGATE}), "value.text"),
+    ("PUT", _put(value={"list": ["ok", {"deep": _SURROGATE}]}), "value.list[1].deep"),
+    ("PUT", _put(value={_SURROGATE: 1}), "value.\\ud800"),
+    ("PUT", _put(index=["text" + _SURROGATE]), "index[0]"),
+    ("DELETE", {"namespace": [_SURROGATE], "key": "k"}, "namespace[0]"),
+    ("DELETE", {"namespace": ["a"], "key": _SURROGATE}, "key"),
+    ("POST /store/items/search", {"query": "coffee " + _SURROGATE}, "query"),
+    ("POST /store/items/search", {"namespace_prefix": ["a", _SURROGATE]}, "namespace_prefix[1]"),
+    ("POST /store/items/search", {"filter": {_SURROGATE: 1}}, "filter.\\ud800"),
+    ("POST /store/items/search", {"filter": {"k": _SURROGATE}}, "filter.k"),
+    ("POST /store/items/search", {"filter": {"k": {"$gt": _SURROGATE}}}, "filter.k.$gt"),
+    ("POST /store/items/search", {"filter": {"k": {"$eq": {"x": [_SURROGATE]}}}}, "filter.k.$eq"),
+    ("POST /store/namespaces", {"prefix": ["a", _SURROGATE]}, "prefix[1]"),
+    ("POST /store/namespaces", {"suffix": [_SURROGATE]}, "suffix[0]"),
+]
+
+
+@pytest.mark.parametrize(("method", "body", "field"), SURROGATE_CASES)
+async def test_lone_surrogates_are_422_naming_the_field(
+    http: aiohttp.ClientSession, method: str, body: Any, field: str
+) -> None:
+    verb, _, path = method.partition(" ")
+    async with http.request(verb, path or "/store/items", json=body) as response:
+        detail = await _expect(response, 422, field)
+    assert "surrogate" in detail
+
+
+def _raw(body: Any, **numbers: str) -> bytes:
+    """``body`` as JSON text with each string ``"<name>"`` replaced by the number text given."""
+    text = json.dumps(body)
+    for name, number in numbers.items():
+        text = text.replace(f'"<{name}>"', number)
+    return text.encode()
+
+
+NON_FINITE_CASES = [
+    ("PUT", _raw(_put(value={"x": "<n>"}), n="1e400"), "value.x"),
+    ("PUT", _raw(_put(value={"a": [1, {"b": "<n>"}]}), n="-1E400"), "value.a[1].b"),
+    ("PUT", _raw(_put(ttl="<n>"), n="1e400"), "ttl"),
+    ("POST /store/items/search", _raw({"filter": {"n": "<n>"}}, n="1e999"), "filter.n"),
+    (
+        "POST /store/items/search",
+        _raw({"filter": {"n": {"$gt": "<n>"}}}, n="-1e400"),
+        "filter.n.$gt",
+    ),
+    ("POST /store/items/search", _raw({"limit": "<n>"}, n="1e400"), "limit"),
+    ("POST /store/namespaces", _raw({"max_depth": "<n>"}, n="1e400"), "max_depth"),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "raw", "field"), NON_FINITE_CASES, ids=[c[2] for c in NON_FINITE_CASES]
+)
+async def test_non_finite_numbers_are_422_naming_the_field(
+    http: aiohttp.ClientSession, method: str, raw: bytes, field: str
+) -> None:
+    verb, _, path = method.partition(" ")
+    headers = {"Content-Type": "application/json"}
+    async with http.request(verb, path or "/store/items", data=raw, headers=headers) as response:
+        await _expect(response, 422, field)
+
+
+def _nested(levels: int, leaf: Any = 1) -> Any:
+    node = leaf
+    for level in range(levels):
+        node = {"n": node} if (levels - level) % 2 else [node]  # the outermost: an object
+    return node
+
+
+DEPTH_CASES = [
+    ("PUT", _put(value=_nested(64)), 204, ""),
+    ("PUT", _put(value=_nested(65)), 422, "value"),
+    ("PUT", _put(value={"deep": _nested(600)}), 422, "value.deep"),
+    # The filter object is level 1 of its field, so an operand may nest 63 levels.
+    ("POST /store/items/search", {"filter": {"k": _nested(63)}}, 200, ""),
+    ("POST /store/items/search", {"filter": {"k": _nested(64)}}, 422, "filter.k"),
+    ("POST /store/items/search", {"filter": {"k": {"$eq": _nested(500)}}}, 422, "filter.k.$eq"),
+    ("POST /store/items/search", {"filter": {"k": {"$ne": _nested(500)}}}, 422, "filter.k.$ne"),
+    ("POST /store/namespaces", {"prefix": _nested(200, "x")}, 422, "prefix"),
+]
+
+
+@pytest.mark.parametrize(("method", "body", "status", "field"), DEPTH_CASES)
+async def test_nesting_depth_is_bounded(
+    http: aiohttp.ClientSession, method: str, body: Any, status: int, field: str
+) -> None:
+    verb, _, path = method.partition(" ")
+    async with http.request(verb, path or "/store/items", json=body) as response:
+        if status == 422:
+            detail = await _expect(response, 422, field)
+            assert "64 levels" in detail
+        else:
+            assert response.status == status, await response.text()
+
+
+async def test_integers_beyond_double_range_are_422(http: aiohttp.ClientSession) -> None:
+    """A 400-digit integer is read as infinity by double-based clients (the SDK's orjson
+    fails on it), so it is refused like 1e400; the largest double still passes."""
+    headers = {"Content-Type": "application/json"}
+    for number in (str(10**400), str(-(10**400))):
+        raw = _raw(_put(value={"n": "<n>"}), n=number)
+        async with http.put("/store/items", data=raw, headers=headers) as response:
+            await _expect(response, 422, "value.n")
+        raw = _raw({"filter": {"n": {"$gte": "<n>"}}}, n=number)
+        async with http.post("/store/items/search", data=raw, headers=headers) as response:
+            await _expect(response, 422, "filter.n.$gte")
+    largest = str(int(sys.float_info.max))
+    raw = _raw(_put(value={"n": "<n>"}), n=largest)
+    async with http.put("/store/items", data=raw, headers=headers) as response:
+        assert response.status == 204, await response.text()
+    raw = _raw({"filter": {"n": {"$gte": "<n>"}}}, n=largest)
+    async with http.post("/store/items/search", data=raw, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        assert [item["key"] for item in (await response.json())["items"]] == ["k"]

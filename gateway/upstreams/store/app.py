@@ -35,16 +35,17 @@ OPENAPI_KEY = web.AppKey("store_openapi", bytes)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
+def _json(data: Any, status: int = 200, *, ascii_only: bool = False) -> web.Response:
     return web.Response(
-        body=json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(),
+        body=json.dumps(data, ensure_ascii=ascii_only, separators=(",", ":")).encode(),
         status=status,
         content_type="application/json",
     )
 
 
 def _detail(status: int, detail: str, headers: dict[str, str] | None = None) -> web.Response:
-    response = _json({"detail": detail}, status)
+    # ASCII with escapes: a detail quoting request text can always be encoded.
+    response = _json({"detail": detail}, status, ascii_only=True)
     if headers:
         response.headers.update(headers)
     return response

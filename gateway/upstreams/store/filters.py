@@ -10,6 +10,7 @@ match any clause.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -60,30 +61,39 @@ def parse_filter(raw: object, field: str = "filter") -> tuple[FilterClause, ...]
 
 def canonical_json(value: Any) -> str:
     """JSON text that is equal for equal JSON values (sorted keys, 1.0 written as 1)."""
-    return json.dumps(_normalise(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # Through text and back: the decoder normalises the numbers (see _number), and neither
+    # step recurses in Python, so depth is bounded only by the C codec's own checks.
+    return _canonical_text(json.dumps(value, ensure_ascii=False, allow_nan=False))
 
 
 def canonical_json_text(text: object) -> str | None:
-    """SQLite-callable form of ``canonical_json`` over JSON text; None for anything else."""
-    # SQLite may evaluate this on members that are not objects or arrays: never raise.
+    """SQLite-callable form of ``canonical_json`` over JSON text; None for anything else.
+
+    Registered as a SQLite function: an exception raised here would abort the whole query
+    (a 500), so any failure, a document too deep for the codec included, returns None,
+    which equals no operand (see ``_equality``).
+    """
     if not isinstance(text, str):
         return None
     try:
-        return canonical_json(json.loads(text))
-    except ValueError:
+        return _canonical_text(text)
+    except Exception:
         return None
 
 
-def _normalise(value: Any) -> Any:
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_normalise(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _normalise(v) for k, v in value.items()}
-    return value
+def _canonical_text(text: str) -> str:
+    return json.dumps(
+        json.loads(text, parse_float=_number),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when it is integral (1.0 -> 1)."""
+    number = float(text)
+    return int(number) if number.is_integer() else number
 
 
 def compile_filter(clauses: tuple[FilterClause, ...], value_column: str) -> tuple[str, list[Any]]:
@@ -131,8 +141,10 @@ def _equality(operand: Any) -> tuple[str, list[Any]]:
     if isinstance(operand, str):
         return "f.type = 'text' AND f.value = ?", [operand]
     kind = "array" if isinstance(operand, list) else "object"
+    # IS, not =: a stored value the function cannot canonicalise (None; only one nested far
+    # deeper than any operand may be) equals no operand, so $eq is false and $ne true.
     return (
-        f"f.type = '{kind}' AND {CANONICAL_JSON_SQL_FUNCTION}(f.value) = ?",
+        f"f.type = '{kind}' AND {CANONICAL_JSON_SQL_FUNCTION}(f.value) IS ?",
         [canonical_json(operand)],
     )
 
@@ -141,5 +153,8 @@ def _sql_number(number: float) -> float:
     # SQLite integers are 64-bit; larger JSON integers are compared as reals, as SQLite's
     # JSON functions store them.
     if isinstance(number, int) and not -(2**63) <= number < 2**63:
-        return float(number)
+        try:
+            return float(number)
+        except OverflowError:  # beyond double range: SQLite reads such a stored one as +-inf
+            return math.inf if number > 0 else -math.inf
     return number

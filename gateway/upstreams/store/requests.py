@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,12 @@ MAX_LIMIT = 1000
 # Offsets past this are a scan of the whole table, not a page; refuse them.
 MAX_OFFSET = 1_000_000
 RESERVED_FIRST_LABEL = "langgraph"
+# Arrays and objects inside one field of a body may nest at most this deep (the field's own
+# value is level 1). Deeper documents are refused before anything walks them recursively.
+MAX_JSON_DEPTH = 64
+# A field path in an error detail is cut to this many characters.
+MAX_PATH_IN_DETAIL = 200
+_LARGEST_NUMBER = sys.float_info.max
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +79,82 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
         raise invalid("body", f"malformed JSON ({_short(exc)})") from None
     if not isinstance(body, dict):
         raise invalid("body", f"must be a JSON object, got {_json_type(body)}")
+    check_json_tree(body)
     return body
+
+
+# A path to a node of the body, innermost step first: (step, parent) or None for the root.
+_Path = tuple[str | int, "_Path"] | None
+
+
+def check_json_tree(body: dict[str, Any]) -> None:
+    """Refuse what JSON parses but the Store cannot keep or answer with: 422 naming the field.
+
+    * a string or object key holding a lone surrogate (a ``\\ud800`` escape): it has no UTF-8
+      form, so SQLite cannot bind it and no JSON answer could carry it;
+    * a number that is not finite (``1e400`` parses as infinity, which JSON cannot express),
+      or an integer beyond the range of a double (clients such as the SDK, and SQLite's JSON
+      functions, read it as infinity);
+    * arrays and objects nested deeper than ``MAX_JSON_DEPTH`` inside one field.
+
+    Iterative, so a deep document cannot exhaust the interpreter's stack here.
+    """
+    stack: list[tuple[Any, int, _Path]] = []
+    for key, child in body.items():
+        path: _Path = (key, None)
+        _check_text(key, path)
+        stack.append((child, 1, path))
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, path)
+        elif isinstance(node, float) or (isinstance(node, int) and not isinstance(node, bool)):
+            if not -_LARGEST_NUMBER <= node <= _LARGEST_NUMBER:  # also False for NaN
+                raise invalid(_render_path(path), "must be a finite number (at most about 1.8e308)")
+        elif isinstance(node, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise invalid(
+                    _render_path(path),
+                    f"arrays and objects may nest at most {MAX_JSON_DEPTH} levels deep",
+                )
+            if isinstance(node, dict):
+                for key, child in node.items():
+                    child_path: _Path = (key, path)
+                    _check_text(key, child_path)
+                    stack.append((child, depth + 1, child_path))
+            else:
+                stack.extend((child, depth + 1, (i, path)) for i, child in enumerate(node))
+
+
+def _check_text(text: str, path: _Path) -> None:
+    if not text.isascii():
+        _require_utf8(text, _render_path(path))
+
+
+def _require_utf8(text: str, field: str) -> None:
+    """422 for ``field`` when ``text`` holds a lone surrogate (it has no UTF-8 form)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(field, "not valid Unicode text (lone surrogate escape)") from None
+
+
+def _render_path(path: _Path) -> str:
+    steps: list[str | int] = []
+    while path is not None:
+        step, path = path
+        steps.append(step)
+    rendered = ""
+    for step in reversed(steps):
+        if isinstance(step, int):
+            rendered += f"[{step}]"
+        else:
+            # A key is shown with any lone surrogate escaped, so the detail stays encodable.
+            safe = step.encode("utf-8", "backslashreplace").decode("utf-8")
+            rendered += f".{safe}" if rendered else safe
+        if len(rendered) > MAX_PATH_IN_DETAIL:
+            return rendered[:MAX_PATH_IN_DETAIL] + "..."
+    return rendered
 
 
 def _reject_constant(name: str) -> Any:
@@ -107,7 +189,12 @@ def parse_put(body: Mapping[str, Any]) -> PutItem:
     index_paths = parse_index_paths(body.get("index"))
     ttl_raw = body.get("ttl")
     ttl = None if ttl_raw is None else _ttl(ttl_raw)
-    value_json = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        # allow_nan=False: never store Infinity/NaN, which are not JSON (check_json_tree
+        # refuses them first; this is the backstop).
+        value_json = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise invalid("value", "numbers must be finite") from None
     return PutItem(namespace, key, value, value_json, index_paths, ttl)
 
 
@@ -150,6 +237,7 @@ def parse_search(body: Mapping[str, Any]) -> SearchItems:
             raise invalid("query", f"must be a string or null, got {_json_type(query_raw)}")
         if len(query_raw) > MAX_QUERY_LENGTH:
             raise invalid("query", f"must be at most {MAX_QUERY_LENGTH} characters")
+        _require_utf8(query_raw, "query")
         # An empty query asks for nothing in particular: listing mode.
         query = query_raw if query_raw.strip() else None
     return SearchItems(
@@ -202,6 +290,7 @@ def _namespace(raw: object, field: str, *, write: bool) -> Namespace:
             raise invalid(where, f"labels cannot contain '.', got {label!r}")
         if len(label) > MAX_LABEL_LENGTH:
             raise invalid(where, f"labels must be at most {MAX_LABEL_LENGTH} characters")
+        _require_utf8(label, where)
     if write:
         if not raw:
             raise invalid(field, "must not be empty")
@@ -217,6 +306,7 @@ def _key(raw: object) -> str:
         raise invalid("key", "must be a non-empty string")
     if len(raw) > MAX_KEY_LENGTH:
         raise invalid("key", f"must be at most {MAX_KEY_LENGTH} characters")
+    _require_utf8(raw, "key")
     return raw
 
 
@@ -255,6 +345,7 @@ __all__ = [
     "PutItem",
     "SearchItems",
     "StoreRequestError",
+    "check_json_tree",
     "decode_json_body",
     "parse_delete",
     "parse_get",

@@ -11,6 +11,7 @@ turns.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import json
@@ -133,6 +134,61 @@ def _snapshot(connection: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         yield connection
     finally:
         connection.execute("COMMIT")
+
+
+def _namespaces_from(
+    connection: sqlite3.Connection, start: str, high: str | None, now: float
+) -> sqlite3.Cursor:
+    """Distinct live namespaces ``>= start`` (and ``< high``) in order, one seek per row.
+
+    The rows come lazily: stop iterating and the rest of the walk never runs.
+    """
+    upper = "" if high is None else "AND namespace < :high"
+    return connection.execute(
+        f"""
+        WITH RECURSIVE walk(namespace) AS (
+            SELECT (SELECT namespace FROM items
+                    WHERE namespace >= :start {upper}
+                      AND (expires_at IS NULL OR expires_at > :now)
+                    ORDER BY namespace LIMIT 1)
+            UNION ALL
+            SELECT (SELECT namespace FROM items
+                    WHERE namespace > walk.namespace {upper}
+                      AND (expires_at IS NULL OR expires_at > :now)
+                    ORDER BY namespace LIMIT 1)
+            FROM walk WHERE walk.namespace IS NOT NULL
+        )
+        SELECT namespace FROM walk WHERE namespace IS NOT NULL
+        """,
+        {"start": start, "high": high, "now": now},
+    )
+
+
+def _walk_is_done(last_wanted: str, walked: str, depth: int | None, seen: set[str]) -> bool:
+    """Whether no namespace after ``walked`` can show a new value sorting before
+    ``last_wanted`` (the offset + limit-th value shown so far).
+
+    A later namespace N > walked shows N itself or, cut to ``depth`` labels, a prefix of N.
+    Such a value V sorts before ``walked`` only if V is a proper prefix of ``walked``: then V
+    holds exactly ``depth`` labels, ends inside the depth-th label of ``walked`` (at its end,
+    or where ``walked`` has a character below '.', e.g. '-' in ``a-b`` for ``a.x``), and
+    N continues V with '.'. Every other later value sorts after ``walked``.
+    """
+    if last_wanted >= walked:
+        return False
+    if depth is None:
+        return True
+    labels = walked.split(".")
+    if len(labels) < depth:
+        return True
+    label_start = sum(len(label) + 1 for label in labels[: depth - 1])
+    label_end = label_start + len(labels[depth - 1])
+    for end in range(label_start + 1, min(label_end + 1, len(walked))):
+        if walked[end] <= ".":
+            candidate = walked[:end]
+            if candidate not in seen and candidate < last_wanted:
+                return False
+    return True
 
 
 def _namespace_matches(labels: list[str], request: ListNamespaces) -> bool:
@@ -284,13 +340,9 @@ class SQLiteStorage:
         try:
             connection.execute("BEGIN IMMEDIATE")
             for operation, done in batch:
-                try:
-                    outcomes.append((done, operation(connection), None))
-                except sqlite3.Error as exc:
-                    # SQLite undoes just the failed statement; the others still commit.
-                    outcomes.append((done, None, exc))
+                outcomes.append((done, *_isolated(connection, operation)))
             connection.execute("COMMIT")
-        except Exception as exc:  # every waiter must hear back, whatever went wrong
+        except Exception as exc:  # the transaction itself failed: every waiter hears so
             if connection.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     connection.execute("ROLLBACK")
@@ -426,49 +478,59 @@ class SQLiteStorage:
     async def list_namespaces(self, request: ListNamespaces) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
         now = self._clock()
-        dotted = await self._run(
-            self._readers, functools.partial(self._live_namespaces, request, now)
+        shown = await self._run(
+            self._readers, functools.partial(self._list_namespaces, request, now)
         )
-        shown: set[str] = set()
-        for namespace in dotted:
-            labels = namespace.split(".")
-            if _namespace_matches(labels, request):
-                depth = request.max_depth or len(labels)
-                shown.add(".".join(labels[:depth]))
-        page = sorted(shown)[request.offset : request.offset + request.limit]
+        page = shown[request.offset : request.offset + request.limit]
         return [namespace.split(".") for namespace in page]
 
-    def _live_namespaces(self, request: ListNamespaces, now: float) -> list[str]:
+    def _list_namespaces(self, request: ListNamespaces, now: float) -> list[str]:
+        """The sorted dotted namespaces to show, at least the first offset + limit of them.
+
+        Walks the distinct live namespaces under the literal part of the prefix in index
+        order, one index seek each, and stops early:
+
+        * once a namespace cut to ``max_depth`` labels has been shown, every namespace below
+          the cut one shows the same, so the walk seeks past them (to ``cut + '/'``);
+        * once offset + limit namespaces are shown and nothing the rest of the walk could
+          show sorts before them (see ``_walk_is_done``), it stops.
+        """
         literal: list[str] = []
         for label in request.prefix or ():
             if label == "*":
                 break
             literal.append(label)
-        params: dict[str, Any] = {"now": now, "low": "", "high": None}
-        upper = ""
-        if literal:
-            params["low"] = _dotted(tuple(literal))
-            params["high"] = params["low"] + "/"
-            upper = "AND namespace < :high"
-        cursor = self._connection().execute(
-            f"""
-            WITH RECURSIVE walk(namespace) AS (
-                SELECT (SELECT namespace FROM items
-                        WHERE namespace >= :low {upper}
-                          AND (expires_at IS NULL OR expires_at > :now)
-                        ORDER BY namespace LIMIT 1)
-                UNION ALL
-                SELECT (SELECT namespace FROM items
-                        WHERE namespace > walk.namespace {upper}
-                          AND (expires_at IS NULL OR expires_at > :now)
-                        ORDER BY namespace LIMIT 1)
-                FROM walk WHERE walk.namespace IS NOT NULL
-            )
-            SELECT namespace FROM walk WHERE namespace IS NOT NULL
-            """,
-            params,
-        )
-        return [found[0] for found in cursor]
+        low = _dotted(tuple(literal))
+        high = low + "/" if literal else None
+        wanted = request.offset + request.limit
+        depth = request.max_depth
+        shown: list[str] = []  # sorted
+        seen: set[str] = set()
+        with _snapshot(self._connection()) as connection:
+            start: str | None = low
+            while start is not None:
+                skip_to: str | None = None
+                restart: str | None = None
+                for (namespace,) in _namespaces_from(connection, start, high, now):
+                    if skip_to is not None:
+                        if namespace < skip_to:
+                            restart = skip_to  # in a subtree already shown: seek past it
+                            break
+                        skip_to = None
+                    labels = namespace.split(".")
+                    cut = depth is not None and len(labels) > depth
+                    dotted = ".".join(labels[:depth]) if cut else namespace
+                    if dotted not in seen and _namespace_matches(labels, request):
+                        seen.add(dotted)
+                        bisect.insort(shown, dotted)
+                    if len(shown) >= wanted and _walk_is_done(
+                        shown[wanted - 1], namespace, depth, seen
+                    ):
+                        return shown
+                    if cut and dotted in seen:
+                        skip_to = dotted + "/"
+                start = restart
+        return shown
 
     async def sweep_expired(self) -> int:
         """Delete expired items in short batches; returns how many were removed."""
@@ -495,6 +557,26 @@ def _busy_or_same(exc: sqlite3.OperationalError) -> Exception:
 
 
 # Write operations: each runs inside the writer's group-commit transaction.
+
+
+def _isolated(
+    connection: sqlite3.Connection, operation: Callable[[sqlite3.Connection], Any]
+) -> tuple[Any, Exception | None]:
+    """Run one queued write under its own savepoint: if it fails, for whatever reason, only
+    its own changes are undone and only its caller hears of it; the batch still commits.
+
+    A failure to roll back to the savepoint (the transaction is gone) propagates, and then
+    the whole batch fails, as it must.
+    """
+    connection.execute("SAVEPOINT store_write")
+    try:
+        result = operation(connection)
+    except Exception as exc:
+        connection.execute("ROLLBACK TO store_write")
+        connection.execute("RELEASE store_write")
+        return None, exc
+    connection.execute("RELEASE store_write")
+    return result, None
 
 
 def _put(connection: sqlite3.Connection, *, params: tuple[Any, ...]) -> None:
