@@ -198,15 +198,18 @@ async def test_one_stack_per_master(redis_cluster: RedisClusterProcess) -> None:
         per_node = backend.inner  # type: ignore[attr-defined]
         assert isinstance(per_node, PerNodeBackend)
         ports: dict[str, int] = {}
-        while len(set(ports.values())) < len(redis_cluster.servers):
+        masters = {f"127.0.0.1:{s.port}" for s in redis_cluster.servers}
+        # The first call goes out before the slot map is known, through one shared
+        # stack (""), so keep calling until every master has been seen after that.
+        for _ in range(300):
+            if set(per_node.stacks) - {""} == masters:
+                break
             key = new_key()
             result = await backend.hit([LimitCheck(key, 5, 1_000, 100)])
             assert result.source == "redis"
             ports[key] = redis_cluster.server_for_key(key).port
         for key, port in ports.items():
             assert per_node.node_for(key) == f"127.0.0.1:{port}"
-        masters = {f"127.0.0.1:{s.port}" for s in redis_cluster.servers}
-        # The first call went out before the slot map was known: one shared stack.
         assert set(per_node.stacks) - {""} == masters
         assert await backend.healthy()
     finally:
