@@ -64,8 +64,8 @@ def _args(upstream, rules_file, tmp_path, redis_url, timeout_ms):
             "--redis-timeout-ms", timeout_ms]  # fmt: skip
 
 
-def _start(args, tmp_path, name, env=None):
-    return GatewayProcess(args, env=env, log_path=tmp_path / f"{name}.log")
+def _start(args, tmp_path, name, env=None, admin_port=None):
+    return GatewayProcess(args, env=env, log_path=tmp_path / f"{name}.log", admin_port=admin_port)
 
 
 async def _ready(*gateways):
@@ -90,7 +90,9 @@ async def test_gateways_on_one_redis_admit_exactly_the_limit(
 ):
     common = _args(upstream, rules_file, tmp_path, redis_server.url, "3000")
     gateways = [
-        _start([*common, "--workers", "2"], tmp_path, "a"),  # two SO_REUSEPORT workers
+        # Two SO_REUSEPORT workers; admin port 0: worker i would otherwise take port+i,
+        # which another test's process may hold.
+        _start([*common, "--workers", "2"], tmp_path, "a", admin_port=0),
         _start(common, tmp_path, "b"),
         _start(common, tmp_path, "c"),
     ]

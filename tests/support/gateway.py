@@ -103,7 +103,8 @@ class GatewayProcess:
         log_path: Path | None = None,
     ):
         self.port = port or free_port()
-        self.admin_port = admin_port or free_port()
+        # 0 lets every process (each worker too) pick its own free admin port.
+        self.admin_port = free_port() if admin_port is None else admin_port
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "GATEWAY_IDENTITY_SECRET": SECRET.decode(), **(env or {})}
         self.args = [
