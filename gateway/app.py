@@ -254,8 +254,14 @@ class Service:
         self.runners: list[web.AppRunner] = []
 
     async def start_tcp(
-        self, app: web.Application, host: str, port: int, reuse_port: bool = False
+        self,
+        app: web.Application,
+        host: str,
+        port: int,
+        reuse_port: bool = False,
+        first: bool = False,
     ) -> list[str]:
+        """Serve ``app`` on host:port; ``first`` puts it at the front of the stop order."""
         runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=self.shutdown_timeout, handle_signals=False
         )
@@ -268,7 +274,7 @@ class Service:
             shutdown_timeout=self.shutdown_timeout,
         )
         await site.start()
-        self.runners.append(runner)
+        self.runners.insert(0 if first else len(self.runners), runner)
         return [_address(s) for s in runner.addresses]
 
     async def start_socket(self, app: web.Application, sock: socket.socket) -> None:
@@ -363,7 +369,10 @@ async def serve(
         for name, url in upstreams.builtin.items():
             log.info("built-in %s listening on %s", name, url)
         # The proxy is stopped first so in-flight requests can still reach the upstreams.
-        service.runners.insert(0, await _start_first(service, proxy, settings, worker_index))
+        for address in await service.start_tcp(
+            proxy, settings.host, settings.port, reuse_port=worker_index is not None, first=True
+        ):
+            log.info("gateway listening on %s", address)
         admin_port = settings.admin_port
         if worker_index is not None and admin_port:
             admin_port += worker_index
@@ -377,18 +386,6 @@ async def serve(
     finally:
         await service.stop()
         log.info("stopped")
-
-
-async def _start_first(
-    service: Service, app: web.Application, settings: Settings, worker_index: int | None
-) -> web.AppRunner:
-    addresses = await service.start_tcp(
-        app, settings.host, settings.port, reuse_port=worker_index is not None
-    )
-    runner = service.runners.pop()
-    for address in addresses:
-        log.info("gateway listening on %s", address)
-    return runner
 
 
 def run(settings: Settings) -> int:
