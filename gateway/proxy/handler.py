@@ -149,7 +149,7 @@ class Gateway:
         if record.request_id:
             headers.append(("X-Request-Id", record.request_id))
         self.metrics.child(self.metrics.overhead, region).observe(time.perf_counter() - started)
-        trusted_peer = bool(self.addresses.trusted) and _peer_trusted(self.addresses, peer)
+        trusted_peer = self.addresses.peer_trusted(peer)
         try:
             forwarded, latency = await self.forwarder.forward(
                 request, upstream, path, query, headers, trusted_peer
@@ -220,15 +220,6 @@ class Gateway:
 def _done(record: AccessRecord, response: web.StreamResponse) -> web.StreamResponse:
     record.status = response.status
     return response
-
-
-def _peer_trusted(policy: ClientAddressPolicy, peer: str | None) -> bool:
-    import ipaddress
-
-    try:
-        return policy.is_trusted(ipaddress.ip_address(peer or ""))
-    except ValueError:
-        return False
 
 
 IDENTITY_HEADERS = ("x-api-key", "x-user-id")

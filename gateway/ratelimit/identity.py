@@ -66,6 +66,13 @@ class ClientAddressPolicy:
     def is_trusted(self, address: IPAddress) -> bool:
         return any(address in network for network in self.trusted)
 
+    def peer_trusted(self, peer: str | None) -> bool:
+        """Whether the TCP peer is a trusted proxy (never, with none configured)."""
+        if not self.trusted:
+            return False
+        address = _parse(peer)
+        return address is not None and self.is_trusted(address)
+
     def client_address(self, peer: str | None, forwarded_for: str | None) -> str:
         """The client's address as a counting key (an IPv6 client grouped by prefix).
 
