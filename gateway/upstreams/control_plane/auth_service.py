@@ -21,14 +21,17 @@ from aiohttp import web
 from . import validation
 from .http_helpers import (
     PUBLIC_ROUTE_PREFIX,
+    create_resource,
+    delete_resource,
+    get_resource,
+    list_resources,
     not_found,
-    page,
-    page_response,
     path_id,
     read_json,
     runtime,
     tenant,
 )
+from .storage import ControlPlaneStore as Store
 
 log = logging.getLogger("gateway.control_plane")
 WAIT_POLL_SECONDS = 0.05
@@ -42,28 +45,20 @@ def _state_digest(state: str) -> str:
     return hashlib.sha256(state.encode("utf-8")).hexdigest()
 
 
+def _provider_create(raw: object) -> dict[str, Any]:
+    return validation.provider_fields(raw, create=True)
+
+
 async def create_provider(request: web.Request) -> web.Response:
-    rt = runtime(request)
-    data = validation.provider_fields(await read_json(request), create=True)
-    db = rt.database()
-    provider = await db.run(db.store.create_provider, tenant(request), data, rt.clock())
-    return web.json_response(provider, status=201)
+    return await create_resource(request, _provider_create, Store.create_provider)
 
 
 async def list_providers(request: web.Request) -> web.Response:
-    limit, offset = page(request)
-    db = runtime(request).database()
-    rows = await db.run(db.store.list_providers, tenant(request), limit, offset)
-    return page_response(rows, offset)
+    return await list_resources(request, Store.list_providers)
 
 
 async def get_provider(request: web.Request) -> web.Response:
-    provider_id = path_id(request, "provider_id")
-    db = runtime(request).database()
-    provider = await db.run(db.store.get_provider, tenant(request), provider_id)
-    if provider is None:
-        _missing(provider_id)
-    return web.json_response(provider)
+    return await get_resource(request, "provider_id", Store.get_provider, _missing)
 
 
 async def patch_provider(request: web.Request) -> web.Response:
@@ -80,11 +75,7 @@ async def patch_provider(request: web.Request) -> web.Response:
 
 
 async def delete_provider(request: web.Request) -> web.Response:
-    provider_id = path_id(request, "provider_id")
-    db = runtime(request).database()
-    if not await db.run(db.store.delete_provider, tenant(request), provider_id):
-        _missing(provider_id)
-    return web.Response(status=204)
+    return await delete_resource(request, "provider_id", Store.delete_provider, _missing)
 
 
 def _callback_url(request: web.Request, provider_id: str) -> str:

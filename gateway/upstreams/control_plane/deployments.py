@@ -11,6 +11,8 @@ from aiohttp import web
 from . import validation
 from .http_helpers import (
     Runtime,
+    delete_resource,
+    get_resource,
     not_found,
     page,
     page_response,
@@ -20,6 +22,7 @@ from .http_helpers import (
     tenant,
 )
 from .integrations import integration_visible
+from .storage import ControlPlaneStore as Store
 
 log = logging.getLogger("gateway.control_plane")
 
@@ -72,12 +75,7 @@ async def list_deployments(request: web.Request) -> web.Response:
 
 
 async def get_deployment(request: web.Request) -> web.Response:
-    deployment_id = path_id(request, "deployment_id")
-    db = runtime(request).database()
-    deployment = await db.run(db.store.get_deployment, tenant(request), deployment_id)
-    if deployment is None:
-        _missing_deployment(deployment_id)
-    return web.json_response(deployment)
+    return await get_resource(request, "deployment_id", Store.get_deployment, _missing_deployment)
 
 
 async def patch_deployment(request: web.Request) -> web.Response:
@@ -108,12 +106,11 @@ async def patch_deployment(request: web.Request) -> web.Response:
 
 
 async def delete_deployment(request: web.Request) -> web.Response:
-    deployment_id = path_id(request, "deployment_id")
-    db = runtime(request).database()
-    if not await db.run(db.store.delete_deployment, tenant(request), deployment_id):
-        _missing_deployment(deployment_id)
-    log.info("deployment deleted: id=%s", deployment_id)
-    return web.Response(status=204)
+    response = await delete_resource(
+        request, "deployment_id", Store.delete_deployment, _missing_deployment
+    )
+    log.info("deployment deleted: id=%s", request.match_info["deployment_id"])
+    return response
 
 
 async def list_revisions(request: web.Request) -> web.Response:

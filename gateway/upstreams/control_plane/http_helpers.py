@@ -14,12 +14,13 @@ from aiohttp import web
 from .config import ControlPlaneConfig
 from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
 from .lifecycle import LifecycleDriver
-from .storage import Conflict, Database
+from .storage import Conflict, ControlPlaneStore, Database, Row
 from .validation import ValidationFailed, check_json_values, check_text
 
 log = logging.getLogger("gateway.control_plane")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Missing = Callable[[str], NoReturn]
 PUBLIC_ROUTE_PREFIX = "public:"
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
@@ -162,3 +163,60 @@ def path_id(request: web.Request, name: str) -> str:
     if len(value) > 256:
         raise ValidationFailed(f"{name}: at most 256 characters")
     return check_text(value, name)
+
+
+# ---- the HTTP shapes shared by tenant-scoped resources ------------------------------------
+# Each takes an unbound ControlPlaneStore method, called on the database thread with the
+# request's tenant first, so every call stays scoped to that tenant.
+
+
+async def create_resource(
+    request: web.Request,
+    validate: Callable[[object], Row],
+    create: Callable[[ControlPlaneStore, str, Row, float], Row],
+) -> web.Response:
+    """POST: validate the body, create, 201 with the new resource."""
+    rt = runtime(request)
+    data = validate(await read_json(request))
+    db = rt.database()
+    resource = await db.run(create, db.store, tenant(request), data, rt.clock())
+    return web.json_response(resource, status=201)
+
+
+async def list_resources(
+    request: web.Request, list_rows: Callable[[ControlPlaneStore, str, int, int], list[Row]]
+) -> web.Response:
+    """GET of a collection: one page of the tenant's resources."""
+    limit, offset = page(request)
+    db = runtime(request).database()
+    rows = await db.run(list_rows, db.store, tenant(request), limit, offset)
+    return page_response(rows, offset)
+
+
+async def get_resource(
+    request: web.Request,
+    key: str,
+    get: Callable[[ControlPlaneStore, str, str], Row | None],
+    missing: Missing,
+) -> web.Response:
+    """GET of the resource named by path parameter ``key``; ``missing`` raises the 404."""
+    resource_id = path_id(request, key)
+    db = runtime(request).database()
+    resource = await db.run(get, db.store, tenant(request), resource_id)
+    if resource is None:
+        missing(resource_id)
+    return web.json_response(resource)
+
+
+async def delete_resource(
+    request: web.Request,
+    key: str,
+    delete: Callable[[ControlPlaneStore, str, str], bool],
+    missing: Missing,
+) -> web.Response:
+    """DELETE of the resource named by path parameter ``key``: 204, or ``missing``'s 404."""
+    resource_id = path_id(request, key)
+    db = runtime(request).database()
+    if not await db.run(delete, db.store, tenant(request), resource_id):
+        missing(resource_id)
+    return web.Response(status=204)

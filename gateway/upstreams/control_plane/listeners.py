@@ -7,7 +7,18 @@ from typing import NoReturn
 from aiohttp import web
 
 from . import validation
-from .http_helpers import not_found, page, page_response, path_id, read_json, runtime, tenant
+from .http_helpers import (
+    create_resource,
+    delete_resource,
+    get_resource,
+    list_resources,
+    not_found,
+    path_id,
+    read_json,
+    runtime,
+    tenant,
+)
+from .storage import ControlPlaneStore as Store
 
 
 def _missing(listener_id: str) -> NoReturn:
@@ -15,27 +26,15 @@ def _missing(listener_id: str) -> NoReturn:
 
 
 async def create_listener(request: web.Request) -> web.Response:
-    rt = runtime(request)
-    data = validation.listener_create(await read_json(request))
-    db = rt.database()
-    listener = await db.run(db.store.create_listener, tenant(request), data, rt.clock())
-    return web.json_response(listener, status=201)
+    return await create_resource(request, validation.listener_create, Store.create_listener)
 
 
 async def list_listeners(request: web.Request) -> web.Response:
-    limit, offset = page(request)
-    db = runtime(request).database()
-    rows = await db.run(db.store.list_listeners, tenant(request), limit, offset)
-    return page_response(rows, offset)
+    return await list_resources(request, Store.list_listeners)
 
 
 async def get_listener(request: web.Request) -> web.Response:
-    listener_id = path_id(request, "listener_id")
-    db = runtime(request).database()
-    listener = await db.run(db.store.get_listener, tenant(request), listener_id)
-    if listener is None:
-        _missing(listener_id)
-    return web.json_response(listener)
+    return await get_resource(request, "listener_id", Store.get_listener, _missing)
 
 
 async def patch_listener(request: web.Request) -> web.Response:
@@ -56,11 +55,7 @@ async def patch_listener(request: web.Request) -> web.Response:
 
 
 async def delete_listener(request: web.Request) -> web.Response:
-    listener_id = path_id(request, "listener_id")
-    db = runtime(request).database()
-    if not await db.run(db.store.delete_listener, tenant(request), listener_id):
-        _missing(listener_id)
-    return web.Response(status=204)
+    return await delete_resource(request, "listener_id", Store.delete_listener, _missing)
 
 
 def add_routes(router: web.UrlDispatcher, prefix: str) -> None:

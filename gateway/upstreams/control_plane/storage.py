@@ -13,8 +13,9 @@ import asyncio
 import json
 import sqlite3
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -127,6 +128,89 @@ def _revision_config_out(config: Row) -> Row:
     return out
 
 
+def _deployment_out(row: sqlite3.Row) -> Row:
+    return {
+        "id": row["id"],
+        "tenant_id": row["tenant_id"],
+        "name": row["name"],
+        "source": row["source"],
+        "source_config": json.loads(row["source_config"]),
+        "source_revision_config": _revision_config_out(json.loads(row["source_revision_config"])),
+        "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
+        "status": row["status"],
+        "latest_revision_id": row["latest_revision_id"],
+        "active_revision_id": row["active_revision_id"],
+        "created_at": iso(row["created_at"]),
+        "updated_at": iso(row["updated_at"]),
+    }
+
+
+def _revision_out(row: sqlite3.Row) -> Row:
+    return {
+        "id": row["id"],
+        "deployment_id": row["deployment_id"],
+        "status": row["status"],
+        "status_message": row["status_message"],
+        "source": row["source"],
+        "source_config": json.loads(row["source_config"]),
+        "source_revision_config": _revision_config_out(json.loads(row["source_revision_config"])),
+        "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
+        "created_at": iso(row["created_at"]),
+        "updated_at": iso(row["updated_at"]),
+    }
+
+
+def _listener_out(row: sqlite3.Row) -> Row:
+    return {
+        "id": row["id"],
+        "tenant_id": row["tenant_id"],
+        "compute_type": row["compute_type"],
+        "compute_id": row["compute_id"],
+        "compute_config": json.loads(row["compute_config"]),
+        "version": row["version"],
+        "created_at": iso(row["created_at"]),
+        "updated_at": iso(row["updated_at"]),
+    }
+
+
+def _provider_out(row: sqlite3.Row) -> Row:
+    return {
+        "id": row["id"],
+        "organization_id": row["tenant_id"],
+        "provider_id": row["provider_id"],
+        "name": row["name"],
+        "client_id": row["client_id"],
+        "auth_url": row["auth_url"],
+        "token_url": row["token_url"],
+        "uses_pkce": bool(row["uses_pkce"]),
+        "code_challenge_method": row["code_challenge_method"],
+        "token_endpoint_auth_method": row["token_endpoint_auth_method"],
+        "has_client_secret": bool(row["has_client_secret"]),
+        "provider_type": None,
+        "created_at": iso(row["created_at"]),
+        "updated_at": iso(row["updated_at"]),
+    }
+
+
+def _same(value: object) -> object:
+    return value
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A tenant-scoped table: its name, the column a request names a row by and how a row is
+    shown. Table and column names come from the fixed instances below, never from a request."""
+
+    name: str
+    key: str
+    out: Callable[[sqlite3.Row], Row]
+
+
+_DEPLOYMENTS = _Table("deployments", "id", _deployment_out)
+_LISTENERS = _Table("listeners", "id", _listener_out)
+_PROVIDERS = _Table("auth_providers", "provider_id", _provider_out)
+
+
 class ControlPlaneStore:
     """Synchronous data access; every call must come from the :class:`Database` thread."""
 
@@ -168,47 +252,89 @@ class ControlPlaneStore:
             clock, "SELECT MAX(created_at) FROM revisions WHERE deployment_id = ?", deployment_id
         )
 
-    # ---- deployments ---------------------------------------------------------------------
+    # ---- tenant-scoped rows: every statement names the tenant --------------------------
 
-    def _deployment_out(self, row: sqlite3.Row) -> Row:
-        return {
-            "id": row["id"],
-            "tenant_id": row["tenant_id"],
-            "name": row["name"],
-            "source": row["source"],
-            "source_config": json.loads(row["source_config"]),
-            "source_revision_config": _revision_config_out(
-                json.loads(row["source_revision_config"])
-            ),
-            "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
-            "status": row["status"],
-            "latest_revision_id": row["latest_revision_id"],
-            "active_revision_id": row["active_revision_id"],
-            "created_at": iso(row["created_at"]),
-            "updated_at": iso(row["updated_at"]),
-        }
-
-    def _revision_out(self, row: sqlite3.Row) -> Row:
-        return {
-            "id": row["id"],
-            "deployment_id": row["deployment_id"],
-            "status": row["status"],
-            "status_message": row["status_message"],
-            "source": row["source"],
-            "source_config": json.loads(row["source_config"]),
-            "source_revision_config": _revision_config_out(
-                json.loads(row["source_revision_config"])
-            ),
-            "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
-            "created_at": iso(row["created_at"]),
-            "updated_at": iso(row["updated_at"]),
-        }
-
-    def _deployment_row(self, tenant_id: str, deployment_id: str) -> sqlite3.Row | None:
+    def _row(self, table: _Table, tenant_id: str, key: str) -> sqlite3.Row | None:
         row: sqlite3.Row | None = self._conn.execute(
-            "SELECT * FROM deployments WHERE id = ? AND tenant_id = ?", (deployment_id, tenant_id)
+            f"SELECT * FROM {table.name} WHERE {table.key} = ? AND tenant_id = ?",
+            (key, tenant_id),
         ).fetchone()
         return row
+
+    def _get(self, table: _Table, tenant_id: str, key: str) -> Row | None:
+        row = self._row(table, tenant_id, key)
+        return None if row is None else table.out(row)
+
+    def _list(
+        self,
+        table: _Table,
+        tenant_id: str,
+        limit: int,
+        offset: int,
+        where: str = "",
+        args: Sequence[object] = (),
+    ) -> list[Row]:
+        """Newest first; ``where`` is a fixed ``" AND …"`` filter whose parameters are ``args``."""
+        rows = self._conn.execute(
+            f"SELECT * FROM {table.name} WHERE tenant_id = ?{where} "
+            "ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?",
+            (tenant_id, *args, limit, offset),
+        )
+        return [table.out(row) for row in rows]
+
+    def _insert(self, table: _Table, values: Row, conflict: str) -> Row:
+        """Insert ``values`` (fixed column names → values); a violated unique constraint
+        becomes :class:`Conflict` with the message ``conflict``. Returns the new row."""
+        columns = ", ".join(values)
+        marks = ", ".join("?" for _ in values)
+        try:
+            with self._tx():
+                self._conn.execute(
+                    f"INSERT INTO {table.name} ({columns}) VALUES ({marks})",
+                    tuple(values.values()),
+                )
+        except sqlite3.IntegrityError:
+            raise Conflict(conflict) from None
+        out = self._get(table, values["tenant_id"], values[table.key])
+        assert out is not None
+        return out
+
+    def _patch(
+        self,
+        table: _Table,
+        tenant_id: str,
+        key: str,
+        patch: Row,
+        columns: Mapping[str, Callable[[Any], object]],
+        now: float,
+    ) -> Row | None:
+        """Set each of ``columns`` (fixed names → conversion) present in ``patch``, and
+        ``updated_at``, on this tenant's row; None when there is no such row."""
+        with self._tx():
+            if self._row(table, tenant_id, key) is None:
+                return None
+            values = {
+                column: convert(patch[column])
+                for column, convert in columns.items()
+                if column in patch
+            }
+            values["updated_at"] = now
+            assignments = ", ".join(f"{column} = ?" for column in values)
+            self._conn.execute(
+                f"UPDATE {table.name} SET {assignments} WHERE {table.key} = ? AND tenant_id = ?",
+                (*values.values(), key, tenant_id),
+            )
+        return self._get(table, tenant_id, key)
+
+    def _delete(self, table: _Table, tenant_id: str, key: str) -> bool:
+        with self._tx():
+            cursor = self._conn.execute(
+                f"DELETE FROM {table.name} WHERE {table.key} = ? AND tenant_id = ?",
+                (key, tenant_id),
+            )
+        return cursor.rowcount > 0
+
+    # ---- deployments ---------------------------------------------------------------------
 
     def _insert_revision(self, deployment: sqlite3.Row | Row, now: float) -> str:
         revision_id = str(uuid.uuid4())
@@ -273,25 +399,26 @@ class ControlPlaneStore:
                 ),
             )
             self._insert_revision(deployment, now)
-        row = self._deployment_row(tenant_id, deployment["id"])
-        assert row is not None
-        return self._deployment_out(row)
+        out = self._get(_DEPLOYMENTS, tenant_id, deployment["id"])
+        assert out is not None
+        return out
 
     def get_deployment(self, tenant_id: str, deployment_id: str) -> Row | None:
-        row = self._deployment_row(tenant_id, deployment_id)
-        return None if row is None else self._deployment_out(row)
+        return self._get(_DEPLOYMENTS, tenant_id, deployment_id)
 
     def list_deployments(
         self, tenant_id: str, limit: int, offset: int, name_contains: str | None
     ) -> list[Row]:
-        sql = "SELECT * FROM deployments WHERE tenant_id = ?"
-        args: list[Any] = [tenant_id]
         if name_contains:
-            sql += " AND instr(lower(name), lower(?)) > 0"
-            args.append(name_contains)
-        sql += " ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?"
-        args += [limit, offset]
-        return [self._deployment_out(row) for row in self._conn.execute(sql, args)]
+            return self._list(
+                _DEPLOYMENTS,
+                tenant_id,
+                limit,
+                offset,
+                " AND instr(lower(name), lower(?)) > 0",
+                (name_contains,),
+            )
+        return self._list(_DEPLOYMENTS, tenant_id, limit, offset)
 
     def patch_deployment(
         self,
@@ -307,7 +434,7 @@ class ControlPlaneStore:
         raise) before anything is written.
         """
         with self._tx():
-            row = self._deployment_row(tenant_id, deployment_id)
+            row = self._row(_DEPLOYMENTS, tenant_id, deployment_id)
             if row is None:
                 return None
             source_config = json.loads(row["source_config"])
@@ -344,30 +471,26 @@ class ControlPlaneStore:
         return out, new_revision
 
     def delete_deployment(self, tenant_id: str, deployment_id: str) -> bool:
-        with self._tx():
-            cursor = self._conn.execute(
-                "DELETE FROM deployments WHERE id = ? AND tenant_id = ?", (deployment_id, tenant_id)
-            )
-        return cursor.rowcount > 0
+        return self._delete(_DEPLOYMENTS, tenant_id, deployment_id)
 
     def list_revisions(
         self, tenant_id: str, deployment_id: str, limit: int, offset: int
     ) -> list[Row] | None:
-        if self._deployment_row(tenant_id, deployment_id) is None:
+        if self._row(_DEPLOYMENTS, tenant_id, deployment_id) is None:
             return None
         rows = self._conn.execute(
             "SELECT * FROM revisions WHERE deployment_id = ? "
             "ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?",
             (deployment_id, limit, offset),
         )
-        return [self._revision_out(row) for row in rows]
+        return [_revision_out(row) for row in rows]
 
     def get_revision(self, tenant_id: str, deployment_id: str, revision_id: str) -> Row | None:
         row = self._conn.execute(
             "SELECT * FROM revisions WHERE id = ? AND deployment_id = ? AND tenant_id = ?",
             (revision_id, deployment_id, tenant_id),
         ).fetchone()
-        return None if row is None else self._revision_out(row)
+        return None if row is None else _revision_out(row)
 
     def redeploy(
         self, tenant_id: str, deployment_id: str, revision_id: str, clock: Clock
@@ -379,7 +502,7 @@ class ControlPlaneStore:
         revision runs and a later PATCH starts from the redeployed configuration.
         """
         with self._tx():
-            deployment = self._deployment_row(tenant_id, deployment_id)
+            deployment = self._row(_DEPLOYMENTS, tenant_id, deployment_id)
             if deployment is None:
                 return None
             past = self._conn.execute(
@@ -458,158 +581,68 @@ class ControlPlaneStore:
 
     # ---- listeners -----------------------------------------------------------------------
 
-    def _listener_out(self, row: sqlite3.Row) -> Row:
-        return {
-            "id": row["id"],
-            "tenant_id": row["tenant_id"],
-            "compute_type": row["compute_type"],
-            "compute_id": row["compute_id"],
-            "compute_config": json.loads(row["compute_config"]),
-            "version": row["version"],
-            "created_at": iso(row["created_at"]),
-            "updated_at": iso(row["updated_at"]),
-        }
-
-    def _listener_row(self, tenant_id: str, listener_id: str) -> sqlite3.Row | None:
-        row: sqlite3.Row | None = self._conn.execute(
-            "SELECT * FROM listeners WHERE id = ? AND tenant_id = ?", (listener_id, tenant_id)
-        ).fetchone()
-        return row
-
     def create_listener(self, tenant_id: str, data: Row, now: float) -> Row:
-        listener_id = str(uuid.uuid4())
-        try:
-            with self._tx():
-                self._conn.execute(
-                    "INSERT INTO listeners (id, tenant_id, compute_type, compute_id, "
-                    "compute_config, version, created_at, updated_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        listener_id,
-                        tenant_id,
-                        data["compute_type"],
-                        data["compute_id"],
-                        json.dumps(data["compute_config"]),
-                        data["version"],
-                        now,
-                        now,
-                    ),
-                )
-        except sqlite3.IntegrityError:
-            raise Conflict(
-                f"A listener with compute_id {data['compute_id']} already exists."
-            ) from None
-        row = self._listener_row(tenant_id, listener_id)
-        assert row is not None
-        return self._listener_out(row)
+        return self._insert(
+            _LISTENERS,
+            {
+                "id": str(uuid.uuid4()),
+                "tenant_id": tenant_id,
+                "compute_type": data["compute_type"],
+                "compute_id": data["compute_id"],
+                "compute_config": json.dumps(data["compute_config"]),
+                "version": data["version"],
+                "created_at": now,
+                "updated_at": now,
+            },
+            f"A listener with compute_id {data['compute_id']} already exists.",
+        )
 
     def list_listeners(self, tenant_id: str, limit: int, offset: int) -> list[Row]:
-        rows = self._conn.execute(
-            "SELECT * FROM listeners WHERE tenant_id = ? ORDER BY created_at DESC, seq DESC "
-            "LIMIT ? OFFSET ?",
-            (tenant_id, limit, offset),
-        )
-        return [self._listener_out(row) for row in rows]
+        return self._list(_LISTENERS, tenant_id, limit, offset)
 
     def get_listener(self, tenant_id: str, listener_id: str) -> Row | None:
-        row = self._listener_row(tenant_id, listener_id)
-        return None if row is None else self._listener_out(row)
+        return self._get(_LISTENERS, tenant_id, listener_id)
 
     def patch_listener(
         self, tenant_id: str, listener_id: str, patch: Row, now: float
     ) -> Row | None:
-        with self._tx():
-            if self._listener_row(tenant_id, listener_id) is None:
-                return None
-            if "compute_config" in patch:
-                self._conn.execute(
-                    "UPDATE listeners SET compute_config = ? WHERE id = ?",
-                    (json.dumps(patch["compute_config"]), listener_id),
-                )
-            if "version" in patch:
-                self._conn.execute(
-                    "UPDATE listeners SET version = ? WHERE id = ?", (patch["version"], listener_id)
-                )
-            self._conn.execute(
-                "UPDATE listeners SET updated_at = ? WHERE id = ?", (now, listener_id)
-            )
-        return self.get_listener(tenant_id, listener_id)
+        columns: dict[str, Callable[[Any], object]] = {
+            "compute_config": json.dumps,
+            "version": _same,
+        }
+        return self._patch(_LISTENERS, tenant_id, listener_id, patch, columns, now)
 
     def delete_listener(self, tenant_id: str, listener_id: str) -> bool:
-        with self._tx():
-            cursor = self._conn.execute(
-                "DELETE FROM listeners WHERE id = ? AND tenant_id = ?", (listener_id, tenant_id)
-            )
-        return cursor.rowcount > 0
+        return self._delete(_LISTENERS, tenant_id, listener_id)
 
     # ---- auth service --------------------------------------------------------------------
 
-    def _provider_out(self, row: sqlite3.Row) -> Row:
-        return {
-            "id": row["id"],
-            "organization_id": row["tenant_id"],
-            "provider_id": row["provider_id"],
-            "name": row["name"],
-            "client_id": row["client_id"],
-            "auth_url": row["auth_url"],
-            "token_url": row["token_url"],
-            "uses_pkce": bool(row["uses_pkce"]),
-            "code_challenge_method": row["code_challenge_method"],
-            "token_endpoint_auth_method": row["token_endpoint_auth_method"],
-            "has_client_secret": bool(row["has_client_secret"]),
-            "provider_type": None,
-            "created_at": iso(row["created_at"]),
-            "updated_at": iso(row["updated_at"]),
-        }
-
-    def _provider_row(self, tenant_id: str, provider_id: str) -> sqlite3.Row | None:
-        row: sqlite3.Row | None = self._conn.execute(
-            "SELECT * FROM auth_providers WHERE provider_id = ? AND tenant_id = ?",
-            (provider_id, tenant_id),
-        ).fetchone()
-        return row
-
     def create_provider(self, tenant_id: str, data: Row, now: float) -> Row:
-        try:
-            with self._tx():
-                self._conn.execute(
-                    "INSERT INTO auth_providers (id, tenant_id, provider_id, name, client_id, "
-                    "has_client_secret, auth_url, token_url, uses_pkce, code_challenge_method, "
-                    "token_endpoint_auth_method, created_at, updated_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        str(uuid.uuid4()),
-                        tenant_id,
-                        data["provider_id"],
-                        data["name"],
-                        data["client_id"],
-                        int(data["has_client_secret"]),
-                        data["auth_url"],
-                        data["token_url"],
-                        int(data["uses_pkce"]),
-                        data["code_challenge_method"],
-                        data["token_endpoint_auth_method"],
-                        now,
-                        now,
-                    ),
-                )
-        except sqlite3.IntegrityError:
-            raise Conflict(f"OAuth provider {data['provider_id']} already exists.") from None
-        row = self._provider_row(tenant_id, data["provider_id"])
-        assert row is not None
-        return self._provider_out(row)
+        return self._insert(
+            _PROVIDERS,
+            {
+                "id": str(uuid.uuid4()),
+                "tenant_id": tenant_id,
+                "provider_id": data["provider_id"],
+                "name": data["name"],
+                "client_id": data["client_id"],
+                "has_client_secret": int(data["has_client_secret"]),
+                "auth_url": data["auth_url"],
+                "token_url": data["token_url"],
+                "uses_pkce": int(data["uses_pkce"]),
+                "code_challenge_method": data["code_challenge_method"],
+                "token_endpoint_auth_method": data["token_endpoint_auth_method"],
+                "created_at": now,
+                "updated_at": now,
+            },
+            f"OAuth provider {data['provider_id']} already exists.",
+        )
 
     def list_providers(self, tenant_id: str, limit: int, offset: int) -> list[Row]:
-        rows = self._conn.execute(
-            "SELECT * FROM auth_providers WHERE tenant_id = ? ORDER BY created_at DESC, seq DESC "
-            "LIMIT ? OFFSET ?",
-            (tenant_id, limit, offset),
-        )
-        return [self._provider_out(row) for row in rows]
+        return self._list(_PROVIDERS, tenant_id, limit, offset)
 
     def get_provider(self, tenant_id: str, provider_id: str) -> Row | None:
-        row = self._provider_row(tenant_id, provider_id)
-        return None if row is None else self._provider_out(row)
+        return self._get(_PROVIDERS, tenant_id, provider_id)
 
     def patch_provider(
         self, tenant_id: str, provider_id: str, patch: Row, now: float
@@ -624,34 +657,16 @@ class ControlPlaneStore:
             "code_challenge_method": str,
             "token_endpoint_auth_method": str,
         }
-        with self._tx():
-            if self._provider_row(tenant_id, provider_id) is None:
-                return None
-            for column, convert in columns.items():
-                if column in patch:
-                    # Column names come from the fixed mapping above, never from the request.
-                    self._conn.execute(
-                        f"UPDATE auth_providers SET {column} = ? "
-                        "WHERE provider_id = ? AND tenant_id = ?",
-                        (convert(patch[column]), provider_id, tenant_id),
-                    )
-            self._conn.execute(
-                "UPDATE auth_providers SET updated_at = ? WHERE provider_id = ? AND tenant_id = ?",
-                (now, provider_id, tenant_id),
-            )
-        return self.get_provider(tenant_id, provider_id)
+        return self._patch(_PROVIDERS, tenant_id, provider_id, patch, columns, now)
 
     def delete_provider(self, tenant_id: str, provider_id: str) -> bool:
         with self._tx():
-            cursor = self._conn.execute(
-                "DELETE FROM auth_providers WHERE provider_id = ? AND tenant_id = ?",
-                (provider_id, tenant_id),
-            )
+            deleted = self._delete(_PROVIDERS, tenant_id, provider_id)
             self._conn.execute(
                 "DELETE FROM auth_flows WHERE provider_id = ? AND tenant_id = ?",
                 (provider_id, tenant_id),
             )
-        return cursor.rowcount > 0
+        return deleted
 
     def completed_token(
         self, tenant_id: str, provider_id: str, user_id: str, scopes: list[str], now: float
