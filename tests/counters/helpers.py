@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from collections.abc import Callable
 
 
 class RecordingEvents:
@@ -36,3 +39,12 @@ def keys_sharing_tag(count: int, region: str = "us") -> list[str]:
     """``count`` keys of one identity (one hash tag, so one cluster slot)."""
     tag = f"{region}:rule:{uuid.uuid4().hex[:16]}"
     return [f"rl:{{{tag}}}:{i}" for i in range(count)]
+
+
+async def eventually(seconds: float, condition: Callable[[], bool], what: str) -> None:
+    """Wait until ``condition()`` holds, failing with ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds}s: {what}")
+        await asyncio.sleep(0.02)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +23,7 @@ import pytest
 
 from gateway.counters.base import CounterBackend, CounterUnavailableError, LimitCheck
 from gateway.counters.factory import PerNodeBackend, _NodeBreakers, open_counter_backend
-from tests.counters.helpers import RecordingEvents, new_key
+from tests.counters.helpers import RecordingEvents, eventually, new_key
 from tests.support.redis_servers import RedisClusterProcess, RedisServer
 
 WAIT_SECONDS = 15.0
@@ -81,14 +81,6 @@ class Traffic:
         await asyncio.gather(*self._tasks)
 
 
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {WAIT_SECONDS}s: {what}")
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 def partial_cluster(tmp_path: Path) -> Iterator[RedisClusterProcess]:
     cluster = RedisClusterProcess(tmp_path / "cluster", full_coverage=False)
@@ -135,6 +127,7 @@ async def test_master_killed_under_traffic_then_restarted(
     traffic.start(keys)
     try:
         await eventually(
+            WAIT_SECONDS,
             lambda: all(traffic.sources("before", k).count("redis") >= 20 for k in keys),
             "every key is counted in Redis",
         )
@@ -142,6 +135,7 @@ async def test_master_killed_under_traffic_then_restarted(
         await asyncio.to_thread(victim.kill9)
         traffic.phase = "down"
         await eventually(
+            WAIT_SECONDS,
             lambda: (
                 "open" in events.breaker
                 and len(traffic.sources("down", "dead")) >= 100
@@ -158,6 +152,7 @@ async def test_master_killed_under_traffic_then_restarted(
         await asyncio.to_thread(victim.restart)
         traffic.phase = "back"
         await eventually(
+            WAIT_SECONDS,
             lambda: (
                 traffic.sources("back", "dead")[-30:].count("redis") == 30
                 and traffic.sources("back", "dead-closed")[-10:].count("redis") == 10

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from gateway.counters.base import CounterBackend, CounterUnavailableError, LimitCheck
 from gateway.counters.factory import open_counter_backend
 from gateway.counters.resilient import CircuitBreaker, ResilientBackend, failure_kind
-from tests.counters.helpers import RecordingEvents, new_key
+from tests.counters.helpers import RecordingEvents, eventually, new_key
 from tests.support.redis_servers import RedisServer
 
 WAIT_SECONDS = 10.0
@@ -51,14 +50,6 @@ class Load:
         await asyncio.gather(*self._tasks)
 
 
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {WAIT_SECONDS}s: {what}")
-        await asyncio.sleep(0.02)
-
-
 def resilient_of(backend: CounterBackend) -> ResilientBackend:
     inner = getattr(backend, "inner", None)
     assert isinstance(inner, ResilientBackend)
@@ -73,11 +64,13 @@ async def test_kill9_under_load_falls_back_then_returns_to_redis(own_redis: Redi
     load = Load(backend)
     load.start()
     try:
-        await eventually(lambda: load.sources.count("redis") > 50, "traffic reaches redis")
+        await eventually(
+            WAIT_SECONDS, lambda: load.sources.count("redis") > 50, "traffic reaches redis"
+        )
         own_redis.kill9()
-        await eventually(lambda: "open" in events.breaker, "the breaker opens")
+        await eventually(WAIT_SECONDS, lambda: "open" in events.breaker, "the breaker opens")
         mark = len(load.sources)
-        await eventually(lambda: len(load.sources) > mark + 100, "traffic continues")
+        await eventually(WAIT_SECONDS, lambda: len(load.sources) > mark + 100, "traffic continues")
         assert "fallback" in load.sources[mark:]
         assert events.fallbacks > 0 and events.errors
         assert set(events.errors) <= {"connection", "timeout", "error"}
@@ -97,8 +90,10 @@ async def test_kill9_under_load_falls_back_then_returns_to_redis(own_redis: Redi
 
         own_redis.restart()
         mark = len(load.sources)
-        await eventually(lambda: "redis" in load.sources[mark:], "traffic returns to redis")
-        await eventually(lambda: events.breaker[-1] == "closed", "the breaker closes")
+        await eventually(
+            WAIT_SECONDS, lambda: "redis" in load.sources[mark:], "traffic returns to redis"
+        )
+        await eventually(WAIT_SECONDS, lambda: events.breaker[-1] == "closed", "the breaker closes")
         assert "half_open" in events.breaker
         fresh = LimitCheck(new_key(), limit=3, window_ms=60_000, bucket_ms=1_000)
         results = [await backend.hit([fresh]) for _ in range(4)]
@@ -119,18 +114,24 @@ async def test_hung_server_times_out_and_recovers(own_redis: RedisServer) -> Non
     load = Load(backend, workers=8)
     load.start()
     try:
-        await eventually(lambda: load.sources.count("redis") > 20, "traffic reaches redis")
+        await eventually(
+            WAIT_SECONDS, lambda: load.sources.count("redis") > 20, "traffic reaches redis"
+        )
         own_redis.pause()
         try:
-            await eventually(lambda: "open" in events.breaker, "the breaker opens")
+            await eventually(WAIT_SECONDS, lambda: "open" in events.breaker, "the breaker opens")
             assert "timeout" in events.errors
             mark = len(load.sources)
-            await eventually(lambda: len(load.sources) > mark + 50, "traffic continues")
+            await eventually(
+                WAIT_SECONDS, lambda: len(load.sources) > mark + 50, "traffic continues"
+            )
             assert set(load.sources[mark:]) == {"fallback"}
         finally:
             own_redis.resume()
         mark = len(load.sources)
-        await eventually(lambda: "redis" in load.sources[mark:], "traffic returns to redis")
+        await eventually(
+            WAIT_SECONDS, lambda: "redis" in load.sources[mark:], "traffic returns to redis"
+        )
     finally:
         await load.stop()
         await backend.close()
