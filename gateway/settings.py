@@ -237,6 +237,8 @@ def _validate(s: Settings) -> None:
         bad(f"memory_max_keys must be at least 1000, not {s.memory_max_keys}")
     if s.workers < 1 or s.workers > 64:
         bad(f"workers must be 1..64, not {s.workers}")
+    if s.workers > 1 and s.port == 0:
+        bad("--workers needs a fixed --port: with port 0 every worker would get its own")
     if s.access_log not in ("plain", "json", "off"):
         bad(f"access_log must be plain, json or off, not {s.access_log!r}")
     if s.upstream is not None and not s.upstream.startswith(("http://", "https://")):

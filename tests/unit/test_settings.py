@@ -80,6 +80,7 @@ def test_regions_section_orders_the_default_first(tmp_path):
         ({"trusted_proxies": ["10.0.0.0/33"]}, "bad trusted-proxy CIDR"),
         ({"ipv6_prefix": 200}, "ipv6 prefix must be 1..128"),
         ({"log_level": "verbose"}, "log_level must be"),
+        ({"workers": 2, "port": 0}, "workers needs a fixed --port"),
     ],
 )
 def test_bad_flags_are_settings_errors(flags, words):
