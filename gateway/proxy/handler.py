@@ -68,6 +68,10 @@ class Gateway:
         )
         try:
             response = await self._handle(request, record, started)
+            if not response.prepared and record.request_id:
+                # The gateway's own answers (429, 4xx, /info) carry the id too, so a
+                # client can quote it and it can be found in the access log.
+                response.headers.setdefault("X-Request-Id", record.request_id)
         except asyncio.CancelledError:
             record.status = record.status or 499  # the client went away
             raise
@@ -146,7 +150,7 @@ class Gateway:
         if upstream is None:
             return _done(record, json_error(404, f"no upstream serves {path}", headers))
         record.upstream = upstream.name
-        if record.request_id:
+        if record.request_id:  # the streamed response is prepared before handle() sees it
             headers.append(("X-Request-Id", record.request_id))
         self.metrics.child(self.metrics.overhead, region).observe(time.perf_counter() - started)
         trusted_peer = self.addresses.peer_trusted(peer)

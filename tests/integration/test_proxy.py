@@ -210,3 +210,11 @@ async def test_compressed_request_body_passes_through_untouched(upstream):
             gw.url + "/echo", data=body, headers={"Content-Encoding": "gzip"}
         ) as r:
             assert (await r.json())["body_length"] == len(body)
+
+
+async def test_gateway_answers_carry_the_request_id(upstream):
+    async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/a;b", headers={"X-Request-Id": "req-123"}) as r:
+            assert r.status == 400 and r.headers["X-Request-Id"] == "req-123"
+        async with http.get(gw.url + "/info") as r:
+            assert len(r.headers["X-Request-Id"]) == 32
