@@ -91,9 +91,12 @@ class Forwarder:
         query: str,
         extra_headers: list[tuple[str, str]],
         trusted_peer: bool,
+        request_id: str | None = None,
     ) -> tuple[web.StreamResponse, float]:
         """Forward and stream back. Returns the response and the upstream latency (s)."""
         headers = _request_headers(request, upstream, trusted_peer)
+        if request_id:
+            headers["X-Request-Id"] = request_id  # one id across gateway and upstream logs
         length = request.content_length
         if length is not None and length > self._limits.max_body_bytes:
             return json_error(413, _too_large(self._limits.max_body_bytes), extra_headers), 0.0

@@ -156,7 +156,7 @@ class Gateway:
         trusted_peer = self.addresses.peer_trusted(peer)
         try:
             forwarded, latency = await self.forwarder.forward(
-                request, upstream, path, query, headers, trusted_peer
+                request, upstream, path, query, headers, trusted_peer, record.request_id
             )
         except StreamAbortedError as exc:
             # The response had started; aiohttp treats a cancelled handler as a dropped

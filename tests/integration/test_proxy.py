@@ -218,3 +218,6 @@ async def test_gateway_answers_carry_the_request_id(upstream):
             assert r.status == 400 and r.headers["X-Request-Id"] == "req-123"
         async with http.get(gw.url + "/info") as r:
             assert len(r.headers["X-Request-Id"]) == 32
+        async with http.get(gw.url + "/echo") as r:
+            seen = {k.lower(): v for k, v in (await r.json())["headers"].items()}
+            assert seen["x-request-id"] == r.headers["X-Request-Id"]  # the upstream got it
