@@ -8,13 +8,12 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from gateway import __version__
@@ -23,10 +22,11 @@ from gateway.counters.memory import MemoryBackend
 from gateway.metrics import Metrics
 from gateway.proxy.access_log import AccessLogger
 from gateway.proxy.admin import create_admin_app
-from gateway.proxy.forward import Forwarder, ForwardLimits, Upstream
 from gateway.proxy.handler import Gateway
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.routing import RegionMap, Router
+from gateway.proxy.server import DataPlane, PlaneLimits
+from gateway.proxy.upstream_pool import Upstream, UpstreamPool
 from gateway.ratelimit.identity import ClientAddressPolicy, IdentityHasher
 from gateway.ratelimit.limiter import Limiter
 from gateway.secrets import identity_secret
@@ -34,7 +34,6 @@ from gateway.settings import Settings, SettingsError
 
 log = logging.getLogger("gateway")
 
-GATEWAY_KEY = web.AppKey("gateway", Gateway)
 STORE_PREFIXES = ("/store",)
 CONTROL_PLANE_PREFIXES = (
     "/v1/integrations",
@@ -92,103 +91,108 @@ class Upstreams:
         return Router(routes, default)
 
 
-def create_proxy_app(
-    settings: Settings,
-    upstreams: Upstreams,
-    metrics: Metrics,
-    rules: RuleSource,
-    secret: bytes,
-) -> web.Application:
-    """The proxy application; its resources (counters, client pool, rule watcher) live in
-    ``cleanup_ctx`` so they open and close with the app."""
-    regions = settings.region_table()
-    hosts = {host: r.name for r in regions for host in r.hosts}
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        handler_args={
-            # aiohttp's own limits answer in plain text, so they are set well above ours
-            # and the handler enforces the configured ones with a JSON 431.
-            "max_line_size": max(4 * settings.max_header_bytes, 16384),
-            "max_field_size": max(4 * settings.max_header_bytes, 16384),
-            "max_headers": 4 * settings.max_headers,
-            "keepalive_timeout": settings.client_idle_timeout,
-            # Bodies pass through as sent: decompressing would corrupt Content-Encoding.
-            "auto_decompress": False,
-        },
-    )
+class Proxy:
+    """The proxy port and what it owns: counter backends, the upstream pool, the rule
+    watcher. ``start`` opens them and listens; ``stop`` drains and closes them."""
 
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        backends = {r.name: open_backend(settings, r.name, r.counter_url, metrics) for r in regions}
+    def __init__(
+        self,
+        settings: Settings,
+        upstreams: Upstreams,
+        metrics: Metrics,
+        rules: RuleSource,
+        secret: bytes,
+    ) -> None:
+        self.settings = settings
+        self.upstreams = upstreams
+        self.metrics = metrics
+        self.rules = rules
+        self.secret = secret
+        self.gateway: Gateway | None = None
+        self.plane: DataPlane | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> list[str]:
+        settings = self.settings
+        regions = settings.region_table()
+        hosts = {host: r.name for r in regions for host in r.hosts}
+        backends = {
+            r.name: open_backend(settings, r.name, r.counter_url, self.metrics) for r in regions
+        }
         for backend in backends.values():
             start = getattr(backend, "start", None)
             if start is not None:
                 await start()
-        connector = aiohttp.TCPConnector(
-            limit=settings.upstream_pool_size, keepalive_timeout=30, ttl_dns_cache=60
-        )
-        session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                connect=settings.upstream_connect_timeout,
-                sock_read=settings.upstream_read_timeout,
-            ),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        gateway = Gateway(
-            rules=rules,
+        self.gateway = Gateway(
+            rules=self.rules,
             limiter=Limiter(backends),
             backends=backends,
-            hasher=IdentityHasher(secret),
+            hasher=IdentityHasher(self.secret),
             addresses=ClientAddressPolicy.parse(settings.trusted_proxies, settings.ipv6_prefix),
             regions=RegionMap(regions[0].name, hosts),
-            router=upstreams.router(settings),
-            forwarder=Forwarder(
-                session,
-                ForwardLimits(
-                    settings.max_body_bytes, settings.body_read_timeout, settings.upstream_timeout
-                ),
-                metrics,
-            ),
-            metrics=metrics,
+            router=self.upstreams.router(settings),
+            metrics=self.metrics,
             access_log=AccessLogger(settings.access_log),
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
+            max_body_bytes=settings.max_body_bytes,
         )
-        app[GATEWAY_KEY] = gateway
-        watcher = None
+        limits = PlaneLimits(
+            max_body_bytes=settings.max_body_bytes,
+            max_head_bytes=max(64 * 1024, 8 * settings.max_header_bytes),
+            header_timeout=settings.header_timeout,
+            client_idle_timeout=settings.client_idle_timeout,
+            body_read_timeout=settings.body_read_timeout,
+            upstream_timeout=settings.upstream_timeout,
+            upstream_read_timeout=settings.upstream_read_timeout,
+            max_connections=connection_cap(settings.max_connections, settings.upstream_pool_size),
+        )
+        pool = UpstreamPool(settings.upstream_pool_size, settings.upstream_connect_timeout)
+        self.plane = DataPlane(self.gateway, pool, limits)
         if settings.watch_rules:
-            watcher = asyncio.create_task(rules.watch(settings.watch_interval))
-        try:
-            yield
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-                with suppress(asyncio.CancelledError):
-                    await watcher
-            await session.close()
-            for backend in backends.values():
+            self._watcher = asyncio.create_task(self.rules.watch(settings.watch_interval))
+        return await self.plane.start(host, port, reuse_port)
+
+    @property
+    def port(self) -> int:
+        assert self.plane is not None
+        return self.plane.ports[0]
+
+    async def stop(self, grace: float) -> None:
+        if self.plane is not None:
+            await self.plane.stop(grace)
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watcher
+        if self.gateway is not None:
+            self.gateway.access_log.flush()
+            for backend in self.gateway.backends.values():
                 await backend.close()
 
-    app.cleanup_ctx.append(resources)
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await request.app[GATEWAY_KEY].handle(request)
+def connection_cap(wanted: int, upstream_pool: int) -> int:
+    """``max_connections``, kept below the open-file limit (less the upstream pool and
+    some room for files, Redis and the admin port): running out of descriptors would
+    fail every connection, legitimate ones included."""
+    try:
+        import resource
 
-    # The catch-all route serves every origin-form target without the router building a
-    # 404 exception per request; the middleware catches what the router cannot match
-    # (CONNECT host:port, "*") so those reach the gateway's own checks too.
-    app.router.add_route("*", "/{tail:.*}", handle)
-
-    @web.middleware
-    async def everything(
-        request: web.Request, handler: Callable[[web.Request], Any]
-    ) -> web.StreamResponse:
-        return await request.app[GATEWAY_KEY].handle(request)
-
-    app.middlewares.append(everything)
-    return app
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - non-POSIX
+        return wanted
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    room = max(64, soft - upstream_pool - 128)
+    if room < wanted:
+        log.info(
+            "max_connections %d is above what %d open files allow: using %d "
+            "(raise the limit with ulimit -n to accept more)",
+            wanted,
+            soft,
+            room,
+        )
+    return min(wanted, room)
 
 
 def prepare_rules(settings: Settings, metrics: Metrics) -> RuleSource:
@@ -252,6 +256,12 @@ class Service:
     def __init__(self, shutdown_timeout: float) -> None:
         self.shutdown_timeout = shutdown_timeout
         self.runners: list[web.AppRunner] = []
+        self.proxies: list[Proxy] = []
+
+    async def start_proxy(self, proxy: Proxy, host: str, port: int, reuse_port: bool) -> list[str]:
+        """Serve the proxy port; proxies stop before every app (upstreams last)."""
+        self.proxies.append(proxy)
+        return await proxy.start(host, port, reuse_port)
 
     async def start_tcp(
         self,
@@ -259,9 +269,8 @@ class Service:
         host: str,
         port: int,
         reuse_port: bool = False,
-        first: bool = False,
     ) -> list[str]:
-        """Serve ``app`` on host:port; ``first`` puts it at the front of the stop order."""
+        """Serve ``app`` on host:port (stopped after the proxies, in start order)."""
         runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=self.shutdown_timeout, handle_signals=False
         )
@@ -274,7 +283,7 @@ class Service:
             shutdown_timeout=self.shutdown_timeout,
         )
         await site.start()
-        self.runners.insert(0 if first else len(self.runners), runner)
+        self.runners.append(runner)
         return [_address(s) for s in runner.addresses]
 
     async def start_socket(self, app: web.Application, sock: socket.socket) -> None:
@@ -284,6 +293,9 @@ class Service:
         self.runners.append(runner)
 
     async def stop(self) -> None:
+        for proxy in self.proxies:
+            await proxy.stop(self.shutdown_timeout)
+        self.proxies.clear()
         for runner in self.runners:
             await runner.cleanup()
         self.runners.clear()
@@ -363,14 +375,14 @@ async def serve(
             upstreams.builtin.update(embedded.urls())
             for note in embedded.notes:
                 log.warning("%s", note)
-        proxy = create_proxy_app(settings, upstreams, metrics, rules, secret)
+        proxy = Proxy(settings, upstreams, metrics, rules, secret)
         worker = "" if worker_index is None else f" (worker {worker_index})"
         log_startup(settings, rules, upstreams.router(settings), worker)
         for name, url in upstreams.builtin.items():
             log.info("built-in %s listening on %s", name, url)
         # The proxy is stopped first so in-flight requests can still reach the upstreams.
-        for address in await service.start_tcp(
-            proxy, settings.host, settings.port, reuse_port=worker_index is not None, first=True
+        for address in await service.start_proxy(
+            proxy, settings.host, settings.port, reuse_port=worker_index is not None
         ):
             log.info("gateway listening on %s", address)
         admin_port = settings.admin_port

@@ -1,15 +1,34 @@
 """Prometheus metrics in the gateway's own registry (one per app, so tests can run many).
 
+The request path only adds to plain numbers on small objects of ours; one collector turns
+them into Prometheus metric families when ``/metrics`` is scraped. prometheus-client's own
+Counter/Gauge/Histogram take a lock on every increment, which costs more than the
+increment itself. Our numbers are touched only from the event loop's thread (the data
+plane, the rule reloader, the breaker and the scrape all run there), so they need none.
+
 Labels never carry raw API keys or user ids: identities appear only as their kind
-(``ip``, ``api_key``, ``user_ip``).
+(``ip``, ``api_key``, ``user_ip``). Label values come from configuration (regions, rule
+ids, upstream names) or from fixed words in the code, so the children per metric are
+bounded.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import accumulate
+from typing import ClassVar, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("gateway.counters")
 
@@ -18,112 +37,307 @@ LATENCY_BUCKETS = (
     2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 
-MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
-
 BREAKER_STATES = {"closed": 0, "open": 1, "half_open": 2}
+
+_go_float: Callable[[float], str] = floatToGoString  # untyped upstream
+
+
+# --- what the request path touches -----------------------------------------------------------
+
+
+class CounterChild:
+    """One labelled series of a counter."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float = 0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:  # a counter that goes down breaks rate() in every query
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class GaugeChild:
+    """One labelled series of a gauge (or an unlabelled gauge itself)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class HistogramChild:
+    """One labelled series of a histogram: a count per bucket (not cumulative; the last
+    one is ``+Inf``) and the sum. Cumulated only at scrape time."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        # Buckets are "less than or equal": the first bound >= amount is the bucket.
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+# --- families: name, help, label names, and their export --------------------------------------
+
+ChildT = TypeVar("ChildT", CounterChild, GaugeChild, HistogramChild)
+
+
+class Family:
+    """A metric as Prometheus sees it: a name, a help text, label names, a type."""
+
+    __slots__ = ()
+    kind: ClassVar[str]
+    name: str
+    documentation: str
+    labelnames: tuple[str, ...]
+
+    def export(self) -> Metric:
+        """The metric family with every current sample (called at scrape time)."""
+        raise NotImplementedError
+
+    def describe(self) -> Metric:
+        """The metric family without samples (for the registry's name checks)."""
+        raise NotImplementedError
+
+
+class LabelledFamily(Family, Generic[ChildT]):
+    """A metric with label names; ``labels(*values)`` gives (and keeps) one child per set of
+    values."""
+
+    __slots__ = ("children", "documentation", "labelnames", "name")
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.children: dict[tuple[str, ...], ChildT] = {}
+        if not self.labelnames:
+            self.labels()  # exported (as 0) from the start, as prometheus-client does
+
+    def labels(self, *values: str) -> ChildT:
+        found = self.children.get(values)
+        if found is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(
+                    f"{self.name} takes labels {self.labelnames}, got {len(values)} values"
+                )
+            found = self.children[values] = self._new_child()
+        return found
+
+    def _new_child(self) -> ChildT:
+        raise NotImplementedError
+
+
+class Counter(LabelledFamily[CounterChild]):
+    kind = "counter"
+    __slots__ = ()
+
+    def _new_child(self) -> CounterChild:
+        return CounterChild()
+
+    def describe(self) -> Metric:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def export(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            family.add_metric(values, float(child.value))
+        return family
+
+
+class Gauge(LabelledFamily[GaugeChild]):
+    kind = "gauge"
+    __slots__ = ()
+
+    def _new_child(self) -> GaugeChild:
+        return GaugeChild()
+
+    def describe(self) -> Metric:
+        return GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def export(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            family.add_metric(values, float(child.value))
+        return family
+
+
+class Histogram(LabelledFamily[HistogramChild]):
+    kind = "histogram"
+    __slots__ = ("_le", "bounds")
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float] = LATENCY_BUCKETS,
+    ) -> None:
+        bounds = tuple(float(b) for b in buckets)
+        if bounds and bounds[-1] == float("inf"):
+            bounds = bounds[:-1]  # +Inf is always there
+        if not bounds or list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"{name}: buckets must be increasing and not empty")
+        self.bounds = bounds
+        # The ``le`` values exactly as prometheus-client spells them ("0.0001", "1.0", "+Inf").
+        self._le = (*(_go_float(b) for b in bounds), "+Inf")
+        super().__init__(name, documentation, labelnames)
+
+    def _new_child(self) -> HistogramChild:
+        return HistogramChild(self.bounds)
+
+    def describe(self) -> Metric:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def export(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            cumulative = [float(n) for n in accumulate(child.counts)]
+            family.add_metric(values, list(zip(self._le, cumulative, strict=True)), child.sum)
+        return family
+
+
+class ScalarGauge(GaugeChild, Family):
+    """A gauge without labels: the metric is its own (only) series, so ``inc``/``set`` on it
+    cost no lookup at all."""
+
+    kind = "gauge"
+    __slots__ = ("documentation", "name")
+    labelnames: tuple[str, ...] = ()
+
+    def __init__(self, name: str, documentation: str) -> None:
+        super().__init__()
+        self.name = name
+        self.documentation = documentation
+
+    def describe(self) -> Metric:
+        return GaugeMetricFamily(self.name, self.documentation, labels=())
+
+    def export(self) -> Metric:
+        return GaugeMetricFamily(self.name, self.documentation, value=float(self.value))
+
+
+class FamilyCollector(Collector):
+    """Exports a fixed list of families, in order, whenever the registry is collected."""
+
+    def __init__(self, families: Iterable[Family]) -> None:
+        self._families = tuple(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.export()
+
+    def describe(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.describe()
+
+
+# --- the gateway's metrics ---------------------------------------------------------------------
 
 
 class Metrics:
     """Every metric the gateway exports."""
 
     def __init__(self) -> None:
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         self.requests = Counter(
             "gateway_requests",
             "Requests seen by the gateway, by rate-limit decision.",
             ["region", "rule", "identity", "decision"],
-            registry=r,
         )
         self.near_limit = Counter(
             "gateway_near_limit",
             "Admitted requests that left less than 20% of a limit.",
             ["region", "rule"],
-            registry=r,
         )
         self.overhead = Histogram(
             "gateway_overhead_seconds",
             "Time the gateway spent before forwarding (identity, rules, counters).",
             ["region"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         self.upstream_latency = Histogram(
             "gateway_upstream_seconds",
             "Time from forwarding a request to receiving the upstream's response headers.",
             ["upstream"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         self.upstream_errors = Counter(
             "gateway_upstream_errors",
             "Requests the upstream could not answer (unreachable, timeout, broken stream).",
             ["upstream", "kind"],
-            registry=r,
         )
         self.responses = Counter(
             "gateway_responses",
             "Responses sent, by status class.",
             ["region", "status_class"],
-            registry=r,
         )
         self.counter_errors = Counter(
             "gateway_counter_store_errors",
             "Failed calls to the shared counter store.",
             ["region", "kind"],
-            registry=r,
         )
         self.breaker_state = Gauge(
             "gateway_counter_breaker_state",
             "Circuit breaker in front of the counter store: 0 closed, 1 open, 2 half-open.",
             ["region"],
-            registry=r,
         )
         self.breaker_transitions = Counter(
             "gateway_counter_breaker_transitions",
             "Changes of the counter-store circuit breaker, by the state entered.",
             ["region", "state"],
-            registry=r,
         )
         self.fallback_decisions = Counter(
             "gateway_fallback_decisions",
             "Decisions taken by the local fallback counters while the store was unavailable.",
             ["region"],
-            registry=r,
         )
         self.deny_cache_hits = Counter(
             "gateway_deny_cache_hits",
             "Requests refused from the local deny cache without asking the counter store.",
             ["region"],
-            registry=r,
         )
         self.rule_reloads = Counter(
             "gateway_rule_reloads",
             "Rule table (re)loads, by outcome (ok, error, unchanged).",
             ["outcome"],
-            registry=r,
         )
-        self.rules_loaded = Gauge(
+        self.rules_loaded = ScalarGauge(
             "gateway_rules_loaded_timestamp_seconds",
             "When the running rule table was loaded.",
-            registry=r,
         )
-        self.rules_count = Gauge("gateway_rules", "Rules in the running table.", registry=r)
-        self.inflight = Gauge(
-            "gateway_inflight_requests", "Requests being handled right now.", registry=r
+        self.rules_count = ScalarGauge("gateway_rules", "Rules in the running table.")
+        self.inflight = ScalarGauge(
+            "gateway_inflight_requests", "Requests being handled right now."
         )
+        # Export order = definition order above (what prometheus-client did too).
+        self.families: tuple[Family, ...] = tuple(
+            v for v in vars(self).values() if isinstance(v, Family)
+        )
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(FamilyCollector(self.families))
 
-    def child(self, metric: MetricT, *labels: str) -> MetricT:
-        """``metric.labels(*labels)``, memoised: prometheus-client's own lookup costs more
-        than the rest of a counter increment, and the hot path does several per request.
-        Label values come from configuration (regions, rule ids, upstreams), so the memo is
-        bounded."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+    def child(self, metric: LabelledFamily[ChildT], *labels: str) -> ChildT:
+        """``metric.labels(*labels)``: one dict lookup once the child exists. Kept so the
+        request path can name the metric and its labels in one call."""
+        found = metric.children.get(labels)
+        return found if found is not None else metric.labels(*labels)
 
     def counter_events(self, region: str) -> RegionCounterEvents:
         return RegionCounterEvents(self, region)

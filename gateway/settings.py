@@ -66,6 +66,8 @@ class Settings:
     max_headers: int = 100
     client_idle_timeout: float = 75.0  # keep-alive between requests
     body_read_timeout: float = 60.0  # longest silence while receiving a request body
+    header_timeout: float = 10.0  # a request's head must arrive whole within this (408)
+    max_connections: int = 10_000  # client connections open at once; more are closed
     shutdown_timeout: float = 30.0
     upstream_pool_size: int = 256
     access_log: str = "plain"  # plain | json | off
@@ -245,9 +247,11 @@ def _validate(s: Settings) -> None:
         bad(f"upstream must be an http:// or https:// URL, not {s.upstream!r}")
     for name in ("redis_timeout_ms", "upstream_connect_timeout", "upstream_timeout",
                  "upstream_read_timeout", "client_idle_timeout", "body_read_timeout",
-                 "watch_interval"):  # fmt: skip
+                 "header_timeout", "watch_interval"):  # fmt: skip
         if getattr(s, name) <= 0:
             bad(f"{name} must be positive")
+    if s.max_connections < 1:
+        bad(f"max_connections must be at least 1, not {s.max_connections}")
     if s.max_body_bytes < 0 or s.max_header_bytes < 256:
         bad("max_body_bytes must be >= 0 and max_header_bytes >= 256")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

@@ -80,6 +80,15 @@ class DenyCacheBackend:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def hit_now(self, checks: Sequence[LimitCheck]) -> HitResult | None:
+        """A refusal known without asking the store, or None (then call ``hit``): lets
+        the data plane answer a flood without a task or an await."""
+        cached = self._lookup(checks, self._clock())
+        if cached is not None:
+            self.hits += 1
+            self._events.deny_cache_hit()
+        return cached
+
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         now = self._clock()
         cached = self._lookup(checks, now)

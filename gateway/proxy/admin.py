@@ -6,7 +6,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.metrics import Metrics
-from gateway.proxy.responses import json_response
 
 
 def create_admin_app(metrics: Metrics) -> web.Application:
@@ -17,7 +16,7 @@ def create_admin_app(metrics: Metrics) -> web.Application:
         return response
 
     async def ok(request: web.Request) -> web.Response:
-        return json_response({"ok": True})
+        return web.json_response({"ok": True})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)

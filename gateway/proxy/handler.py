@@ -1,33 +1,38 @@
-"""The gateway's request path: refuse what is malformed, decide, answer or forward."""
+"""The gateway's decisions about one request: refuse what is malformed, limit, route.
+
+Free of any connection handling: ``gateway.proxy.server`` feeds it parsed requests and
+writes what it answers. Everything a request needs is decided synchronously when it
+can be (in-process counters, a refusal already in the deny cache, every fixed answer),
+so the common answers cost no task and no await.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
-
-from aiohttp import web
+from dataclasses import dataclass, field
 
 from gateway import __version__
-from gateway.counters.base import CounterBackend, CounterUnavailableError
+from gateway.counters.base import CounterBackend
 from gateway.metrics import Metrics
 from gateway.policy.matcher import select
-from gateway.policy.paths import PathError, normalise_path, split_target
+from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
-from gateway.proxy.forward import Forwarder, StreamAbortedError, forwarded_for_chain
-from gateway.proxy.headers import connection_tokens
 from gateway.proxy.reload import RuleSource
-from gateway.proxy.responses import json_error, json_response
+from gateway.proxy.request import Incoming
+from gateway.proxy.request_id import accept_request_id, new_request_id
 from gateway.proxy.routing import RegionMap, Router
+from gateway.proxy.upstream_pool import Upstream
+from gateway.proxy.wire import Answer, json_body
 from gateway.ratelimit.decision import Decision, Outcome
 from gateway.ratelimit.identity import (
+    MAX_IDENTITY_HEADER_BYTES,
     ClientAddressPolicy,
     IdentityHasher,
     RequestIdentity,
-    valid_identity_header,
 )
 from gateway.ratelimit.limiter import Limiter
 
@@ -36,6 +41,18 @@ log = logging.getLogger("gateway.proxy")
 REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 HEALTH_PATH = "/ok"
 INFO_PATH = "/info"
+# Header names the gateway reads (lower-case); every other header is only relayed.
+_WATCHED = frozenset(
+    {
+        b"host", b"x-api-key", b"x-user-id", b"connection", b"x-forwarded-for",
+        b"x-request-id", b"x-forwarded-proto", b"content-length", b"transfer-encoding",
+        b"expect",
+    }
+)  # fmt: skip
+_IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
+OK_ANSWER = Answer.json(200, b'{"ok": true}')
+# The 429 bodies differ only by rule and wait: kept once each, bounded.
+_MAX_CACHED_429 = 4096
 
 
 @dataclass
@@ -49,133 +66,177 @@ class Gateway:
     addresses: ClientAddressPolicy
     regions: RegionMap
     router: Router
-    forwarder: Forwarder
     metrics: Metrics
     access_log: AccessLogger
     max_header_bytes: int = 8190
     max_headers: int = 100
+    max_body_bytes: int = 32 * 1024 * 1024
+    _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        self.metrics.inflight.inc()
-        record = AccessRecord(
-            method=request.method,
+    # --- the synchronous part: everything up to the rate-limit decision
+
+    def begin(self, req: Incoming, peer: str | None) -> Answer | None:
+        """Check, identify and (when it can be known now) decide ``req``.
+
+        Returns the answer when the gateway answers itself, or None when the request
+        goes on: to ``decide`` (``req.decision`` is None) or to ``after_decision``.
+        """
+        record = req.record = AccessRecord(
+            method=req.method,
             path="-",
             status=0,
             region=self.regions.default,
-            client=request.remote or "-",
-            request_id=_request_id(request),
+            client=peer or "-",
         )
-        try:
-            response = await self._handle(request, record, started)
-            if not response.prepared and record.request_id:
-                # The gateway's own answers (429, 4xx, /info) carry the id too, so a
-                # client can quote it and it can be found in the access log.
-                response.headers.setdefault("X-Request-Id", record.request_id)
-        except asyncio.CancelledError:
-            record.status = record.status or 499  # the client went away
-            raise
-        finally:
-            self.metrics.inflight.dec()
-            record.duration_ms = (time.perf_counter() - started) * 1000
-            if record.status:
-                status_class = f"{record.status // 100}xx"
-                self.metrics.child(self.metrics.responses, record.region, status_class).inc()
-            self.access_log.emit(record)
-        return response
-
-    async def _handle(
-        self, request: web.Request, record: AccessRecord, started: float
-    ) -> web.StreamResponse:
-        method = request.method
-        too_big = self._headers_too_large(request)
-        if too_big:
-            return _done(record, json_error(431, too_big))
+        problem = self._read_headers(req)
+        record.request_id = req.request_id
+        if problem is not None:
+            return problem
+        method = req.method
         if method in REFUSED_METHODS:
-            return _done(record, json_error(405, f"{method} is not accepted by this gateway"))
-        raw_path, query = split_target(request.raw_path)
-        # Only the raw target is looked at: parsing it (or Host) as a URL can fail.
+            return Answer.error(405, f"{method} is not accepted by this gateway")
+        target = req.target.decode("latin-1")
+        raw_path, _, _ = target.partition("?")
+        qmark = req.target.find(b"?")
+        req.query = b"" if qmark < 0 else req.target[qmark:]  # with the "?", byte for byte
         if not raw_path.startswith("/") and "://" in raw_path:
-            return _done(record, json_error(400, "absolute-form request targets are refused"))
+            return Answer.error(400, "absolute-form request targets are refused")
         try:
             path = normalise_path(raw_path)
         except PathError as exc:
             record.path = raw_path[:200]
-            return _done(record, json_error(400, str(exc)))
-        record.path = path
-        if path == HEALTH_PATH and method in ("GET", "HEAD"):
-            return _done(record, json_response({"ok": True}))
+            return Answer.error(400, str(exc))
+        req.path = record.path = path
+        if path == HEALTH_PATH and (method == "GET" or method == "HEAD"):
+            return OK_ANSWER
 
-        region = self.regions.region_for(request.host if "Host" in request.headers else None)
+        host = req.host
+        region = req.region = self.regions.region_for(
+            None if host is None else host.decode("latin-1")
+        )
         record.region = region
-        peer = request.remote
-        client_ip = self.addresses.client_address(peer, forwarded_for_chain(request) or None)
-        record.client = client_ip
-        try:
-            api_key, user_id = identity_headers(request)
-        except ValueError as exc:
-            return _done(record, json_error(400, str(exc)))
-        identity = RequestIdentity(self.hasher, client_ip, api_key, user_id)
-        selection = select(self.rules.table, region, method, path, identity.key_for)
-        try:
-            decision = await self.limiter.decide(region, selection)
-        except CounterUnavailableError:
-            rule_id = selection.rule.id if selection.rule else "-"
-            record.rule, record.decision = rule_id, "unavailable"
-            self._count(region, rule_id, selection.rule.identity.value if selection.rule else "-",
-                        "unavailable")  # fmt: skip
-            detail = (
-                f"rate-limit counters for region {region!r} are unavailable and rule "
-                f"{rule_id!r} fails closed; retry shortly"
-            )
-            return _done(record, json_error(503, detail, [("Retry-After", "1")]))
-        self._observe(region, decision, record)
-        headers = decision.header_fields()
+        forwarded = b", ".join(req.forwarded_for).decode("latin-1") if req.forwarded_for else None
+        req.client_ip = record.client = self.addresses.client_address(peer, forwarded)
+        req.trusted_peer = self.addresses.peer_trusted(peer)
+        identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id)
+        selection = req.selection = select(self.rules.table, region, method, path, identity.key_for)
+        req.decision = self.limiter.decide_now(region, selection)
+        return None
+
+    def _read_headers(self, req: Incoming) -> Answer | None:
+        """One pass over the raw headers: limits, framing, and what the gateway reads."""
+        headers = req.headers
+        if len(headers) > self.max_headers:
+            req.request_id = new_request_id()
+            return Answer.error(431, f"too many request headers (at most {self.max_headers})")
+        limit = self.max_header_bytes
+        identity: dict[bytes, list[bytes]] = {}
+        tokens: set[bytes] = set()
+        given_id: bytes | None = None
+        too_big: bytes | None = None
+        for name, value in headers:
+            if len(name) + len(value) > limit and too_big is None:
+                too_big = name
+            lower = name.lower()
+            if lower not in _WATCHED:
+                continue
+            if lower == b"host":
+                req.host = value
+            elif lower in _IDENTITY_NAMES:
+                identity.setdefault(lower, []).append(value)
+            elif lower == b"connection":
+                tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+            elif lower == b"x-forwarded-for":
+                req.forwarded_for.append(value)
+            elif lower == b"x-request-id":
+                given_id = value
+            elif lower == b"x-forwarded-proto":
+                req.forwarded_proto = value
+            elif lower == b"content-length":
+                req.content_length = int(value)  # llhttp accepted it: digits only
+            elif lower == b"transfer-encoding":
+                req.chunked = True  # llhttp (strict) only accepts chunked last
+            elif lower == b"expect":
+                req.expect_continue = value.lower() == b"100-continue"
+        accepted = None if given_id is None else accept_request_id(given_id)
+        req.request_id = accepted or new_request_id()
+        if too_big is not None:
+            shown = too_big[:64].decode("latin-1")
+            return Answer.error(431, f"request header {shown!r} is over {limit} bytes")
+        req.connection_tokens = frozenset(tokens)
+        for wire_name, label in _IDENTITY_NAMES.items():
+            values = identity.get(wire_name)
+            if not values:
+                continue
+            if len(values) > 1:
+                return Answer.error(400, f"send one {label} header, not {len(values)}")
+            if wire_name in tokens:
+                continue  # hop-by-hop for this request: the upstream never sees it
+            text, problem = identity_value(label, values[0])
+            if problem is not None:
+                return Answer.error(400, problem)
+            if wire_name == b"x-api-key":
+                req.api_key = text
+            else:
+                req.user_id = text
+        return None
+
+    # --- after the decision
+
+    async def decide(self, req: Incoming) -> Decision:
+        """The decision when it needs the counter store (``CounterUnavailableError``
+        when the store is down and the rule fails closed)."""
+        assert req.selection is not None
+        return await self.limiter.decide(req.region, req.selection)
+
+    def unavailable(self, req: Incoming) -> Answer:
+        selection, record = req.selection, req.record
+        assert selection is not None and record is not None
+        rule = selection.rule
+        rule_id = rule.id if rule else "-"
+        record.rule, record.decision = rule_id, "unavailable"
+        kind = rule.identity.value if rule else "-"
+        self._count(req.region, rule_id, kind, "unavailable")
+        detail = (
+            f"rate-limit counters for region {req.region!r} are unavailable and rule "
+            f"{rule_id!r} fails closed; retry shortly"
+        )
+        return Answer.error(503, detail, [("Retry-After", "1")])
+
+    def after_decision(self, req: Incoming, decision: Decision) -> Answer | Upstream | None:
+        """The answer (429, 404), the upstream to forward to, or None for ``/info``."""
+        record = req.record
+        assert record is not None
+        self._observe(req.region, decision, record)
+        headers = req.rate_headers = decision.header_fields()
         if decision.outcome is Outcome.LIMITED:
-            detail = (
-                f"rate limit exceeded for rule {decision.rule_id!r}; "
-                f"retry in {decision.retry_after} seconds"
+            self.metrics.child(self.metrics.overhead, req.region).observe(
+                time.perf_counter() - req.started
             )
-            headers.append(("Retry-After", str(decision.retry_after)))
-            self.metrics.child(self.metrics.overhead, region).observe(time.perf_counter() - started)
-            return _done(record, json_error(429, detail, headers))
-
-        if path == INFO_PATH and method in ("GET", "HEAD"):
-            response = json_response(await self.info())
-            for name, value in headers:
-                response.headers[name] = value
-            return _done(record, response)
-
+            return self._limited(decision, headers)
+        path = req.path
+        if path == INFO_PATH and (req.method == "GET" or req.method == "HEAD"):
+            return None
         upstream = self.router.route(path)
         if upstream is None:
-            return _done(record, json_error(404, f"no upstream serves {path}", headers))
+            return Answer.error(404, f"no upstream serves {path}", headers)
         record.upstream = upstream.name
-        if record.request_id:  # the streamed response is prepared before handle() sees it
-            headers.append(("X-Request-Id", record.request_id))
-        self.metrics.child(self.metrics.overhead, region).observe(time.perf_counter() - started)
-        trusted_peer = self.addresses.peer_trusted(peer)
-        try:
-            forwarded, latency = await self.forwarder.forward(
-                request, upstream, path, query, headers, trusted_peer, record.request_id
-            )
-        except StreamAbortedError as exc:
-            # The response had started; aiohttp treats a cancelled handler as a dropped
-            # connection and stays quiet, which is what both cases are.
-            record.status = exc.status
-            raise asyncio.CancelledError from exc
-        record.upstream_ms = latency * 1000
-        return _done(record, forwarded)
+        self.metrics.child(self.metrics.overhead, req.region).observe(
+            time.perf_counter() - req.started
+        )
+        return upstream
 
-    def _headers_too_large(self, request: web.Request) -> str | None:
-        headers = request.raw_headers
-        if len(headers) > self.max_headers:
-            return f"too many request headers (at most {self.max_headers})"
-        limit = self.max_header_bytes
-        for name, value in headers:
-            if len(name) + len(value) > limit:
-                shown = name[:64].decode(errors="replace")
-                return f"request header {shown!r} is over {limit} bytes"
-        return None
+    def _limited(self, decision: Decision, headers: list[tuple[str, str]]) -> Answer:
+        rule_id = decision.rule_id or "-"
+        wait = decision.retry_after
+        body = self._limited_bodies.get((rule_id, wait))
+        if body is None:
+            if len(self._limited_bodies) >= _MAX_CACHED_429:
+                self._limited_bodies.clear()
+            body = self._limited_bodies[(rule_id, wait)] = json_body(
+                f"rate limit exceeded for rule {rule_id!r}; retry in {wait} seconds"
+            )
+        return Answer.json(429, body, [*headers, ("Retry-After", str(wait))])
 
     def _observe(self, region: str, decision: Decision, record: AccessRecord) -> None:
         rule = decision.rule_id or "-"
@@ -196,6 +257,17 @@ class Gateway:
 
     def _count(self, region: str, rule: str, kind: str, decision: str) -> None:
         self.metrics.child(self.metrics.requests, region, rule, kind, decision).inc()
+
+    def finished(self, record: AccessRecord, started: float) -> None:
+        """Metrics and the access-log line of a request that has ended."""
+        record.duration_ms = (time.perf_counter() - started) * 1000
+        if record.status:
+            status_class = f"{record.status // 100}xx"
+            self.metrics.child(self.metrics.responses, record.region, status_class).inc()
+        self.access_log.emit(record)
+
+    async def info_answer(self, req: Incoming) -> Answer:
+        return Answer.json(200, _json(await self.info()), req.rate_headers)
 
     async def info(self) -> dict[str, object]:
         table = self.rules.table
@@ -221,34 +293,18 @@ class Gateway:
         }
 
 
-def _done(record: AccessRecord, response: web.StreamResponse) -> web.StreamResponse:
-    record.status = response.status
-    return response
+def identity_value(name: str, raw: bytes) -> tuple[str | None, str | None]:
+    """(value, None) when ``raw`` may form an identity, (None, None) when it forms none
+    (empty or over 256 bytes), or (None, problem) when the request must be refused: the
+    bytes are not printable ASCII, so no identity could be taken from exactly what the
+    upstream would receive."""
+    if not raw or len(raw) > MAX_IDENTITY_HEADER_BYTES:
+        return None, None
+    value = raw.decode("ascii") if raw.isascii() else None
+    if value is None or not value.isprintable():  # for ASCII: 0x20-0x7E
+        return None, f"the {name} header must be printable ASCII"
+    return value, None
 
 
-IDENTITY_HEADERS = ("x-api-key", "x-user-id")
-
-
-def identity_headers(request: web.Request) -> tuple[str | None, str | None]:
-    """The API key and user id that form identities, exactly as the upstream will see them.
-
-    A header named in ``Connection`` is hop-by-hop and never reaches the upstream, so it
-    forms no identity either; a repeated identity header is refused (``ValueError``)
-    because upstreams disagree about which copy counts.
-    """
-    dropped = connection_tokens(request.headers)
-    values: list[str | None] = []
-    for name in IDENTITY_HEADERS:
-        found = request.headers.getall(name, ())
-        if len(found) > 1:
-            raise ValueError(f"send one {name} header, not {len(found)}")
-        value = found[0] if found and name not in dropped else None
-        values.append(valid_identity_header(value))
-    return values[0], values[1]
-
-
-def _request_id(request: web.Request) -> str:
-    given = request.headers.get("X-Request-Id")
-    if given and len(given) <= 128 and given.isascii() and given.isprintable():
-        return given
-    return uuid.uuid4().hex
+def _json(payload: object) -> bytes:
+    return json.dumps(payload).encode()

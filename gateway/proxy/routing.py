@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gateway.proxy.forward import Upstream
+from gateway.proxy.upstream_pool import Upstream
 
 
 class Router:

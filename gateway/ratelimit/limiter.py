@@ -61,6 +61,26 @@ class Limiter:
     def backend(self, region: str) -> CounterBackend:
         return self._backends[region]
 
+    def decide_now(self, region: str, selection: Selection) -> Decision | None:
+        """The decision when it can be known without waiting: exempt, in-process
+        counters, or a refusal the deny cache already knows. None: use ``decide``.
+
+        Saves the data plane a task and an await on its most common answers.
+        """
+        rule = selection.rule
+        if (rule is None or rule.unlimited) and not selection.shadows:
+            return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
+        groups = self._groups(region, selection)
+        if len(groups) != 1:
+            return None
+        hit_now = getattr(self._backends[region], "hit_now", None)
+        if hit_now is None:
+            return None
+        result: HitResult | None = hit_now(groups[0][2])
+        if result is None:
+            return None
+        return self._decision(region, selection, groups, [result])
+
     async def decide(self, region: str, selection: Selection) -> Decision:
         """Count the request against the selected rule (and shadow rules) in ``region``.
 
@@ -71,17 +91,33 @@ class Limiter:
         if (rule is None or rule.unlimited) and not selection.shadows:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         backend = self._backends[region]
+        groups = self._groups(region, selection)
+        if len(groups) == 1:  # the common case: no task scheduling for one call
+            results: Sequence[HitResult] = [await backend.hit(groups[0][2])]
+        else:
+            results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
+        return self._decision(region, selection, groups, results)
+
+    @staticmethod
+    def _groups(region: str, selection: Selection) -> list[tuple[Rule, bool, Sequence[LimitCheck]]]:
         # The enforced rule's checks share one hash tag and are counted all-or-nothing in
         # one call; each shadow rule is its own call, sent concurrently (never blocking).
+        rule = selection.rule
         groups: list[tuple[Rule, bool, Sequence[LimitCheck]]] = []
         if rule is not None and not rule.unlimited and selection.identity is not None:
             groups.append((rule, False, limit_checks(region, rule, selection.identity, True)))
         for shadow_rule, key in selection.shadows:
             groups.append((shadow_rule, True, limit_checks(region, shadow_rule, key, False)))
-        if len(groups) == 1:  # the common case: no task scheduling for one call
-            results: Sequence[HitResult] = [await backend.hit(groups[0][2])]
-        else:
-            results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
+        return groups
+
+    @staticmethod
+    def _decision(
+        region: str,
+        selection: Selection,
+        groups: list[tuple[Rule, bool, Sequence[LimitCheck]]],
+        results: Sequence[HitResult],
+    ) -> Decision:
+        rule = selection.rule
         reports: list[LimitReport] = []
         shadow_exceeded: list[tuple[str, str]] = []
         admitted = True

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, Upstreams, create_proxy_app
+from gateway.app import Proxy, Upstreams
 from gateway.metrics import Metrics
 from gateway.proxy.handler import Gateway
 from gateway.proxy.reload import RuleSource
@@ -36,14 +36,15 @@ def free_port() -> int:
 @dataclass
 class RunningGateway:
     url: str
-    app: web.Application
+    proxy: Proxy
     metrics: Metrics
     rules: RuleSource
     settings: Settings
 
     @property
     def gateway(self) -> Gateway:
-        return self.app[GATEWAY_KEY]
+        assert self.proxy.gateway is not None
+        return self.proxy.gateway
 
 
 @asynccontextmanager
@@ -66,16 +67,12 @@ async def running_gateway(
     settings = load_settings(flags, env={}, config_file=config_file)
     metrics = Metrics()
     source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
-    app = create_proxy_app(settings, Upstreams(dict(builtin or {})), metrics, source, SECRET)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    proxy = Proxy(settings, Upstreams(dict(builtin or {})), metrics, source, SECRET)
+    await proxy.start("127.0.0.1", 0)
     try:
-        yield RunningGateway(f"http://127.0.0.1:{port}", app, metrics, source, settings)
+        yield RunningGateway(f"http://127.0.0.1:{proxy.port}", proxy, metrics, source, settings)
     finally:
-        await runner.cleanup()
+        await proxy.stop(5)
 
 
 @asynccontextmanager

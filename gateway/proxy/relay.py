@@ -1,0 +1,270 @@
+"""One request forwarded to an upstream and its response streamed back, by callbacks.
+
+Bytes move between the two transports inside the protocol callbacks (no await per
+chunk); backpressure is the transports' own: a full write buffer on one side pauses
+reading on the other. The only awaits are for an upstream connection and for the
+response head. Replaces aiohttp's client and ``StreamResponse`` on the proxy path
+(benchmarks/README.md, "Data plane", the proxied rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.proxy.request import Incoming
+from gateway.proxy.upstream_pool import UpstreamConnection, UpstreamPool
+from gateway.proxy.wire import CHUNKED_END, CLOSE, CRLF, chunk, date_line, status_line
+
+if TYPE_CHECKING:
+    from gateway.metrics import Metrics
+    from gateway.proxy.server import ClientConnection
+    from gateway.proxy.upstream_pool import Upstream
+
+log = logging.getLogger("gateway.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"proxy-connection",
+    }
+)  # fmt: skip
+# From an untrusted peer these are whatever the client wrote: dropped, so the upstream
+# cannot be misled (X-Forwarded-For is replaced with the peer).
+UNTRUSTED_FORWARDING = frozenset(
+    {b"forwarded", b"x-real-ip", b"x-forwarded-host", b"x-forwarded-port"}
+)
+# The gateway sets these on the request itself.
+_REQUEST_OWNED = frozenset(
+    {b"x-forwarded-for", b"x-forwarded-proto", b"via", b"x-request-id", b"expect"}
+)
+VIA = b"1.1 ratelimit-gateway"
+# A body up to this size is read whole before an upstream connection is taken, so a
+# client trickling a small body holds no upstream connection (slow-body starvation);
+# anything larger streams once this much has arrived.
+BUFFER_BEFORE_FORWARD = 64 * 1024
+
+
+class BodyTooLargeError(Exception):
+    pass
+
+
+def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer: str) -> bytes:
+    """The request head sent upstream: the client's end-to-end headers as they came,
+    hop-by-hop ones removed, forwarding headers set."""
+    drop = HOP_BY_HOP | req.connection_tokens
+    trusted = req.trusted_peer
+    lines = [
+        b"%s %s%s%s HTTP/1.1\r\n"
+        % (
+            req.method.encode(),
+            prefix.encode(),
+            req.path.encode(),
+            req.query,
+        )
+    ]
+    via: list[bytes] = []
+    has_host = False
+    for name, value in req.headers:
+        lower = name.lower()
+        if lower in drop or lower in _REQUEST_OWNED:
+            if lower == b"via":
+                via.append(value)
+            continue
+        if lower == b"host":
+            if not upstream.preserve_host:
+                continue
+            has_host = True
+        elif not trusted and lower in UNTRUSTED_FORWARDING:
+            continue
+        lines.append(name + b": " + value + CRLF)
+    if not has_host:
+        lines.append(b"Host: " + host.encode() + CRLF)
+    chain = b", ".join(req.forwarded_for)
+    peer_bytes = peer.encode()
+    if trusted and chain:
+        lines.append(b"X-Forwarded-For: " + chain + b", " + peer_bytes + CRLF)
+    else:
+        lines.append(b"X-Forwarded-For: " + peer_bytes + CRLF)
+    if trusted and req.forwarded_proto is not None:
+        lines.append(b"X-Forwarded-Proto: " + req.forwarded_proto + CRLF)
+    else:
+        lines.append(b"X-Forwarded-Proto: http\r\n")
+    via.append(VIA)
+    lines.append(b"Via: " + b", ".join(via) + CRLF)
+    lines.append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
+    if req.chunked:
+        if req.body_done:  # all of it is here: send it with a length
+            lines.append(b"Content-Length: %d\r\n" % req.body_size)
+        else:
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+    lines.append(CRLF)
+    return b"".join(lines)
+
+
+class Relay:
+    """The response side of one forwarded request (a ``ResponseSink``)."""
+
+    def __init__(
+        self,
+        conn: ClientConnection,
+        req: Incoming,
+        upstream: Upstream,
+        pool: UpstreamPool,
+        metrics: Metrics,
+    ) -> None:
+        self.conn = conn
+        self.req = req
+        self.upstream = upstream
+        self.pool = pool
+        self.metrics = metrics
+        self.uconn: UpstreamConnection | None = None
+        self.loop = asyncio.get_running_loop()
+        self.head: asyncio.Future[int] = self.loop.create_future()
+        self.done: asyncio.Future[int] = self.loop.create_future()
+        self.status = 0
+        self.chunked_out = False
+        self.close_after = False
+        self.until_close = False
+        self.body_chunked_up = False
+        self.client_paused_upstream = False
+
+    # --- request side
+
+    def send(self, uconn: UpstreamConnection, head: bytes) -> None:
+        """Write the head and the buffered body; stream the rest as it arrives."""
+        self.uconn = uconn
+        req = self.req
+        chunked = req.chunked and not req.body_done
+        self.body_chunked_up = chunked
+        body = req.body
+        data = head + b"".join(chunk(c) for c in body if c) if chunked else head + b"".join(body)
+        if not req.body_done:
+            req.body = []  # from now on the body streams; a complete one is kept for a retry
+        uconn.start(self, data, req.head_only)
+        if not req.body_done:
+            req.sink = self._body_chunk
+            self.conn.body_sink_ready()
+
+    def _body_chunk(self, data: bytes) -> None:
+        uconn = self.uconn
+        if uconn is None:
+            return
+        if not data:  # the end of the client's body
+            if self.body_chunked_up:
+                uconn.write(CHUNKED_END)
+            return
+        uconn.write(chunk(data) if self.body_chunked_up else data)
+
+    def upstream_writable(self, writable: bool) -> None:
+        self.conn.set_paused("upstream", not writable)
+
+    # --- response side (ResponseSink)
+
+    def response_head(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+    ) -> None:
+        req = self.req
+        conn = self.conn
+        self.status = status
+        drop = set(HOP_BY_HOP)
+        for name, value in headers:
+            if name.lower() == b"connection":
+                drop.update(t.strip().lower() for t in value.split(b",") if t.strip())
+        own = {n.lower().encode() for n, _ in req.rate_headers}
+        own.add(b"x-request-id")
+        lines = [status_line(status, reason or None)]
+        via: list[bytes] = []
+        length: bytes | None = None
+        chunked_in = False
+        for name, value in headers:
+            lower = name.lower()
+            if lower in drop:
+                if lower == b"transfer-encoding":
+                    chunked_in = True
+                continue
+            if lower == b"via":
+                via.append(value)
+                continue
+            if lower == b"content-length":
+                length = value
+                continue
+            if lower in own:
+                continue
+            lines.append(name + b": " + value + CRLF)
+        via.append(VIA)
+        lines.append(b"Via: " + b", ".join(via) + CRLF)
+        for field_name, text in req.rate_headers:
+            lines.append(f"{field_name}: {text}\r\n".encode("latin-1"))
+        lines.append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
+        bodiless = req.head_only or status in (204, 304)
+        if length is not None and not chunked_in:
+            lines.append(b"Content-Length: " + length + CRLF)
+        elif bodiless:
+            pass
+        elif req.version == "1.1":
+            self.chunked_out = True
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+        else:
+            self.close_after = True  # an HTTP/1.0 client reads to the end of the connection
+        # No length and not chunked: the response ends when the upstream closes.
+        self.until_close = length is None and not chunked_in and not bodiless
+        if self.close_after or not conn.keep_alive_after(req):
+            self.close_after = True
+            lines.append(CLOSE)
+        if b"date" not in {n.lower() for n, _ in headers}:
+            lines.append(date_line())
+        lines.append(CRLF)
+        conn.write(b"".join(lines))
+        if not self.head.done():
+            self.head.set_result(status)
+
+    def response_body(self, data: bytes) -> None:
+        self.conn.write(chunk(data) if self.chunked_out else data)
+        self.conn.response_progress()
+
+    def response_end(self) -> None:
+        if self.chunked_out:
+            self.conn.write(CHUNKED_END)
+        if not self.done.done():
+            self.done.set_result(self.status)
+
+    def upstream_lost(self, exc: Exception | None) -> None:
+        if not self.head.done():
+            self.head.set_exception(ConnectionError("the upstream closed the connection"))
+            return
+        if self.done.done():
+            return
+        if self.until_close and exc is None:
+            self.response_end()
+            return
+        self.metrics.upstream_errors.labels(self.upstream.name, "broken_stream").inc()
+        log.warning("upstream %s broke the response stream: %s", self.upstream.name,
+                    type(exc).__name__ if exc else "closed early")  # fmt: skip
+        self.done.set_result(-502)
+
+    def client_lost(self) -> None:
+        """The client went away: drop the upstream connection (it may be mid-response)."""
+        if self.uconn is not None:
+            self.uconn.abort()
+        if not self.head.done():
+            self.head.set_exception(ConnectionResetError("the client went away"))
+        if not self.done.done():
+            self.done.set_result(-499)
+
+    def client_writable(self, writable: bool) -> None:
+        if self.uconn is None:
+            return
+        if writable:
+            self.uconn.resume_reading()
+        else:
+            self.uconn.pause_reading()
+
+
+def stale_connection(relay: Relay) -> bool:
+    """A reused keep-alive connection that the upstream closed before answering: the
+    request never reached it, so it may be sent again on a new connection (only with
+    its whole body still at hand)."""
+    uconn = relay.uconn
+    return uconn is not None and uconn.used > 1 and not uconn.received and relay.req.body_done

@@ -1,0 +1,685 @@
+"""The proxy port: HTTP/1.1 connections on asyncio Protocols, parsed by llhttp (httptools).
+
+What this saves, against aiohttp's web layer (benchmarks/README.md, "Data plane"): no
+request/response objects, router, middleware, multidicts or URL objects per request;
+answers the gateway gives itself (429, 404, /ok, errors) are written from the parser
+callback with no task and no await; one sweep timer per process enforces every
+connection's deadlines instead of timers armed and cancelled per request.
+
+Per connection, requests are answered strictly in order (pipelining); each has one of
+these deadlines at a time, checked by the sweep: the head must arrive within
+``header_timeout`` (else 408), a keep-alive connection idles at most
+``client_idle_timeout``, the upstream must answer within ``upstream_timeout`` (504),
+a request body may be silent at most ``body_read_timeout`` (408) and a response body
+``upstream_read_timeout``. The number of open client connections is capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import cast
+
+import httptools
+
+from gateway.counters.base import CounterUnavailableError
+from gateway.proxy.handler import Gateway
+from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, Relay, request_head, stale_connection
+from gateway.proxy.request import Incoming
+from gateway.proxy.upstream_pool import Upstream, UpstreamPool
+from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
+from gateway.ratelimit.decision import Decision
+
+log = logging.getLogger("gateway.proxy")
+
+# Deadline kinds (one at a time per connection, besides the request body's own).
+IDLE, HEAD, UPSTREAM, RESPONSE = 1, 2, 3, 4
+MAX_PIPELINED = 32  # queued requests after which reading pauses
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneLimits:
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_head_bytes: int = 64 * 1024  # the whole request head, all headers together
+    header_timeout: float = 10.0
+    client_idle_timeout: float = 75.0
+    body_read_timeout: float = 60.0
+    upstream_timeout: float = 60.0
+    upstream_read_timeout: float = 300.0
+    max_connections: int = 10_000
+
+
+class BodyStalledError(Exception):
+    """The client stopped sending its request body for longer than allowed."""
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: parse, answer in order, relay."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.gateway = plane.gateway
+        self.limits = plane.limits
+        self.loop = plane.loop
+        self.transport: asyncio.Transport | None = None
+        self.peer: str | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.current: Incoming | None = None  # being parsed
+        self.active: Incoming | None = None  # being answered
+        self.pipeline: deque[Incoming] = deque()
+        self.relay: Relay | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused: set[str] = set()
+        self.reading_paused = False
+        self.deadline = 0.0
+        self.deadline_kind = 0
+        self.body_deadline = 0.0
+        self.in_head = False
+        self.head_bytes = 0
+        self.url: list[bytes] = []
+        self.dead_parser = False  # after an upgrade or a parse error nothing more is read
+        self.lost = False
+        self.draining = False
+        self.response_started = False
+
+    # --- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+        plane = self.plane
+        if len(plane.connections) >= self.limits.max_connections:
+            plane.refused_connection()
+            transport.abort()
+            self.lost = True
+            return
+        plane.connections.add(self)
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else None
+        self._set_deadline(IDLE, self.limits.client_idle_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.plane.connection_closed(self)
+        if self.relay is not None:
+            self.relay.client_lost()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client went away"))
+        req = self.active
+        if req is not None and self.relay is None:
+            # Waiting for a decision or for the body: the request ends here (its task
+            # sees it is no longer active). A relay ends its own request (499).
+            if req.record is not None and req.record.status == 0:
+                req.record.status = 499
+            self._finish(req, keep=False)
+
+    def data_received(self, data: bytes) -> None:
+        if self.dead_parser or self.lost:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Upgrade is not offered (the header is hop-by-hop and stripped), so the
+            # request is answered as plain HTTP and the connection closes after it.
+            self.dead_parser = True
+        except httptools.HttpParserError as exc:
+            self.dead_parser = True
+            self._protocol_error(exc)
+            return
+        if self.in_head:
+            # Still inside a request head: llhttp keeps what it has not reported, so
+            # the head's size is bounded here (a head never completes otherwise).
+            self.head_bytes += len(data)
+            if self.head_bytes > self.limits.max_head_bytes and self.active is None:
+                detail = f"request head is larger than {self.limits.max_head_bytes} bytes"
+                self._fatal(431, detail)
+
+    def eof_received(self) -> bool | None:
+        # A half-closed client may still read its answers: keep the transport while a
+        # request is being answered, close once it is done.
+        if self.active is None and not self.pipeline:
+            return False
+        for req in (self.active, *self.pipeline):
+            if req is not None:
+                req.keep_alive = False
+        return True
+
+    def pause_writing(self) -> None:
+        if self.relay is not None:
+            self.relay.client_writable(False)
+
+    def resume_writing(self) -> None:
+        if self.relay is not None:
+            self.relay.client_writable(True)
+
+    # --- llhttp callbacks
+
+    def on_message_begin(self) -> None:
+        req = Incoming()
+        req.started = time.perf_counter()
+        self.current = req
+        self.url = []
+        self.in_head = True
+        if self.active is None:
+            self._set_deadline(HEAD, self.limits.header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self.url.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.in_head and self.current is not None:  # not trailers
+            self.current.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        req = self.current
+        assert req is not None
+        parser = self.parser
+        self.in_head = False
+        self.head_bytes = 0
+        req.method = parser.get_method().decode("ascii")
+        req.version = parser.get_http_version()
+        req.keep_alive = parser.should_keep_alive()
+        req.upgrade = parser.should_upgrade()
+        req.head_only = req.method == "HEAD"
+        req.target = b"".join(self.url)
+        if self.active is None:
+            self._start(req)
+        else:
+            self.pipeline.append(req)
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self.set_paused("pipeline", True)
+
+    def on_body(self, body: bytes) -> None:
+        req = self.current
+        if req is not None:
+            self._body(req, body)
+
+    def on_message_complete(self) -> None:
+        req = self.current
+        self.current = None
+        if req is None:
+            return
+        req.body_done = True
+        if req is self.active:
+            self.body_deadline = 0.0
+        sink = req.sink
+        if sink is not None:
+            sink(b"")
+        self._wake()
+
+    # --- request bodies
+
+    def _body(self, req: Incoming, data: bytes) -> None:
+        req.body_size += len(data)
+        if req.body_size > self.limits.max_body_bytes:
+            self._body_too_large(req)
+            return
+        if req is self.active:
+            self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+        sink = req.sink
+        if sink is not None:
+            sink(data)
+            return
+        req.body.append(data)
+        if req.body_size >= BUFFER_BEFORE_FORWARD:
+            self.set_paused("buffer", True)
+            self._wake()
+
+    def _discard(self, data: bytes) -> None:
+        """Sink for the body of a request that was answered without reading it."""
+
+    def body_sink_ready(self) -> None:
+        self.set_paused("buffer", False)
+
+    def _body_too_large(self, req: Incoming) -> None:
+        self.plane.gateway.metrics.upstream_errors.labels(
+            self.relay.upstream.name if self.relay else "-", "body_too_large"
+        ).inc()
+        self.dead_parser = True
+        if req is self.active and not self.response_started:
+            limit = self.limits.max_body_bytes
+            detail = f"request body is larger than the {limit} bytes this gateway accepts"
+            answer = Answer.error(413, detail, req.rate_headers)
+            if self.relay is not None and self.relay.uconn is not None:
+                self.relay.uconn.abort()
+            self._answer(req, answer, keep=False)
+        elif self.transport is not None:
+            self.transport.abort()
+
+    # --- the request cycle
+
+    def _start(self, req: Incoming) -> None:
+        self.active = req
+        self.response_started = False
+        self.deadline_kind = 0
+        self.deadline = 0.0
+        if not req.body_done:
+            self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+        try:
+            answer = self.gateway.begin(req, self.peer)
+            if answer is None:
+                decision = req.decision
+                if decision is None:
+                    self.plane.spawn(self._decide(req))
+                    return
+                self._go(req, decision)
+                return
+        except Exception:
+            log.exception("error while handling a request")
+            answer = Answer.error(500, "the gateway failed on this request; see its log")
+        self._answer(req, answer)
+
+    def _go(self, req: Incoming, decision: Decision) -> None:
+        step = self.gateway.after_decision(req, decision)
+        if isinstance(step, Answer):
+            self._answer(req, step)
+        elif step is None:
+            self.plane.spawn(self._info(req))
+        else:
+            self.plane.spawn(self._forward(req, step))
+
+    async def _decide(self, req: Incoming) -> None:
+        try:
+            decision = await self.gateway.decide(req)
+        except CounterUnavailableError:
+            if self.active is req:
+                self._answer(req, self.gateway.unavailable(req))
+            return
+        except Exception:
+            log.exception("error while deciding about a request")
+            if self.active is req:
+                self._answer(req, Answer.error(500, "the gateway failed on this request"))
+            return
+        if self.active is not req or self.lost:
+            return
+        step = self.gateway.after_decision(req, decision)
+        if isinstance(step, Answer):
+            self._answer(req, step)
+        elif step is None:
+            await self._info(req)
+        else:
+            await self._forward(req, step)
+
+    async def _info(self, req: Incoming) -> None:
+        answer = await self.gateway.info_answer(req)
+        if self.active is req and not self.lost:
+            self._answer(req, answer)
+
+    def _answer(self, req: Incoming, answer: Answer, keep: bool = True) -> None:
+        """Write one of the gateway's own answers and end the request."""
+        keep = keep and self.keep_alive_after(req)
+        if not req.body_done and req.expect_continue:
+            keep = False  # the body may never come: the connection cannot be reused
+        if self.transport is not None and not self.lost:
+            extra = b"X-Request-Id: " + req.request_id.encode() + CRLF
+            self.transport.write(
+                answer.encode(keep_alive=keep, head_only=req.head_only, extra=extra)
+            )
+        if req.record is not None:
+            req.record.status = answer.status
+        if not req.body_done:
+            req.body = []
+            req.sink = self._discard
+        self._finish(req, keep)
+
+    def _finish(self, req: Incoming, keep: bool) -> None:
+        if self.active is not req:
+            return
+        self.active = None
+        self.relay = None
+        self.response_started = False
+        self.body_deadline = 0.0
+        if req.record is not None:
+            self.gateway.finished(req.record, req.started)
+        if not keep or self.lost:
+            self.dead_parser = True
+            self.pipeline.clear()
+            if self.transport is not None:
+                self.transport.close()  # after what is buffered has been written
+            return
+        if self.draining:
+            return
+        self.draining = True
+        try:
+            while self.active is None and self.pipeline and not self.lost:
+                self._start(self.pipeline.popleft())
+        finally:
+            self.draining = False
+        if self.active is None:
+            if len(self.pipeline) < MAX_PIPELINED:
+                self.set_paused("pipeline", False)
+            if self.plane.closing and self.current is None and self.transport is not None:
+                self.transport.close()
+            elif self.current is None:
+                self._set_deadline(IDLE, self.limits.client_idle_timeout)
+            else:
+                self._set_deadline(HEAD, self.limits.header_timeout)
+
+    def keep_alive_after(self, req: Incoming) -> bool:
+        return req.keep_alive and not req.upgrade and not self.plane.closing and not self.lost
+
+    # --- forwarding
+
+    async def _forward(self, req: Incoming, upstream: Upstream) -> None:
+        limits = self.limits
+        if req.content_length is not None and req.content_length > limits.max_body_bytes:
+            limit = limits.max_body_bytes
+            detail = f"request body is larger than the {limit} bytes this gateway accepts"
+            self._answer(req, Answer.error(413, detail, req.rate_headers), keep=False)
+            return
+        if req.expect_continue and not req.body_done and self.transport is not None:
+            self.transport.write(CONTINUE_100)
+        try:
+            # A small body is read whole first: a trickling client holds no upstream.
+            while not req.body_done and req.body_size < BUFFER_BEFORE_FORWARD:
+                await self._wait()
+        except BodyStalledError:
+            self._answer(req, Answer.error(408, "the request body stalled", req.rate_headers),
+                         keep=False)  # fmt: skip
+            return
+        except ConnectionError:
+            return
+        host, port, tls, prefix = self.plane.address(upstream)
+        started = time.perf_counter()
+        self._set_deadline(UPSTREAM, limits.upstream_timeout)
+        head = request_head(req, upstream, prefix, f"{host}:{port}", self.peer or "")
+        failure: Answer | None = None
+        relay: Relay | None = None
+        for attempt in (1, 2):
+            relay = self.relay = Relay(self, req, upstream, self.plane.pool, self.gateway.metrics)
+            try:
+                uconn = await self.plane.pool.acquire(host, port, tls)
+            except TimeoutError:
+                failure = self._upstream_timeout(req, upstream)
+                break
+            except OSError as exc:
+                failure = self._unreachable(req, upstream, exc)
+                break
+            except ConnectionError:
+                return
+            if self.lost or self.active is not req:
+                self.plane.pool.release(uconn)
+                return
+            relay.send(uconn, head)
+            try:
+                await relay.head
+            except TimeoutError:
+                uconn.abort()
+                failure = self._upstream_timeout(req, upstream)
+            except BodyStalledError:
+                uconn.abort()
+                failure = Answer.error(408, "the request body stalled", req.rate_headers)
+            except ConnectionResetError:
+                return  # the client went away
+            except ConnectionError as exc:
+                if attempt == 1 and stale_connection(relay):
+                    continue
+                failure = self._unreachable(req, upstream, exc)
+            break
+        if failure is not None or relay is None:
+            if self.active is req and not self.lost:
+                self._answer(req, failure or Answer.error(502, "upstream failed"), keep=False)
+            return
+        latency = time.perf_counter() - started
+        self.gateway.metrics.child(self.gateway.metrics.upstream_latency, upstream.name).observe(
+            latency
+        )
+        record = req.record
+        if record is not None:
+            record.upstream_ms = latency * 1000
+        self.response_started = True
+        self._set_deadline(RESPONSE, limits.upstream_read_timeout)
+        outcome = await relay.done
+        uconn_done = relay.uconn
+        if record is not None:
+            record.status = relay.status if outcome > 0 else -outcome
+        if outcome < 0:
+            if uconn_done is not None:
+                uconn_done.abort()
+            if self.transport is not None:
+                self.transport.abort()
+            self._finish(req, keep=False)
+            return
+        if not req.body_done:
+            # The upstream answered before the whole body arrived: its connection is
+            # mid-request and cannot be reused; the rest of the body is read and dropped
+            # so the client's connection stays usable (bounded by max_body_bytes).
+            req.sink = self._discard
+            if uconn_done is not None:
+                uconn_done.abort()
+        elif uconn_done is not None:
+            self.plane.pool.release(uconn_done)
+        self._finish(req, keep=not relay.close_after)
+
+    def _upstream_timeout(self, req: Incoming, upstream: Upstream) -> Answer:
+        self.gateway.metrics.upstream_errors.labels(upstream.name, "timeout").inc()
+        detail = f"upstream {upstream.name!r} did not answer in time"
+        return Answer.error(504, detail, req.rate_headers)
+
+    def _unreachable(self, req: Incoming, upstream: Upstream, exc: BaseException) -> Answer:
+        self.gateway.metrics.upstream_errors.labels(upstream.name, "unreachable").inc()
+        log.warning("upstream %s unreachable: %s", upstream.name, type(exc).__name__)
+        return Answer.error(502, f"upstream {upstream.name!r} is unreachable", req.rate_headers)
+
+    async def _wait(self) -> None:
+        """Until more of the request body arrived (or it ended)."""
+        waiter = self.waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- used by the relay
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.write(data)
+
+    def response_progress(self) -> None:
+        self.deadline = self.loop.time() + self.limits.upstream_read_timeout
+
+    def set_paused(self, reason: str, paused: bool) -> None:
+        if paused:
+            self.paused.add(reason)
+        else:
+            self.paused.discard(reason)
+        want = bool(self.paused)
+        if want != self.reading_paused and self.transport is not None and not self.lost:
+            self.reading_paused = want
+            if want:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
+    # --- deadlines (checked by DataPlane's sweep)
+
+    def _set_deadline(self, kind: int, seconds: float) -> None:
+        self.deadline_kind = kind
+        self.deadline = self.loop.time() + seconds
+
+    def check(self, now: float) -> None:
+        if self.body_deadline and now >= self.body_deadline:
+            self.body_deadline = 0.0
+            self._body_stalled()
+        if not self.deadline or now < self.deadline:
+            return
+        kind, self.deadline = self.deadline_kind, 0.0
+        if kind == IDLE:
+            if self.active is None and self.transport is not None:
+                self.transport.close()
+        elif kind == HEAD:
+            if self.active is None:
+                self._fatal(408, "the request headers did not arrive in time")
+        elif kind == UPSTREAM:
+            relay = self.relay
+            if relay is not None and not relay.head.done():
+                relay.head.set_exception(TimeoutError())
+        elif kind == RESPONSE:
+            relay = self.relay
+            if relay is not None and not relay.done.done():
+                relay.upstream_lost(TimeoutError("the upstream went silent"))
+
+    def _body_stalled(self) -> None:
+        req = self.active
+        if req is None or req.body_done:
+            return
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(BodyStalledError())
+            return
+        relay = self.relay
+        if relay is not None and not relay.head.done():
+            relay.head.set_exception(BodyStalledError())
+            return
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fatal(self, status: int, detail: str) -> None:
+        """Answer a connection-level problem (no request to attach it to) and close."""
+        self.dead_parser = True
+        if self.transport is None or self.lost:
+            return
+        answer = Answer.error(status, detail)
+        self.transport.write(answer.encode(keep_alive=False, head_only=False))
+        self.transport.close()
+        self.plane.gateway.metrics.child(
+            self.plane.gateway.metrics.responses, self.gateway.regions.default, f"{status // 100}xx"
+        ).inc()
+        log.info("%s: %d %s", self.peer or "-", status, detail)
+
+    def _protocol_error(self, exc: Exception) -> None:
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, httptools.HttpParserInvalidMethodError):
+            reason = "unknown or malformed method"
+        if self.active is None:
+            self._fatal(400, f"malformed HTTP request: {reason}")
+        else:
+            # Answer what is in progress first; then nothing more is read.
+            for req in (self.active, *self.pipeline):
+                req.keep_alive = False
+
+
+class DataPlane:
+    """The proxy port's server: connections, their deadlines, graceful stop."""
+
+    def __init__(self, gateway: Gateway, pool: UpstreamPool, limits: PlaneLimits) -> None:
+        self.gateway = gateway
+        self.pool = pool
+        self.limits = limits
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[ClientConnection] = set()
+        self.closing = False
+        self.refused = 0
+        self._refused_logged = 0.0
+        self._servers: list[asyncio.AbstractServer] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._addresses: dict[Upstream, tuple[str, int, bool, str]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        shortest = min(
+            limits.header_timeout, limits.client_idle_timeout, limits.body_read_timeout,
+            limits.upstream_timeout, limits.upstream_read_timeout,
+        )  # fmt: skip
+        self._tick = max(0.05, min(1.0, shortest / 4))
+        self._sweeps = 0
+        self._all_closed: asyncio.Future[None] | None = None
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> list[str]:
+        server = await self.loop.create_server(
+            lambda: ClientConnection(self),
+            host,
+            port,
+            reuse_port=reuse_port or None,
+            backlog=1024,
+        )
+        self._servers.append(server)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self._tick, self._sweep)
+        addresses = []
+        for sock in getattr(server, "sockets", ()):
+            name = sock.getsockname()
+            shown = f"[{name[0]}]" if ":" in name[0] else name[0]
+            addresses.append(f"http://{shown}:{name[1]}")
+        return addresses
+
+    @property
+    def ports(self) -> list[int]:
+        return [
+            int(s.getsockname()[1]) for srv in self._servers for s in getattr(srv, "sockets", ())
+        ]
+
+    def spawn(self, coro: object) -> None:
+        task: asyncio.Task[None] = self.loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request task failed", exc_info=task.exception())
+
+    def address(self, upstream: Upstream) -> tuple[str, int, bool, str]:
+        found = self._addresses.get(upstream)
+        if found is None:
+            found = self._addresses[upstream] = upstream.address()
+        return found
+
+    def connection_closed(self, conn: ClientConnection) -> None:
+        self.connections.discard(conn)
+        if not self.connections and self._all_closed is not None and not self._all_closed.done():
+            self._all_closed.set_result(None)
+
+    def refused_connection(self) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged > 10:
+            self._refused_logged = now
+            log.warning(
+                "connection limit reached (%d open): new connections are closed at once "
+                "(%d so far); raise max_connections if this is legitimate traffic",
+                len(self.connections),
+                self.refused,
+            )
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.connections):
+            if conn.deadline or conn.body_deadline:
+                conn.check(now)
+        self._sweeps += 1
+        if self._sweeps % max(1, int(10 / self._tick)) == 0:
+            self.pool.sweep()
+        self._sweeper = self.loop.call_later(self._tick, self._sweep)
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, let requests in flight finish (up to ``grace`` s), close."""
+        self.closing = True
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            if conn.active is None and conn.current is None and conn.transport is not None:
+                conn.transport.close()
+        self._all_closed = self.loop.create_future()
+        if self.connections:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._all_closed), grace)
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self.pool.close()
+        for server in self._servers:
+            await server.wait_closed()

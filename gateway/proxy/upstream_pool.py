@@ -1,0 +1,306 @@
+"""Keep-alive HTTP/1.1 connections to upstreams, on asyncio Protocols with llhttp.
+
+One connection carries one exchange at a time (no pipelining to upstreams). Response
+bytes are parsed by httptools' response parser in strict mode and handed, as callbacks,
+to the exchange that owns the connection (``gateway.proxy.relay``): no client objects,
+no per-request timers. This replaced aiohttp's ``ClientSession`` on the proxy path, about
+a quarter of the proxied profile (benchmarks/README.md, "Data plane").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+IDLE_SECONDS = 30.0  # an idle upstream connection is closed after this long
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """A named upstream: ``base_url`` is scheme://host:port with an optional path prefix."""
+
+    name: str
+    base_url: str
+    preserve_host: bool = True
+
+    def address(self) -> tuple[str, int, bool, str]:
+        """(host, port, tls, path prefix)."""
+        parts = urlsplit(self.base_url)
+        tls = parts.scheme == "https"
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if tls else 80)
+        return host, port, tls, parts.path.rstrip("/")
+
+
+class ResponseSink(Protocol):
+    """What an upstream connection reports about the response it is reading."""
+
+    def response_head(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+    ) -> None: ...
+
+    def response_body(self, data: bytes) -> None: ...
+
+    def response_end(self) -> None: ...
+
+    def upstream_lost(self, exc: Exception | None) -> None: ...
+
+    def upstream_writable(self, writable: bool) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive connection; parses responses and reports them to its sink."""
+
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.sink: ResponseSink | None = None
+        self.reusable = True
+        self.used = 0  # exchanges carried, for "a reused connection went stale" retries
+        self.idle_since = 0.0
+        self.received = False  # any response byte arrived for the current exchange
+        self.head_only = False  # the current request is HEAD: the response has no body
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._reason = b""
+        self._in_body = False
+        self._lost = False
+
+    # --- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # A 101 we never asked for (Upgrade is stripped from requests): not HTTP now.
+            self._broken(ConnectionError("the upstream switched protocols unasked"))
+        except httptools.HttpParserError as exc:
+            self._broken(exc)
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost reports the end
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self.reusable = False
+        self.pool.forget(self)
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.sink is not None:
+            self.sink.upstream_writable(False)
+
+    def resume_writing(self) -> None:
+        if self.sink is not None:
+            self.sink.upstream_writable(True)
+
+    # --- llhttp callbacks
+
+    def on_message_begin(self) -> None:
+        self._headers = []
+        self._reason = b""
+        self._in_body = False
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_body:  # trailers of a chunked body are not passed on
+            self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            return  # interim responses (100 Continue, 103) are not relayed; the final one is
+        self._in_body = True
+        keep_alive = self._parser.should_keep_alive()
+        if not keep_alive:
+            self.reusable = False
+        if self.sink is not None:
+            self.sink.response_head(status, self._reason, self._headers, keep_alive)
+        if self.head_only or status in (204, 304):
+            # llhttp cannot be told the request was HEAD: end the message here and start
+            # a fresh parser for the next exchange (nothing follows a body-less answer).
+            self._parser = httptools.HttpResponseParser(self)
+            self._complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.sink.response_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._in_body:
+            self._complete()
+
+    # ---
+
+    def _complete(self) -> None:
+        self._in_body = False
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.response_end()
+
+    def _broken(self, exc: Exception) -> None:
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.abort()
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.upstream_lost(exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._lost or self.transport is None or self.transport.is_closing()
+
+    def start(self, sink: ResponseSink, data: bytes, head_only: bool) -> None:
+        """Begin an exchange: write the request head (and any body bytes already known)."""
+        self.sink = sink
+        self.received = False
+        self.head_only = head_only
+        self.used += 1
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self._lost:
+            self.transport.write(data)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self._lost:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self._lost:
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        self.reusable = False
+        self.sink = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamPool:
+    """Idle connections per (host, port, tls), and a cap on connections open at once.
+
+    ``acquire`` waits for a free slot when the cap is reached (the caller's deadline
+    bounds the wait); idle connections are reused newest first and closed after
+    ``IDLE_SECONDS``.
+    """
+
+    def __init__(self, limit: int, connect_timeout: float) -> None:
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        self.open = 0
+        self._idle: dict[tuple[str, int, bool], deque[UpstreamConnection]] = {}
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._all: set[UpstreamConnection] = set()
+        self._tls: ssl.SSLContext | None = None
+
+    async def acquire(self, host: str, port: int, tls: bool) -> UpstreamConnection:
+        key = (host, port, tls)
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.closed or now - conn.idle_since > IDLE_SECONDS:
+                conn.abort()
+                continue
+            return conn
+        while self.open >= self.limit:
+            if self._close_one_idle():
+                continue
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+            idle = self._idle.get(key)
+            while idle:
+                conn = idle.pop()
+                if not conn.closed:
+                    return conn
+        self.open += 1
+        try:
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.connect_timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: UpstreamConnection(self, key),
+                    host,
+                    port,
+                    ssl=self._ssl() if tls else None,
+                    server_hostname=host if tls else None,
+                )
+        except BaseException:
+            self.open -= 1
+            self._wake()
+            raise
+        self._all.add(protocol)
+        return protocol
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Give a connection back after an exchange ended (closed unless reusable)."""
+        if conn.reusable and not conn.closed and conn.sink is None:
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(conn.key, deque()).append(conn)
+            self._wake()
+        else:
+            conn.abort()
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        """A connection closed (called once, from ``connection_lost``)."""
+        if conn in self._all:
+            self._all.discard(conn)
+            self.open -= 1
+            idle = self._idle.get(conn.key)
+            if idle and conn in idle:
+                idle.remove(conn)
+            self._wake()
+
+    def sweep(self) -> None:
+        """Close connections idle for longer than ``IDLE_SECONDS``."""
+        cutoff = time.monotonic() - IDLE_SECONDS
+        for idle in self._idle.values():
+            while idle and idle[0].idle_since < cutoff:
+                idle.popleft().abort()
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            conn.abort()
+        self._idle.clear()
+
+    def _close_one_idle(self) -> bool:
+        for idle in self._idle.values():
+            if idle:
+                idle.popleft().abort()  # connection_lost frees its slot later
+                return False
+        return False
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _ssl(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
