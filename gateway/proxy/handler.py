@@ -49,10 +49,25 @@ _WATCHED = frozenset(
         b"expect",
     }
 )  # fmt: skip
+# Headers a message may carry once: upstreams disagree about which of two copies counts
+# (the same list as aiohttp's parser, so the gateway refuses what its upstreams would).
+SINGLETONS = frozenset(
+    {
+        b"content-length", b"content-location", b"content-range", b"content-type", b"etag",
+        b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent",
+    }
+)  # fmt: skip
 _IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
 OK_ANSWER = Answer.json(200, b'{"ok": true}')
 # The 429 bodies differ only by rule and wait: kept once each, bounded.
 _MAX_CACHED_429 = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    address: str | None  # the TCP peer
+    trusted: bool  # a trusted proxy
+    client: str | None  # the client address when it does not depend on headers
 
 
 @dataclass
@@ -75,7 +90,14 @@ class Gateway:
 
     # --- the synchronous part: everything up to the rate-limit decision
 
-    def begin(self, req: Incoming, peer: str | None) -> Answer | None:
+    def peer(self, address: str | None) -> Peer:
+        """What a connection's TCP peer means, worked out once per connection."""
+        trusted = self.addresses.peer_trusted(address)
+        # From an untrusted peer forwarding headers are ignored: the client is the peer.
+        client = None if trusted else self.addresses.client_address(address, None)
+        return Peer(address, trusted, client)
+
+    def begin(self, req: Incoming, peer: Peer) -> Answer | None:
         """Check, identify and (when it can be known now) decide ``req``.
 
         Returns the answer when the gateway answers itself, or None when the request
@@ -86,7 +108,7 @@ class Gateway:
             path="-",
             status=0,
             region=self.regions.default,
-            client=peer or "-",
+            client=peer.address or "-",
         )
         problem = self._read_headers(req)
         record.request_id = req.request_id
@@ -115,9 +137,13 @@ class Gateway:
             None if host is None else host.decode("latin-1")
         )
         record.region = region
-        forwarded = b", ".join(req.forwarded_for).decode("latin-1") if req.forwarded_for else None
-        req.client_ip = record.client = self.addresses.client_address(peer, forwarded)
-        req.trusted_peer = self.addresses.peer_trusted(peer)
+        client = peer.client
+        if client is None:  # a trusted proxy: the client is named in X-Forwarded-For
+            chain = req.forwarded_for
+            forwarded = b", ".join(chain).decode("latin-1") if chain else None
+            client = self.addresses.client_address(peer.address, forwarded)
+        req.client_ip = record.client = client
+        req.trusted_peer = peer.trusted
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id)
         selection = req.selection = select(self.rules.table, region, method, path, identity.key_for)
         req.decision = self.limiter.decide_now(region, selection)
@@ -134,10 +160,18 @@ class Gateway:
         tokens: set[bytes] = set()
         given_id: bytes | None = None
         too_big: bytes | None = None
+        last_coding = expect = None
+        singles: set[bytes] = set()
         for name, value in headers:
             if len(name) + len(value) > limit and too_big is None:
                 too_big = name
             lower = name.lower()
+            if lower in SINGLETONS:
+                if lower in singles:
+                    shown = name.decode("latin-1")
+                    req.request_id = new_request_id()
+                    return Answer.error(400, f"send one {shown} header, not several")
+                singles.add(lower)
             if lower not in _WATCHED:
                 continue
             if lower == b"host":
@@ -155,11 +189,21 @@ class Gateway:
             elif lower == b"content-length":
                 req.content_length = int(value)  # llhttp accepted it: digits only
             elif lower == b"transfer-encoding":
-                req.chunked = True  # llhttp (strict) only accepts chunked last
+                req.chunked = True
+                last_coding = value.rsplit(b",", 1)[-1].strip().lower()
             elif lower == b"expect":
-                req.expect_continue = value.lower() == b"100-continue"
+                expect = value.lower()
         accepted = None if given_id is None else accept_request_id(given_id)
         req.request_id = accepted or new_request_id()
+        if req.chunked and last_coding != b"chunked":
+            # Without chunked last a request body has no length (RFC 9112 6.3).
+            return Answer.error(400, "Transfer-Encoding must end with chunked")
+        if expect is not None:
+            if expect != b"100-continue":
+                return Answer.error(417, "the only expectation accepted is 100-continue")
+            req.expect_continue = True
+        if req.host is None and req.version == "1.1":
+            return Answer.error(400, "an HTTP/1.1 request must carry a Host header (RFC 9112)")
         if too_big is not None:
             shown = too_big[:64].decode("latin-1")
             return Answer.error(431, f"request header {shown!r} is over {limit} bytes")

@@ -37,7 +37,7 @@ UNTRUSTED_FORWARDING = frozenset(
 )
 # The gateway sets these on the request itself.
 _REQUEST_OWNED = frozenset(
-    {b"x-forwarded-for", b"x-forwarded-proto", b"via", b"x-request-id", b"expect"}
+    {b"x-forwarded-for", b"x-forwarded-proto", b"via", b"x-request-id"}
 )
 VIA = b"1.1 ratelimit-gateway"
 # A body up to this size is read whole before an upstream connection is taken, so a
@@ -124,6 +124,7 @@ class Relay:
         self.head: asyncio.Future[int] = self.loop.create_future()
         self.done: asyncio.Future[int] = self.loop.create_future()
         self.status = 0
+        self.out: list[bytes] = []
         self.chunked_out = False
         self.close_after = False
         self.until_close = False
@@ -216,17 +217,26 @@ class Relay:
         if b"date" not in {n.lower() for n, _ in headers}:
             lines.append(date_line())
         lines.append(CRLF)
-        conn.write(b"".join(lines))
+        self.out.append(b"".join(lines))
         if not self.head.done():
             self.head.set_result(status)
 
     def response_body(self, data: bytes) -> None:
-        self.conn.write(chunk(data) if self.chunked_out else data)
+        self.out.append(chunk(data) if self.chunked_out else data)
         self.conn.response_progress()
+
+    def flush(self) -> None:
+        """Write what one read from the upstream produced, as one write: a small
+        response's head and body leave in one syscall."""
+        out = self.out
+        if out:
+            self.conn.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
 
     def response_end(self) -> None:
         if self.chunked_out:
-            self.conn.write(CHUNKED_END)
+            self.out.append(CHUNKED_END)
+        self.flush()
         if not self.done.done():
             self.done.set_result(self.status)
 

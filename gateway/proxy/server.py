@@ -27,7 +27,7 @@ from typing import cast
 import httptools
 
 from gateway.counters.base import CounterUnavailableError
-from gateway.proxy.handler import Gateway
+from gateway.proxy.handler import Gateway, Peer
 from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, Relay, request_head, stale_connection
 from gateway.proxy.request import Incoming
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
@@ -39,6 +39,7 @@ log = logging.getLogger("gateway.proxy")
 # Deadline kinds (one at a time per connection, besides the request body's own).
 IDLE, HEAD, UPSTREAM, RESPONSE = 1, 2, 3, 4
 MAX_PIPELINED = 32  # queued requests after which reading pauses
+NO_PEER = Peer(None, False, "unknown")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ class ClientConnection(asyncio.Protocol):
         self.limits = plane.limits
         self.loop = plane.loop
         self.transport: asyncio.Transport | None = None
-        self.peer: str | None = None
+        self.peer = NO_PEER
         self.parser = httptools.HttpRequestParser(self)
         self.current: Incoming | None = None  # being parsed
         self.active: Incoming | None = None  # being answered
@@ -85,6 +86,7 @@ class ClientConnection(asyncio.Protocol):
         self.lost = False
         self.draining = False
         self.response_started = False
+        self.pending_error: str | None = None
 
     # --- asyncio.Protocol
 
@@ -94,12 +96,12 @@ class ClientConnection(asyncio.Protocol):
         plane = self.plane
         if len(plane.connections) >= self.limits.max_connections:
             plane.refused_connection()
-            transport.abort()
+            self.transport.abort()
             self.lost = True
             return
         plane.connections.add(self)
         peer = transport.get_extra_info("peername")
-        self.peer = peer[0] if isinstance(peer, tuple) else None
+        self.peer = self.gateway.peer(peer[0] if isinstance(peer, tuple) else None)
         self._set_deadline(IDLE, self.limits.client_idle_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -339,7 +341,9 @@ class ClientConnection(asyncio.Protocol):
         if not keep or self.lost:
             self.dead_parser = True
             self.pipeline.clear()
-            if self.transport is not None:
+            if self.pending_error is not None:
+                self._fatal(400, self.pending_error)
+            elif self.transport is not None:
                 self.transport.close()  # after what is buffered has been written
             return
         if self.draining:
@@ -387,7 +391,7 @@ class ClientConnection(asyncio.Protocol):
         host, port, tls, prefix = self.plane.address(upstream)
         started = time.perf_counter()
         self._set_deadline(UPSTREAM, limits.upstream_timeout)
-        head = request_head(req, upstream, prefix, f"{host}:{port}", self.peer or "")
+        head = request_head(req, upstream, prefix, f"{host}:{port}", self.peer.address or "")
         failure: Answer | None = None
         relay: Relay | None = None
         for attempt in (1, 2):
@@ -555,18 +559,31 @@ class ClientConnection(asyncio.Protocol):
         self.plane.gateway.metrics.child(
             self.plane.gateway.metrics.responses, self.gateway.regions.default, f"{status // 100}xx"
         ).inc()
-        log.info("%s: %d %s", self.peer or "-", status, detail)
+        log.info("%s: %d %s", self.peer.address or "-", status, detail)
 
     def _protocol_error(self, exc: Exception) -> None:
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, httptools.HttpParserInvalidMethodError):
             reason = "unknown or malformed method"
-        if self.active is None:
-            self._fatal(400, f"malformed HTTP request: {reason}")
+        detail = f"malformed HTTP request: {reason}"
+        req = self.active
+        if req is None:
+            self._fatal(400, detail)
+        elif not req.body_done:
+            # The error is in this request's own body: it cannot be forwarded whole.
+            if self.response_started:
+                if self.transport is not None:
+                    self.transport.abort()
+                return
+            if self.relay is not None and self.relay.uconn is not None:
+                self.relay.uconn.abort()
+            self._answer(req, Answer.error(400, detail, req.rate_headers), keep=False)
         else:
-            # Answer what is in progress first; then nothing more is read.
-            for req in (self.active, *self.pipeline):
-                req.keep_alive = False
+            # A later request is malformed: what came before it is answered first, then
+            # the 400, then the connection closes.
+            self.pending_error = detail
+            last = self.pipeline[-1] if self.pipeline else req
+            last.keep_alive = False
 
 
 class DataPlane:

@@ -54,6 +54,8 @@ class ResponseSink(Protocol):
 
     def upstream_writable(self, writable: bool) -> None: ...
 
+    def flush(self) -> None: ...
+
 
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; parses responses and reports them to its sink."""
@@ -82,6 +84,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        sink = self.sink
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -89,6 +92,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._broken(ConnectionError("the upstream switched protocols unasked"))
         except httptools.HttpParserError as exc:
             self._broken(exc)
+        if sink is not None:
+            sink.flush()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost reports the end

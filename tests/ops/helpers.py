@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.metrics import Metrics
 from gateway.settings import FILE_ONLY, Settings
@@ -169,20 +168,18 @@ class MetricFamily:
 
     def sample_names(self) -> set[str]:
         if self.kind == "counter":
-            return {f"{self.name}_total", f"{self.name}_created"}
+            return {f"{self.name}_total"}
         if self.kind == "histogram":
-            return {f"{self.name}_{s}" for s in ("bucket", "sum", "count", "created")}
+            return {f"{self.name}_{s}" for s in ("bucket", "sum", "count")}
         return {self.name}
 
 
 def metric_families() -> dict[str, MetricFamily]:
     """Every metric gateway/metrics.py defines, by family name."""
-    metrics = Metrics()
-    out = {}
-    for value in vars(metrics).values():
-        if isinstance(value, MetricWrapperBase):
-            name = value._name  # counters: without the _total suffix
-            out[name] = MetricFamily(name, str(value._type), tuple(value._labelnames))
+    out = {
+        family.name: MetricFamily(family.name, family.kind, family.labelnames)  # no _total
+        for family in Metrics().families
+    }
     assert out, "no metrics found on gateway.metrics.Metrics"
     return out
 

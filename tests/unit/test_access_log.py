@@ -1,0 +1,174 @@
+"""gateway.proxy.access_log: the same lines as before, written in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import pytest
+
+from gateway.proxy.access_log import AccessLogger, AccessRecord, json_line, plain_line
+
+FIELDS = [
+    "method", "path", "status", "region", "client", "rule", "decision", "identity",
+    "upstream", "duration_ms", "upstream_ms", "request_id",
+]  # fmt: skip
+
+ODD_PATHS = [
+    '/a"b',
+    "/back\\slash",
+    "/new\nline",
+    "/cr\rtab\t",
+    "/nul\x00bell\x07del\x7f",
+    "/caf\u00e9/\u4e2d\u6587/\U0001f600",
+    "/line\u2028separator",
+    "/percent%s%d%%",
+    '/"},{"status":200',
+]
+
+
+def record(**changes: Any) -> AccessRecord:
+    base = AccessRecord(
+        method="POST",
+        path="/runs/query",
+        status=429,
+        region="us",
+        client="127.0.0.1",
+        rule="runs-query",
+        decision="limited",
+        identity="api_key:0123456789ab",
+        upstream=None,
+        duration_ms=0.25,
+        upstream_ms=None,
+        request_id="0123456789abcdef0123456789abcdef",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.fixture
+def access(caplog):
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+
+        def messages() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+
+        yield messages
+
+
+def test_json_lines_have_every_field_in_order_and_match_json_dumps():
+    r = record(upstream="default", upstream_ms=12.345, decision=None)
+    line = json_line(r)
+    assert line == json.dumps(dataclasses.asdict(r), separators=(",", ":"))
+    parsed = json.loads(line)
+    assert list(parsed) == FIELDS
+    assert parsed["upstream_ms"] == 12.345 and parsed["decision"] is None
+    assert parsed["status"] == 429 and parsed["duration_ms"] == 0.25
+
+
+def test_plain_lines_are_as_before():
+    assert plain_line(record()) == (
+        '127.0.0.1 "POST /runs/query" 429 region=us rule=runs-query decision=limited '
+        "id=api_key:0123456789ab upstream=- dur_ms=0.2 upstream_ms=- "
+        "rid=0123456789abcdef0123456789abcdef"
+    )
+    assert plain_line(record(rule=None, upstream="default", upstream_ms=3.06)) == (
+        '127.0.0.1 "POST /runs/query" 429 region=us rule=- decision=limited '
+        "id=api_key:0123456789ab upstream=default dur_ms=0.2 upstream_ms=3.1 "
+        "rid=0123456789abcdef0123456789abcdef"
+    )
+
+
+@pytest.mark.parametrize("path", ODD_PATHS)
+def test_json_escapes_any_path(path):
+    r = record(path=path, request_id='id "quoted" \\ here', client="::1")
+    line = json_line(r)
+    assert line == json.dumps(dataclasses.asdict(r), separators=(",", ":"))
+    assert json.loads(line) == dataclasses.asdict(r)
+    assert line.isascii() and line.isprintable()  # one line, whatever the path holds
+
+
+@pytest.mark.parametrize("path", ODD_PATHS)
+def test_plain_lines_stay_one_line(path):
+    line = plain_line(record(path=path))
+    assert line.isprintable() and "\n" not in line
+    assert line.startswith('127.0.0.1 "POST /') and line.endswith(" rid=" + "0123456789abcdef" * 2)
+    if path.isprintable():
+        assert f"POST {path}" in line  # printable paths are written as they are
+    else:
+        assert f"POST {json.dumps(path)[1:-1]}" in line  # the rest with JSON's escapes
+
+
+def test_without_an_event_loop_each_line_is_written_at_once(access):
+    logger = AccessLogger("json")
+    logger.emit(record(status=200))
+    logger.emit(record(status=429))
+    assert [json.loads(m)["status"] for m in access()] == [200, 429]
+
+
+async def test_lines_of_one_loop_turn_go_out_as_one_record(access):
+    logger = AccessLogger("json")
+    for status in (200, 201, 429):
+        logger.emit(record(status=status))
+    assert access() == []  # nothing written on the request path
+    await asyncio.sleep(0)
+    (message,) = access()
+    assert [json.loads(line)["status"] for line in message.split("\n")] == [200, 201, 429]
+    logger.emit(record(status=404))
+    await asyncio.sleep(0)
+    assert len(access()) == 2 and json.loads(access()[1])["status"] == 404
+
+
+async def test_a_full_batch_is_written_at_once(access):
+    logger = AccessLogger("plain", max_batch=3)
+    for _ in range(7):
+        logger.emit(record())
+    assert [m.count("\n") + 1 for m in access()] == [3, 3]
+    await asyncio.sleep(0)
+    assert [m.count("\n") + 1 for m in access()] == [3, 3, 1]
+
+
+async def test_flush_at_stop_writes_what_is_buffered(access):
+    logger = AccessLogger("plain")
+    logger.emit(record(path="/a"))
+    logger.emit(record(path="/b"))
+    logger.flush()
+    (message,) = access()
+    assert [line.split('"')[1] for line in message.split("\n")] == ["POST /a", "POST /b"]
+    logger.flush()  # nothing left: nothing written
+    await asyncio.sleep(0)  # the flush scheduled earlier finds nothing either
+    assert len(access()) == 1
+
+
+async def test_a_percent_in_a_line_is_never_interpolated(access):
+    logger = AccessLogger("plain")
+    logger.emit(record(path="/percent%s%d%%"))
+    logger.flush()
+    assert "POST /percent%s%d%%" in access()[0]
+
+
+async def test_off_writes_nothing(access):
+    logger = AccessLogger("off")
+    logger.emit(record())
+    logger.flush()
+    await asyncio.sleep(0)
+    assert access() == []
+
+
+async def test_nothing_is_formatted_when_the_logger_is_quiet(caplog):
+    with caplog.at_level(logging.WARNING, logger="gateway.access"):
+        logger = AccessLogger("json")
+        logger.emit(record())
+        logger.flush()
+        await asyncio.sleep(0)
+    assert not [r for r in caplog.records if r.name == "gateway.access"]
+
+
+def test_records_have_no_place_for_a_query_string(access):
+    assert [f.name for f in dataclasses.fields(AccessRecord)] == FIELDS
+    logger = AccessLogger("json")
+    logger.emit(record(path="/runs/query"))
+    assert json.loads(access()[0])["path"] == "/runs/query"
+    assert "?" not in access()[0]
