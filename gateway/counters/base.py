@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
+# one of these is built per request. Treat it as immutable all the same.
+@dataclass(slots=True)
 class LimitCheck:
     """One limit to check for one identity.
 
@@ -32,7 +34,9 @@ class LimitCheck:
     fail_open: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
+# one of these is built per request. Treat it as immutable all the same.
+@dataclass(slots=True)
 class LimitState:
     """What one limit looked like after the call."""
 
@@ -41,13 +45,18 @@ class LimitState:
     reset_ms: int  # ms until the next slot frees (until one request fits, when full)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
+# one of these is built per request. Treat it as immutable all the same.
+@dataclass(slots=True)
 class HitResult:
     admitted: bool  # every enforced limit had room, so all of them were counted
     states: tuple[LimitState, ...]  # one per check, in the order given
     # Where the answer came from: "memory", "redis", "fallback" (local counting while
     # the shared store is unavailable) or "deny-cache" (known over limit, not asked).
     source: str = "memory"
+    # For a refusal: for how long from now (ms) any request with these checks is sure
+    # to be refused too (0: not known). Lets callers answer repeats without asking.
+    certain_ms: int = 0
 
 
 class CounterUnavailableError(Exception):
@@ -64,6 +73,10 @@ class CounterBackend(Protocol):
 
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         """Check all ``checks`` and count the request in all or none of them.
+
+        A backend may also offer ``hit_now(checks) -> HitResult | None``: the same
+        answer when it is known without waiting (in-process counts, a cached refusal),
+        None otherwise. The data plane uses it to answer without a task.
 
         The request is admitted when every enforced check has room; then every
         enforced check, and every shadow check that has room, is counted. When it is

@@ -105,6 +105,7 @@ class DenyCacheBackend:
         if not checks or not self._entries:
             return None
         denied = False
+        certain = 0
         states: list[LimitState] = []
         for check in checks:
             entry = self._entries.get(check.key)
@@ -119,12 +120,14 @@ class DenyCacheBackend:
                 return None
             if entry.denied and check.enforce:
                 denied = True
+                left = entry.until_ms - now
+                certain = left if not certain else min(certain, left)
             states.append(
                 LimitState(entry.allowed, entry.remaining, max(0, entry.reset_at_ms - now))
             )
         if not denied:
             return None
-        return HitResult(False, tuple(states), source="deny-cache")
+        return HitResult(False, tuple(states), source="deny-cache", certain_ms=certain)
 
     def _remember(
         self, checks: Sequence[LimitCheck], result: HitResult, sent_at: int, answered_at: int

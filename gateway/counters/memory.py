@@ -94,6 +94,8 @@ class MemoryBackend:
         self._calls += 1
         if self._calls % self._sweep_every == 0:
             self.sweep_oldest(now)
+        if len(checks) == 1:
+            return self._hit_one(checks[0], now)
         windows: list[_Window] = []
         totals: list[int] = []
         admitted = True
@@ -123,7 +125,38 @@ class MemoryBackend:
             states.append(LimitState(has_room, max(0, check.limit - total), reset))
             if not window.flat:
                 self._windows.pop(check.key, None)
-        return HitResult(admitted, tuple(states), source=self._label)
+        certain = 0
+        if not admitted:
+            # A full window frees its next slot after reset_ms, and refused requests are
+            # not counted: until then every request with these checks is refused.
+            certain = min(
+                (st.reset_ms for c, st in zip(checks, states, strict=True)
+                 if c.enforce and not st.allowed),
+                default=0,
+            )  # fmt: skip
+        return HitResult(admitted, tuple(states), source=self._label, certain_ms=certain)
+
+    def _hit_one(self, check: LimitCheck, now: int) -> HitResult:
+        """``hit_now`` for the common single limit, without the per-check lists (the
+        same arithmetic; about half the cost on the data plane's hot path)."""
+        window = self._window(check.key)
+        window.prune(oldest_counted_bucket(now, check.window_ms, check.bucket_ms))
+        total = window.total()
+        has_room = total < check.limit
+        admitted = has_room or not check.enforce
+        if has_room:
+            window.add(current_bucket(now, check.bucket_ms))
+            window.expires_ms = max(window.expires_ms, now + check.window_ms + check.bucket_ms)
+            total += 1
+        reset = ms_until_room(
+            window.pairs(), total, check.limit, now, check.window_ms, check.bucket_ms
+        )
+        if not window.flat:
+            self._windows.pop(check.key, None)
+        state = LimitState(has_room, max(0, check.limit - total), reset)
+        return HitResult(
+            admitted, (state,), source=self._label, certain_ms=0 if admitted else reset
+        )
 
     def _window(self, key: str) -> _Window:
         window = self._windows.get(key)

@@ -10,7 +10,9 @@ from gateway.policy.model import IdentityKind, Rule, RuleTable
 IdentityLookup = Callable[[IdentityKind], "str | None"]
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
+# one of these is built per request. Treat it as immutable all the same.
+@dataclass(slots=True)
 class Selection:
     """The enforcing rule (None: no rule applies), its identity hash, and shadow rules seen
     on the way (each with its identity hash)."""

@@ -59,6 +59,21 @@ SINGLETONS = frozenset(
 )  # fmt: skip
 _IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
 OK_ANSWER = Answer.json(200, b'{"ok": true}')
+# Identities whose refusal is known in advance, kept at most (oldest dropped first).
+MAX_KNOWN_REFUSALS = 100_000
+
+
+@dataclass(slots=True)
+class KnownRefusal:
+    """A refusal any repeat is sure to get until ``until`` (monotonic seconds), with its
+    answer rendered once per whole second of wait: a flood from one identity costs a
+    dict lookup and a write (benchmarks/README.md, "Data plane", the flood rows)."""
+
+    decision: Decision
+    until: float
+    report_at: float  # when the limit frees a slot again (Retry-After counts down to it)
+    wait: int = 0
+    answer: Answer | None = None
 # The 429 bodies differ only by rule and wait: kept once each, bounded.
 _MAX_CACHED_429 = 4096
 
@@ -87,6 +102,8 @@ class Gateway:
     max_headers: int = 100
     max_body_bytes: int = 32 * 1024 * 1024
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
+    _refusals_table: object = None
 
     # --- the synchronous part: everything up to the rate-limit decision
 
@@ -145,9 +162,66 @@ class Gateway:
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id)
-        selection = req.selection = select(self.rules.table, region, method, path, identity.key_for)
+        table = self.rules.table
+        selection = req.selection = select(table, region, method, path, identity.key_for)
+        if self._refusals:
+            if table is not self._refusals_table:  # limits may have changed: forget all
+                self._refusals.clear()
+            elif not selection.shadows and selection.rule is not None:
+                known = self._refusals.get((region, selection.rule.id, selection.identity or ""))
+                if known is not None:
+                    answer = self._repeat_refusal(req, known)
+                    if answer is not None:
+                        return answer
         req.decision = self.limiter.decide_now(region, selection)
         return None
+
+    def _repeat_refusal(self, req: Incoming, known: KnownRefusal) -> Answer | None:
+        now = time.monotonic()
+        decision = known.decision
+        if now >= known.until:
+            self._refusals.pop((req.region, decision.rule_id or "", decision.identity_hash or ""))
+            return None
+        record = req.record
+        assert record is not None
+        self._observe(req.region, decision, record)
+        if decision.source == "deny-cache":
+            self.metrics.child(self.metrics.deny_cache_hits, req.region).inc()
+        wait = max(1, -int((now - known.report_at) // 1))  # whole seconds, rounded up
+        if known.answer is None or known.wait != wait:
+            report = decision.reports[0]
+            policy = f'"{report.name}";q={report.count};w={report.seconds}'
+            state = f'"{report.name}";r={report.remaining};t={wait}'
+            known.wait = wait
+            known.answer = self._limited(
+                decision, [("RateLimit-Policy", policy), ("RateLimit", state)], wait
+            )
+        req.rate_headers = []
+        self.metrics.child(self.metrics.overhead, req.region).observe(
+            time.perf_counter() - req.started
+        )
+        return known.answer
+
+    def _remember_refusal(self, req: Incoming, decision: Decision) -> None:
+        selection = req.selection
+        if (
+            not decision.certain_ms
+            or len(decision.reports) != 1
+            or selection is None
+            or selection.shadows
+        ):
+            return
+        refusals = self._refusals
+        if self._refusals_table is not self.rules.table:
+            refusals.clear()
+            self._refusals_table = self.rules.table
+        if len(refusals) >= MAX_KNOWN_REFUSALS:
+            del refusals[next(iter(refusals))]
+        now = time.monotonic()
+        key = (req.region, decision.rule_id or "", decision.identity_hash or "")
+        refusals[key] = KnownRefusal(
+            decision, now + decision.certain_ms / 1000, now + decision.reports[0].reset_ms / 1000
+        )
 
     def _read_headers(self, req: Incoming) -> Answer | None:
         """One pass over the raw headers: limits, framing, and what the gateway reads."""
@@ -257,7 +331,8 @@ class Gateway:
             self.metrics.child(self.metrics.overhead, req.region).observe(
                 time.perf_counter() - req.started
             )
-            return self._limited(decision, headers)
+            self._remember_refusal(req, decision)
+            return self._limited(decision, headers, decision.retry_after)
         path = req.path
         if path == INFO_PATH and (req.method == "GET" or req.method == "HEAD"):
             return None
@@ -270,9 +345,8 @@ class Gateway:
         )
         return upstream
 
-    def _limited(self, decision: Decision, headers: list[tuple[str, str]]) -> Answer:
+    def _limited(self, decision: Decision, headers: list[tuple[str, str]], wait: int) -> Answer:
         rule_id = decision.rule_id or "-"
-        wait = decision.retry_after
         body = self._limited_bodies.get((rule_id, wait))
         if body is None:
             if len(self._limited_bodies) >= _MAX_CACHED_429:

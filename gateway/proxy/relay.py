@@ -9,7 +9,6 @@ response head. Replaces aiohttp's client and ``StreamResponse`` on the proxy pat
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -40,67 +39,80 @@ _REQUEST_OWNED = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"via", b"x-request-id"}
 )
 VIA = b"1.1 ratelimit-gateway"
+_RATE_NAMES = frozenset({b"ratelimit", b"ratelimit-policy"})
 # A body up to this size is read whole before an upstream connection is taken, so a
 # client trickling a small body holds no upstream connection (slow-body starvation);
 # anything larger streams once this much has arrived.
 BUFFER_BEFORE_FORWARD = 64 * 1024
+# Relay phases: waiting for the response head, streaming the body, ended.
+WAITING, STREAMING, DONE = 0, 1, 2
 
 
 class BodyTooLargeError(Exception):
     pass
 
 
+# Request header names the loop below looks at; everything else is copied as it came.
+_REQUEST_SPECIAL = HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | {b"host"}
+
+
 def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer: str) -> bytes:
     """The request head sent upstream: the client's end-to-end headers as they came,
     hop-by-hop ones removed, forwarding headers set."""
-    drop = HOP_BY_HOP | req.connection_tokens
+    tokens = req.connection_tokens
     trusted = req.trusted_peer
     lines = [
         b"%s %s%s%s HTTP/1.1\r\n"
-        % (
-            req.method.encode(),
-            prefix.encode(),
-            req.path.encode(),
-            req.query,
-        )
+        % (req.method.encode(), prefix.encode(), req.path.encode(), req.query)
     ]
+    append = lines.append
     via: list[bytes] = []
     has_host = False
     for name, value in req.headers:
         lower = name.lower()
-        if lower in drop or lower in _REQUEST_OWNED:
-            if lower == b"via":
+        if lower in _REQUEST_SPECIAL:
+            if lower == b"host":
+                if not upstream.preserve_host:
+                    continue
+                has_host = True
+            elif lower == b"via":
                 via.append(value)
-            continue
-        if lower == b"host":
-            if not upstream.preserve_host:
                 continue
-            has_host = True
-        elif not trusted and lower in UNTRUSTED_FORWARDING:
+            elif trusted and lower in UNTRUSTED_FORWARDING and lower not in tokens:
+                pass  # a trusted proxy's own forwarding headers pass on
+            else:
+                continue
+        elif tokens and lower in tokens:
             continue
-        lines.append(name + b": " + value + CRLF)
+        append(name + b": " + value + CRLF)
     if not has_host:
-        lines.append(b"Host: " + host.encode() + CRLF)
+        append(b"Host: " + host.encode() + CRLF)
     chain = b", ".join(req.forwarded_for)
     peer_bytes = peer.encode()
     if trusted and chain:
-        lines.append(b"X-Forwarded-For: " + chain + b", " + peer_bytes + CRLF)
+        append(b"X-Forwarded-For: " + chain + b", " + peer_bytes + CRLF)
     else:
-        lines.append(b"X-Forwarded-For: " + peer_bytes + CRLF)
+        append(b"X-Forwarded-For: " + peer_bytes + CRLF)
     if trusted and req.forwarded_proto is not None:
-        lines.append(b"X-Forwarded-Proto: " + req.forwarded_proto + CRLF)
+        append(b"X-Forwarded-Proto: " + req.forwarded_proto + CRLF)
     else:
-        lines.append(b"X-Forwarded-Proto: http\r\n")
+        append(b"X-Forwarded-Proto: http\r\n")
     via.append(VIA)
-    lines.append(b"Via: " + b", ".join(via) + CRLF)
-    lines.append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
+    append(b"Via: " + b", ".join(via) + CRLF)
+    append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
     if req.chunked:
         if req.body_done:  # all of it is here: send it with a length
-            lines.append(b"Content-Length: %d\r\n" % req.body_size)
+            append(b"Content-Length: %d\r\n" % req.body_size)
         else:
-            lines.append(b"Transfer-Encoding: chunked\r\n")
-    lines.append(CRLF)
+            append(b"Transfer-Encoding: chunked\r\n")
+    append(CRLF)
     return b"".join(lines)
+
+
+# Response header names the loop in ``Relay.response_head`` looks at.
+_RESPONSE_SPECIAL = HOP_BY_HOP | {
+    b"via", b"content-length", b"date", b"x-request-id", b"ratelimit", b"ratelimit-policy",
+}  # fmt: skip
 
 
 class Relay:
@@ -120,9 +132,7 @@ class Relay:
         self.pool = pool
         self.metrics = metrics
         self.uconn: UpstreamConnection | None = None
-        self.loop = asyncio.get_running_loop()
-        self.head: asyncio.Future[int] = self.loop.create_future()
-        self.done: asyncio.Future[int] = self.loop.create_future()
+        self.phase = WAITING
         self.status = 0
         self.out: list[bytes] = []
         self.chunked_out = False
@@ -169,35 +179,42 @@ class Relay:
         req = self.req
         conn = self.conn
         self.status = status
-        drop = set(HOP_BY_HOP)
-        for name, value in headers:
-            if name.lower() == b"connection":
-                drop.update(t.strip().lower() for t in value.split(b",") if t.strip())
-        own = {n.lower().encode() for n, _ in req.rate_headers}
-        own.add(b"x-request-id")
-        lines = [status_line(status, reason or None)]
+        kept: list[tuple[bytes, bytes, bytes]] = []
+        tokens: set[bytes] | None = None
         via: list[bytes] = []
         length: bytes | None = None
-        chunked_in = False
+        chunked_in = has_date = False
+        limited = bool(req.rate_headers)
         for name, value in headers:
             lower = name.lower()
-            if lower in drop:
-                if lower == b"transfer-encoding":
+            if lower in _RESPONSE_SPECIAL:
+                if lower == b"connection":
+                    names = {t.strip().lower() for t in value.split(b",")}
+                    tokens = names if tokens is None else tokens | names
+                elif lower == b"transfer-encoding":
                     chunked_in = True
+                elif lower == b"via":
+                    via.append(value)
+                elif lower == b"content-length":
+                    length = value
+                elif lower == b"date":
+                    has_date = True
+                    kept.append((name, value, lower))
+                elif lower in _RATE_NAMES and not limited:
+                    kept.append((name, value, lower))  # exempt: the upstream's own pass
                 continue
-            if lower == b"via":
-                via.append(value)
-                continue
-            if lower == b"content-length":
-                length = value
-                continue
-            if lower in own:
-                continue
-            lines.append(name + b": " + value + CRLF)
+            kept.append((name, value, lower))
+        lines = [status_line(status, reason or None)]
+        if tokens:
+            lines += [n + b": " + v + CRLF for n, v, lower in kept if lower not in tokens]
+        else:
+            lines += [n + b": " + v + CRLF for n, v, _ in kept]
         via.append(VIA)
         lines.append(b"Via: " + b", ".join(via) + CRLF)
-        for field_name, text in req.rate_headers:
-            lines.append(f"{field_name}: {text}\r\n".encode("latin-1"))
+        if limited:
+            lines.append(
+                "".join(f"{n}: {t}\r\n" for n, t in req.rate_headers).encode("latin-1")
+            )
         lines.append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
         bodiless = req.head_only or status in (204, 304)
         if length is not None and not chunked_in:
@@ -214,12 +231,13 @@ class Relay:
         if self.close_after or not conn.keep_alive_after(req):
             self.close_after = True
             lines.append(CLOSE)
-        if b"date" not in {n.lower() for n, _ in headers}:
+        if not has_date:
             lines.append(date_line())
         lines.append(CRLF)
         self.out.append(b"".join(lines))
-        if not self.head.done():
-            self.head.set_result(status)
+        if self.phase == WAITING:
+            self.phase = STREAMING
+            conn.forward_head(self)
 
     def response_body(self, data: bytes) -> None:
         self.out.append(chunk(data) if self.chunked_out else data)
@@ -237,14 +255,26 @@ class Relay:
         if self.chunked_out:
             self.out.append(CHUNKED_END)
         self.flush()
-        if not self.done.done():
-            self.done.set_result(self.status)
+        self._end(self.status)
+
+    def _end(self, outcome: int) -> None:
+        if self.phase != DONE:
+            self.phase = DONE
+            self.conn.forward_done(self, outcome)
+
+    def fail(self, exc: BaseException) -> None:
+        """The exchange cannot go on before a response head arrived (the caller answers)."""
+        if self.phase == WAITING:
+            self.phase = DONE
+            if self.uconn is not None:
+                self.uconn.abort()
+            self.conn.forward_failed(self, exc)
 
     def upstream_lost(self, exc: Exception | None) -> None:
-        if not self.head.done():
-            self.head.set_exception(ConnectionError("the upstream closed the connection"))
+        if self.phase == WAITING:
+            self.fail(exc or ConnectionError("the upstream closed the connection"))
             return
-        if self.done.done():
+        if self.phase == DONE:
             return
         if self.until_close and exc is None:
             self.response_end()
@@ -252,16 +282,14 @@ class Relay:
         self.metrics.upstream_errors.labels(self.upstream.name, "broken_stream").inc()
         log.warning("upstream %s broke the response stream: %s", self.upstream.name,
                     type(exc).__name__ if exc else "closed early")  # fmt: skip
-        self.done.set_result(-502)
+        self.flush()
+        self._end(-502)
 
     def client_lost(self) -> None:
         """The client went away: drop the upstream connection (it may be mid-response)."""
         if self.uconn is not None:
             self.uconn.abort()
-        if not self.head.done():
-            self.head.set_exception(ConnectionResetError("the client went away"))
-        if not self.done.done():
-            self.done.set_result(-499)
+        self._end(-499)
 
     def client_writable(self, writable: bool) -> None:
         if self.uconn is None:

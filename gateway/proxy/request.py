@@ -1,8 +1,11 @@
 """One request as the data plane holds it: raw bytes from llhttp, plus what was decided.
 
-A plain slotted object instead of a framework request: the header list is the exact
+A plain object instead of a framework request: the header list is the exact
 ``(name, value)`` byte pairs the client sent (after llhttp's strict parse), which is
 also what the upstream receives, so identities are taken from those same bytes.
+
+Defaults live on the class, so a new request sets only its three lists (one is built
+per request; setting ~30 slots in ``__init__`` cost more than the rest of the parse).
 """
 
 from __future__ import annotations
@@ -15,72 +18,40 @@ from gateway.ratelimit.decision import Decision
 
 
 class Incoming:
-    __slots__ = (
-        "api_key",
-        "body",
-        "body_done",
-        "body_size",
-        "chunked",
-        "client_ip",
-        "connection_tokens",
-        "content_length",
-        "decision",
-        "expect_continue",
-        "forwarded_for",
-        "forwarded_proto",
-        "head_only",
-        "headers",
-        "host",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "rate_headers",
-        "record",
-        "region",
-        "request_id",
-        "selection",
-        "sink",
-        "started",
-        "target",
-        "trusted_peer",
-        "upgrade",
-        "user_id",
-        "version",
-    )
+    method = ""
+    target = b""
+    version = "1.1"
+    keep_alive = True
+    head_only = False
+    upgrade = False
+    started = 0.0
+    # framing, from the headers llhttp validated
+    content_length: int | None = None
+    chunked = False
+    expect_continue = False
+    # body: buffered until a sink (the upstream) takes it
+    body_size = 0
+    body_done = False
+    sink: Callable[[bytes], None] | None = None
+    # what the gateway read and decided
+    path = ""
+    query = b""  # "?..." exactly as sent, or empty
+    host: bytes | None = None
+    api_key: str | None = None
+    user_id: str | None = None
+    client_ip = "-"
+    trusted_peer = False
+    forwarded_proto: bytes | None = None
+    connection_tokens: frozenset[bytes] = frozenset()
+    region = ""
+    request_id = ""
+    selection: Selection | None = None
+    decision: Decision | None = None
+    rate_headers: list[tuple[str, str]] = []
+    record: AccessRecord | None = None
+    upstream_head: bytes | None = None  # built once, kept for a retry
 
     def __init__(self) -> None:
-        self.method = ""
-        self.target = b""
-        self.version = "1.1"
         self.headers: list[tuple[bytes, bytes]] = []
-        self.keep_alive = True
-        self.head_only = False
-        self.upgrade = False
-        self.started = 0.0
-        # framing, from the headers llhttp validated
-        self.content_length: int | None = None
-        self.chunked = False
-        self.expect_continue = False
-        # body: buffered until a sink (the upstream) takes it
         self.body: list[bytes] = []
-        self.body_size = 0
-        self.body_done = False
-        self.sink: Callable[[bytes], None] | None = None
-        # what the gateway read and decided
-        self.path = ""
-        self.query = b""  # "?..." exactly as sent, or empty
-        self.host: bytes | None = None
-        self.api_key: str | None = None
-        self.user_id: str | None = None
-        self.client_ip = "-"
-        self.trusted_peer = False
         self.forwarded_for: list[bytes] = []
-        self.forwarded_proto: bytes | None = None
-        self.connection_tokens: frozenset[bytes] = frozenset()
-        self.region = ""
-        self.request_id = ""
-        self.selection: Selection | None = None
-        self.decision: Decision | None = None
-        self.rate_headers: list[tuple[str, str]] = []
-        self.record: AccessRecord | None = None

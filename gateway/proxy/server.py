@@ -28,9 +28,15 @@ import httptools
 
 from gateway.counters.base import CounterUnavailableError
 from gateway.proxy.handler import Gateway, Peer
-from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, Relay, request_head, stale_connection
+from gateway.proxy.relay import (
+    BUFFER_BEFORE_FORWARD,
+    WAITING,
+    Relay,
+    request_head,
+    stale_connection,
+)
 from gateway.proxy.request import Incoming
-from gateway.proxy.upstream_pool import Upstream, UpstreamPool
+from gateway.proxy.upstream_pool import Upstream, UpstreamConnection, UpstreamPool
 from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
 from gateway.ratelimit.decision import Decision
 
@@ -39,6 +45,7 @@ log = logging.getLogger("gateway.proxy")
 # Deadline kinds (one at a time per connection, besides the request body's own).
 IDLE, HEAD, UPSTREAM, RESPONSE = 1, 2, 3, 4
 MAX_PIPELINED = 32  # queued requests after which reading pauses
+LINGER_SECONDS = 2.0  # reading (and dropping) after a final answer, before closing
 NO_PEER = Peer(None, False, "unknown")
 
 
@@ -73,7 +80,10 @@ class ClientConnection(asyncio.Protocol):
         self.active: Incoming | None = None  # being answered
         self.pipeline: deque[Incoming] = deque()
         self.relay: Relay | None = None
-        self.waiter: asyncio.Future[None] | None = None
+        self.upstream: Upstream | None = None  # where the active request is forwarded
+        self.attempt = 0
+        self.forward_started = 0.0
+        self.waiting_body = False  # a small body is read whole before forwarding
         self.paused: set[str] = set()
         self.reading_paused = False
         self.deadline = 0.0
@@ -109,9 +119,6 @@ class ClientConnection(asyncio.Protocol):
         self.plane.connection_closed(self)
         if self.relay is not None:
             self.relay.client_lost()
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionResetError("the client went away"))
         req = self.active
         if req is not None and self.relay is None:
             # Waiting for a decision or for the body: the request ends here (its task
@@ -212,7 +219,8 @@ class ClientConnection(asyncio.Protocol):
         sink = req.sink
         if sink is not None:
             sink(b"")
-        self._wake()
+        elif self.waiting_body:
+            self._body_progress(req)
 
     # --- request bodies
 
@@ -230,7 +238,7 @@ class ClientConnection(asyncio.Protocol):
         req.body.append(data)
         if req.body_size >= BUFFER_BEFORE_FORWARD:
             self.set_paused("buffer", True)
-            self._wake()
+            self._body_progress(req)
 
     def _discard(self, data: bytes) -> None:
         """Sink for the body of a request that was answered without reading it."""
@@ -283,7 +291,7 @@ class ClientConnection(asyncio.Protocol):
         elif step is None:
             self.plane.spawn(self._info(req))
         else:
-            self.plane.spawn(self._forward(req, step))
+            self._forward(req, step)
 
     async def _decide(self, req: Incoming) -> None:
         try:
@@ -305,7 +313,7 @@ class ClientConnection(asyncio.Protocol):
         elif step is None:
             await self._info(req)
         else:
-            await self._forward(req, step)
+            self._forward(req, step)
 
     async def _info(self, req: Incoming) -> None:
         answer = await self.gateway.info_answer(req)
@@ -334,6 +342,8 @@ class ClientConnection(asyncio.Protocol):
             return
         self.active = None
         self.relay = None
+        self.upstream = None
+        self.waiting_body = False
         self.response_started = False
         self.body_deadline = 0.0
         if req.record is not None:
@@ -343,6 +353,8 @@ class ClientConnection(asyncio.Protocol):
             self.pipeline.clear()
             if self.pending_error is not None:
                 self._fatal(400, self.pending_error)
+            elif not req.body_done or self.current is not None:
+                self._linger_close()  # the client may still be sending
             elif self.transport is not None:
                 self.transport.close()  # after what is buffered has been written
             return
@@ -369,7 +381,9 @@ class ClientConnection(asyncio.Protocol):
 
     # --- forwarding
 
-    async def _forward(self, req: Incoming, upstream: Upstream) -> None:
+    def _forward(self, req: Incoming, upstream: Upstream) -> None:
+        """Start forwarding ``req``: by callbacks from here on, no task unless a new
+        upstream connection must be opened."""
         limits = self.limits
         if req.content_length is not None and req.content_length > limits.max_body_bytes:
             limit = limits.max_body_bytes
@@ -378,73 +392,113 @@ class ClientConnection(asyncio.Protocol):
             return
         if req.expect_continue and not req.body_done and self.transport is not None:
             self.transport.write(CONTINUE_100)
-        try:
+        self.upstream = upstream
+        self.attempt = 0
+        if not req.body_done and req.body_size < BUFFER_BEFORE_FORWARD:
             # A small body is read whole first: a trickling client holds no upstream.
-            while not req.body_done and req.body_size < BUFFER_BEFORE_FORWARD:
-                await self._wait()
-        except BodyStalledError:
-            self._answer(req, Answer.error(408, "the request body stalled", req.rate_headers),
-                         keep=False)  # fmt: skip
+            self.waiting_body = True
             return
-        except ConnectionError:
+        self._connect(req)
+
+    def _body_progress(self, req: Incoming) -> None:
+        if self.waiting_body and req is self.active and (
+            req.body_done or req.body_size >= BUFFER_BEFORE_FORWARD
+        ):
+            self.waiting_body = False
+            self._connect(req)
+
+    def _connect(self, req: Incoming) -> None:
+        upstream = self.upstream
+        assert upstream is not None
+        self.attempt += 1
+        if self.attempt == 1:
+            self.forward_started = time.perf_counter()
+            self._set_deadline(UPSTREAM, self.limits.upstream_timeout)
+        host, port, tls, _ = self.plane.address(upstream)
+        uconn = self.plane.pool.take_idle(host, port, tls)
+        if uconn is not None:
+            self._send(req, uconn)
+        else:
+            self.plane.spawn(self._open_and_send(req, host, port, tls))
+
+    async def _open_and_send(self, req: Incoming, host: str, port: int, tls: bool) -> None:
+        upstream = self.upstream
+        assert upstream is not None
+        try:
+            uconn = await self.plane.pool.acquire(host, port, tls)
+        except TimeoutError:
+            self._forward_error(req, self._upstream_timeout(req, upstream))
             return
-        host, port, tls, prefix = self.plane.address(upstream)
-        started = time.perf_counter()
-        self._set_deadline(UPSTREAM, limits.upstream_timeout)
-        head = request_head(req, upstream, prefix, f"{host}:{port}", self.peer.address or "")
-        failure: Answer | None = None
-        relay: Relay | None = None
-        for attempt in (1, 2):
-            relay = self.relay = Relay(self, req, upstream, self.plane.pool, self.gateway.metrics)
-            try:
-                uconn = await self.plane.pool.acquire(host, port, tls)
-            except TimeoutError:
-                failure = self._upstream_timeout(req, upstream)
-                break
-            except OSError as exc:
-                failure = self._unreachable(req, upstream, exc)
-                break
-            except ConnectionError:
-                return
-            if self.lost or self.active is not req:
-                self.plane.pool.release(uconn)
-                return
-            relay.send(uconn, head)
-            try:
-                await relay.head
-            except TimeoutError:
-                uconn.abort()
-                failure = self._upstream_timeout(req, upstream)
-            except BodyStalledError:
-                uconn.abort()
-                failure = Answer.error(408, "the request body stalled", req.rate_headers)
-            except ConnectionResetError:
-                return  # the client went away
-            except ConnectionError as exc:
-                if attempt == 1 and stale_connection(relay):
-                    continue
-                failure = self._unreachable(req, upstream, exc)
-            break
-        if failure is not None or relay is None:
-            if self.active is req and not self.lost:
-                self._answer(req, failure or Answer.error(502, "upstream failed"), keep=False)
+        except OSError as exc:
+            self._forward_error(req, self._unreachable(req, upstream, exc))
             return
-        latency = time.perf_counter() - started
-        self.gateway.metrics.child(self.gateway.metrics.upstream_latency, upstream.name).observe(
-            latency
-        )
-        record = req.record
+        if self.lost or self.active is not req:
+            self.plane.pool.release(uconn)
+            return
+        self._send(req, uconn)
+
+    def _send(self, req: Incoming, uconn: UpstreamConnection) -> None:
+        upstream = self.upstream
+        assert upstream is not None
+        host, port, _, prefix = self.plane.address(upstream)
+        head = req.upstream_head
+        if head is None:
+            head = req.upstream_head = request_head(
+                req, upstream, prefix, f"{host}:{port}", self.peer.address or ""
+            )
+        relay = self.relay = Relay(self, req, upstream, self.plane.pool, self.gateway.metrics)
+        relay.send(uconn, head)
+
+    def _forward_error(self, req: Incoming, answer: Answer) -> None:
+        if self.active is req and not self.lost:
+            self.relay = None
+            self._answer(req, answer, keep=False)
+
+    # --- relay callbacks
+
+    def forward_failed(self, relay: Relay, exc: BaseException) -> None:
+        """The upstream did not answer: retry a stale keep-alive connection once, else
+        answer 504 / 408 / 502."""
+        req = relay.req
+        upstream = relay.upstream
+        if self.active is not req or self.lost:
+            return
+        if isinstance(exc, TimeoutError):
+            answer = self._upstream_timeout(req, upstream)
+        elif isinstance(exc, BodyStalledError):
+            answer = Answer.error(408, "the request body stalled", req.rate_headers)
+        elif self.attempt == 1 and stale_connection(relay):
+            self.relay = None
+            self._connect(req)
+            return
+        else:
+            answer = self._unreachable(req, upstream, exc)
+        self._forward_error(req, answer)
+
+    def forward_head(self, relay: Relay) -> None:
+        """The response head is on its way to the client."""
+        latency = time.perf_counter() - self.forward_started
+        metrics = self.gateway.metrics
+        metrics.child(metrics.upstream_latency, relay.upstream.name).observe(latency)
+        record = relay.req.record
         if record is not None:
             record.upstream_ms = latency * 1000
         self.response_started = True
-        self._set_deadline(RESPONSE, limits.upstream_read_timeout)
-        outcome = await relay.done
-        uconn_done = relay.uconn
+        self._set_deadline(RESPONSE, self.limits.upstream_read_timeout)
+
+    def forward_done(self, relay: Relay, outcome: int) -> None:
+        """The response ended: ``outcome`` is its status, or -502 (the upstream broke the
+        stream) / -499 (the client went away)."""
+        req = relay.req
+        if self.active is not req:
+            return
+        record = req.record
         if record is not None:
             record.status = relay.status if outcome > 0 else -outcome
+        uconn = relay.uconn
         if outcome < 0:
-            if uconn_done is not None:
-                uconn_done.abort()
+            if uconn is not None:
+                uconn.abort()
             if self.transport is not None:
                 self.transport.abort()
             self._finish(req, keep=False)
@@ -454,10 +508,10 @@ class ClientConnection(asyncio.Protocol):
             # mid-request and cannot be reused; the rest of the body is read and dropped
             # so the client's connection stays usable (bounded by max_body_bytes).
             req.sink = self._discard
-            if uconn_done is not None:
-                uconn_done.abort()
-        elif uconn_done is not None:
-            self.plane.pool.release(uconn_done)
+            if uconn is not None:
+                uconn.abort()
+        elif uconn is not None:
+            self.plane.pool.release(uconn)
         self._finish(req, keep=not relay.close_after)
 
     def _upstream_timeout(self, req: Incoming, upstream: Upstream) -> Answer:
@@ -469,19 +523,6 @@ class ClientConnection(asyncio.Protocol):
         self.gateway.metrics.upstream_errors.labels(upstream.name, "unreachable").inc()
         log.warning("upstream %s unreachable: %s", upstream.name, type(exc).__name__)
         return Answer.error(502, f"upstream {upstream.name!r} is unreachable", req.rate_headers)
-
-    async def _wait(self) -> None:
-        """Until more of the request body arrived (or it ended)."""
-        waiter = self.waiter = self.loop.create_future()
-        try:
-            await waiter
-        finally:
-            self.waiter = None
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
     # --- used by the relay
 
@@ -526,24 +567,30 @@ class ClientConnection(asyncio.Protocol):
                 self._fatal(408, "the request headers did not arrive in time")
         elif kind == UPSTREAM:
             relay = self.relay
-            if relay is not None and not relay.head.done():
-                relay.head.set_exception(TimeoutError())
+            if relay is not None:
+                relay.fail(TimeoutError())
+            elif self.active is not None and self.upstream is not None:
+                # still opening a connection
+                self._forward_error(
+                    self.active, self._upstream_timeout(self.active, self.upstream)
+                )
         elif kind == RESPONSE:
             relay = self.relay
-            if relay is not None and not relay.done.done():
+            if relay is not None:
                 relay.upstream_lost(TimeoutError("the upstream went silent"))
 
     def _body_stalled(self) -> None:
         req = self.active
         if req is None or req.body_done:
             return
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(BodyStalledError())
+        if self.waiting_body:
+            self.waiting_body = False
+            self._answer(req, Answer.error(408, "the request body stalled", req.rate_headers),
+                         keep=False)  # fmt: skip
             return
         relay = self.relay
-        if relay is not None and not relay.head.done():
-            relay.head.set_exception(BodyStalledError())
+        if relay is not None and relay.phase == WAITING:
+            relay.fail(BodyStalledError())
             return
         if self.transport is not None:
             self.transport.abort()
@@ -555,11 +602,28 @@ class ClientConnection(asyncio.Protocol):
             return
         answer = Answer.error(status, detail)
         self.transport.write(answer.encode(keep_alive=False, head_only=False))
-        self.transport.close()
+        self._linger_close()
         self.plane.gateway.metrics.child(
             self.plane.gateway.metrics.responses, self.gateway.regions.default, f"{status // 100}xx"
         ).inc()
         log.info("%s: %d %s", self.peer.address or "-", status, detail)
+
+    def _linger_close(self) -> None:
+        """Close after an answer while the client may still be sending: closing with
+        unread bytes makes the kernel send a reset that can destroy the answer before
+        the client reads it. So: no more writes, read and drop for a moment, close."""
+        transport = self.transport
+        if transport is None or self.lost:
+            return
+        self.dead_parser = True
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.set_paused("linger", False)
+        self.paused.clear()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        self.loop.call_later(LINGER_SECONDS, transport.close)
 
     def _protocol_error(self, exc: Exception) -> None:
         reason = str(exc) or type(exc).__name__

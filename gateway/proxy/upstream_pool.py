@@ -217,9 +217,11 @@ class UpstreamPool:
         self._all: set[UpstreamConnection] = set()
         self._tls: ssl.SSLContext | None = None
 
-    async def acquire(self, host: str, port: int, tls: bool) -> UpstreamConnection:
-        key = (host, port, tls)
-        idle = self._idle.get(key)
+    def take_idle(self, host: str, port: int, tls: bool) -> UpstreamConnection | None:
+        """An idle connection to reuse now, newest first (None: ``acquire`` one)."""
+        idle = self._idle.get((host, port, tls))
+        if not idle:
+            return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -227,6 +229,13 @@ class UpstreamPool:
                 conn.abort()
                 continue
             return conn
+        return None
+
+    async def acquire(self, host: str, port: int, tls: bool) -> UpstreamConnection:
+        key = (host, port, tls)
+        found = self.take_idle(host, port, tls)
+        if found is not None:
+            return found
         while self.open >= self.limit:
             if self._close_one_idle():
                 continue

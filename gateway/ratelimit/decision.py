@@ -13,7 +13,9 @@ class Outcome(StrEnum):
     UNAVAILABLE = "unavailable"  # counter store down and the rule fails closed
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
+# one of these is built per request. Treat it as immutable all the same.
+@dataclass(slots=True)
 class LimitReport:
     """One limit as reported in the ``RateLimit-Policy`` and ``RateLimit`` fields."""
 
@@ -25,9 +27,12 @@ class LimitReport:
     reset_seconds: int
     exceeded: bool  # had no room for this request
     shadow: bool
+    reset_ms: int = 0  # reset_seconds before rounding up
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
+# one of these is built per request. Treat it as immutable all the same.
+@dataclass(slots=True)
 class Decision:
     outcome: Outcome
     rule_id: str | None = None
@@ -38,6 +43,8 @@ class Decision:
     source: str = ""  # counter source: memory, redis, fallback, deny-cache
     # Shadow rules that would have rejected: (rule id, identity kind) pairs.
     shadow_exceeded: tuple[tuple[str, str], ...] = ()
+    # A refusal that any repeat is sure to get for this long (ms; 0: not known).
+    certain_ms: int = 0
 
     @property
     def near_limit(self) -> bool:

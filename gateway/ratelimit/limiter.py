@@ -11,6 +11,8 @@ from gateway.policy.model import Rule
 from gateway.ratelimit.decision import Decision, LimitReport, Outcome
 from gateway.ratelimit.window import bucket_ms_for
 
+MAX_CACHED_CHECKS = 50_000  # identities whose checks are kept (then the cache starts over)
+
 
 def counter_key(region: str, rule_id: str, identity_hash: str, seconds: int) -> str:
     """``rl:{<region>:<rule>:<identity>}:<window>s`` — the hash tag keeps one identity's
@@ -45,6 +47,7 @@ def _reports(rule: Rule, region: str, result: HitResult, shadow: bool) -> list[L
             seconds=spec.seconds,
             remaining=state.remaining,
             reset_seconds=-(-state.reset_ms // 1000),
+            reset_ms=state.reset_ms,
             exceeded=not state.allowed,
             shadow=shadow,
         )
@@ -57,6 +60,7 @@ class Limiter:
 
     def __init__(self, backends: Mapping[str, CounterBackend]) -> None:
         self._backends = dict(backends)
+        self._check_cache: dict[tuple[str, str, str], tuple[Rule, list[LimitCheck]]] = {}
 
     def backend(self, region: str) -> CounterBackend:
         return self._backends[region]
@@ -98,14 +102,28 @@ class Limiter:
             results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
         return self._decision(region, selection, groups, results)
 
-    @staticmethod
-    def _groups(region: str, selection: Selection) -> list[tuple[Rule, bool, Sequence[LimitCheck]]]:
+    def _checks(self, region: str, rule: Rule, identity: str) -> list[LimitCheck]:
+        """``limit_checks`` for an enforced rule, kept per identity (an identity seen
+        again, the common case, skips building keys and checks)."""
+        key = (region, rule.id, identity)
+        found = self._check_cache.get(key)
+        if found is not None and found[0] is rule:  # a reloaded rule is a new object
+            return found[1]
+        if len(self._check_cache) >= MAX_CACHED_CHECKS:
+            self._check_cache.clear()
+        checks = limit_checks(region, rule, identity, True)
+        self._check_cache[key] = (rule, checks)
+        return checks
+
+    def _groups(
+        self, region: str, selection: Selection
+    ) -> list[tuple[Rule, bool, Sequence[LimitCheck]]]:
         # The enforced rule's checks share one hash tag and are counted all-or-nothing in
         # one call; each shadow rule is its own call, sent concurrently (never blocking).
         rule = selection.rule
         groups: list[tuple[Rule, bool, Sequence[LimitCheck]]] = []
         if rule is not None and not rule.unlimited and selection.identity is not None:
-            groups.append((rule, False, limit_checks(region, rule, selection.identity, True)))
+            groups.append((rule, False, self._checks(region, rule, selection.identity)))
         for shadow_rule, key in selection.shadows:
             groups.append((shadow_rule, True, limit_checks(region, shadow_rule, key, False)))
         return groups
@@ -118,7 +136,24 @@ class Limiter:
         results: Sequence[HitResult],
     ) -> Decision:
         rule = selection.rule
-        reports: list[LimitReport] = []
+        if len(groups) == 1 and not groups[0][1] and rule is not None:
+            # The common case: one enforced rule, no shadow rules.
+            result = results[0]
+            reports = _reports(rule, region, result, False)
+            limited = not result.admitted
+            return Decision(
+                Outcome.LIMITED if limited else Outcome.ALLOWED,
+                rule_id=rule.id,
+                identity_kind=rule.identity.value,
+                identity_hash=selection.identity,
+                reports=tuple(reports),
+                retry_after=max(
+                    max((r.reset_seconds for r in reports if r.exceeded), default=1), 1
+                ) if limited else 0,
+                source=result.source,
+                certain_ms=result.certain_ms,
+            )  # fmt: skip
+        reports = []
         shadow_exceeded: list[tuple[str, str]] = []
         admitted = True
         source = ""
@@ -150,4 +185,5 @@ class Limiter:
             retry_after=retry_after,
             source=source or (results[0].source if results else ""),
             shadow_exceeded=tuple(shadow_exceeded),
+            certain_ms=results[0].certain_ms if len(results) == 1 else 0,
         )

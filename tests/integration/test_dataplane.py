@@ -1,0 +1,240 @@
+"""The proxy port's connection handling (gateway/proxy/server.py), over real sockets:
+pipelining, framing both ways, HEAD, 100-continue, keep-alive reuse, deadlines, the
+connection cap, and small bodies that never hold an upstream connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from tests.support.gateway import running_app, running_gateway
+
+
+def _port(gw) -> int:
+    return int(gw.url.rsplit(":", 1)[1])
+
+
+async def _read_responses(reader: asyncio.StreamReader, count: int) -> list[tuple[int, bytes]]:
+    """Read ``count`` Content-Length-framed responses; (status, body) each."""
+    out = []
+    for _ in range(count):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        length = 0
+        for line in lines[1:]:
+            if line.lower().startswith("content-length:"):
+                length = int(line.split(":", 1)[1])
+        body = await asyncio.wait_for(reader.readexactly(length), 10) if length else b""
+        out.append((status, body))
+    return out
+
+
+async def test_pipelined_requests_are_answered_in_order(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        # a proxied request, a gateway answer, a refusal, another proxied one: one write
+        writer.write(
+            b"GET /echo/1 HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"GET /a;b HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"POST /echo/4 HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
+        )
+        await writer.drain()
+        replies = await _read_responses(reader, 4)
+        writer.close()
+    assert [status for status, _ in replies] == [200, 200, 400, 200]
+    assert json.loads(replies[0][1])["path"] == "/echo/1"
+    assert json.loads(replies[1][1]) == {"ok": True}
+    assert json.loads(replies[3][1])["path"] == "/echo/4"
+    assert json.loads(replies[3][1])["body_length"] == 3
+
+
+async def test_a_malformed_request_after_good_ones_is_answered_last(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"GET /echo/1 HTTP/1.1\r\nHost: a\r\n\r\nGET / HTTP/1.1\r\nX: a\r\n b\r\n\r\n")
+        await writer.drain()
+        replies = await _read_responses(reader, 2)
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # then the connection closes
+        writer.close()
+    assert replies[0][0] == 200
+    assert replies[1][0] == 400 and b"malformed HTTP request" in replies[1][1]
+
+
+async def _app_upstream(routes):
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    return running_app(app)
+
+
+async def test_chunked_and_close_delimited_responses_reach_the_client_whole(upstream):
+    body = b"".join(b"line %d\n" % n for n in range(2000))
+
+    async def close_delimited(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n")
+        for n in range(0, len(body), 1000):
+            writer.write(body[n : n + 1000])
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(close_delimited, "127.0.0.1", 0)
+    raw_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_gateway(raw_url) as gw, aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/x") as r:
+                assert r.status == 200
+                assert r.headers.get("Transfer-Encoding") == "chunked"  # re-framed for 1.1
+                assert await r.read() == body
+            # an HTTP/1.0 client gets the body delimited by the close, as it expects
+            reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+            writer.write(b"GET /x HTTP/1.0\r\n\r\n")
+            data = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            head, _, rest = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+            assert rest == body
+    finally:
+        server.close()
+
+
+async def test_head_and_no_content_responses_carry_no_body_and_keep_the_connection(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(
+            b"HEAD /echo HTTP/1.1\r\nHost: a\r\n\r\nGET /echo/after HTTP/1.1\r\nHost: a\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"Content-Length:" in head  # the length of the body a GET would get
+        # the next bytes are the second response, not a body of the first
+        (status, body), = await _read_responses(reader, 1)
+        writer.close()
+    assert status == 200 and json.loads(body)["path"] == "/echo/after"
+
+
+async def test_expect_100_continue_is_answered_after_the_decision(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+        )
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"hello")
+        (status, body), = await _read_responses(reader, 1)
+        writer.close()
+    assert status == 200 and json.loads(body)["body_length"] == 5
+
+
+async def test_upstream_connections_are_reused(upstream):
+    async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
+        for _ in range(20):
+            async with http.get(gw.url + "/echo") as r:
+                assert r.status == 200
+        assert gw.proxy.plane is not None
+        assert gw.proxy.plane.pool.open == 1  # one keep-alive connection served them all
+
+
+async def test_a_stale_keep_alive_connection_is_retried_once(upstream):
+    """The upstream closes an idle connection; the next request must not see a 502."""
+    hits = 0
+
+    async def closing(reader, writer):
+        nonlocal hits
+        await reader.readuntil(b"\r\n\r\n")
+        hits += 1
+        # Keep-alive promised, then the connection is closed right after the answer.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(closing, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_gateway(url) as gw, aiohttp.ClientSession() as http:
+            for _ in range(5):
+                async with http.get(gw.url + "/x") as r:
+                    assert r.status == 200 and await r.read() == b"ok"
+                await asyncio.sleep(0.05)
+        assert hits == 5
+    finally:
+        server.close()
+
+
+async def test_headers_that_never_complete_get_408_and_the_connection_closes(upstream):
+    async with running_gateway(upstream, header_timeout=0.3) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 408")
+    assert b"did not arrive in time" in data
+
+
+async def test_a_stalled_body_gets_408(upstream):
+    async with running_gateway(upstream, body_read_timeout=0.3) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nabc")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 408") and b"stalled" in data
+
+
+async def test_connections_over_the_cap_are_closed_and_others_still_served(upstream):
+    async with running_gateway(upstream, max_connections=5) as gw:
+        held = [await asyncio.open_connection("127.0.0.1", _port(gw)) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n")
+        refused = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert refused == b""  # closed without an answer
+        assert gw.proxy.plane is not None and gw.proxy.plane.refused >= 1
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/ok") as r:
+                assert r.status == 200
+
+
+async def test_trickled_small_bodies_hold_no_upstream_connection(upstream):
+    """Slow-body starvation: clients trickling small bodies must not take the upstream
+    pool; everyone else is still served at once."""
+    async with running_gateway(upstream, upstream_pool_size=4) as gw:
+        slow = []
+        for n in range(12):
+            _, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+            writer.write(
+                f"POST /upload HTTP/1.1\r\nHost: a\r\nx-api-key: slow-{n}\r\n"
+                "Content-Length: 50000\r\n\r\nx".encode()
+            )
+            slow.append(writer)
+        await asyncio.sleep(0.2)
+        assert gw.proxy.plane is not None and gw.proxy.plane.pool.open == 0
+        async with aiohttp.ClientSession() as http:
+            for _ in range(10):
+                async with http.get(gw.url + "/echo", timeout=aiohttp.ClientTimeout(5)) as r:
+                    assert r.status == 200
+        for writer in slow:
+            writer.close()
+
+
+async def test_the_head_size_is_bounded(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n")
+        for n in range(40):  # 40 headers of 4 KB: each under the limit, the head over it
+            writer.write(b"X-H%d: " % n + b"v" * 4000 + b"\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 431") and b"request head is larger" in data
