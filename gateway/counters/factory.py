@@ -307,13 +307,40 @@ def redis_client(parsed: CounterUrl) -> Redis | RedisCluster:
 def _plain_connection_class() -> type[Any]:
     from redis.asyncio.connection import Connection
 
-    return Connection
+    return _with_hiredis_packing(Connection)
 
 
 def _ssl_connection_class() -> type[Any]:
     from redis.asyncio.connection import SSLConnection
 
-    return SSLConnection
+    return _with_hiredis_packing(SSLConnection)
+
+
+def _with_hiredis_packing(base: type[Any]) -> type[Any]:
+    """``base`` with commands packed by hiredis (C) instead of redis-py's asyncio
+    connection's Python packer: packing an EVALSHA was ~40% of a counter check's CPU
+    (benchmarks/README.md, "Data plane", the Redis rows)."""
+    try:
+        from hiredis import pack_command
+    except ImportError:  # pragma: no cover - hiredis is a dependency (redis[hiredis])
+        return base
+
+    def split(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        # redis-py sends multi-word command names ("SCRIPT LOAD") as separate words.
+        first = args[0]
+        if isinstance(first, str) and " " in first:
+            return (*first.split(), *args[1:])
+        return args
+
+    class HiredisPacking(base):  # type: ignore[misc]
+        def pack_command(self, *args: Any) -> list[bytes]:
+            return [pack_command(split(args))]
+
+        def pack_commands(self, commands: Any) -> list[bytes]:
+            return [b"".join([pack_command(split(tuple(c))) for c in commands])]
+
+    HiredisPacking.__name__ = base.__name__
+    return HiredisPacking
 
 
 _BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}

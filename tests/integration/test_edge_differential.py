@@ -479,10 +479,10 @@ KNOWN_DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         "long-request-line",
         "accepts",
-        "the gateway raises aiohttp's line limit to 4 x max_header_bytes so that its own "
-        "limits answer in JSON, and bounds the path (4096) but not the query string: a "
-        "request line between 8190 and 32760 bytes is forwarded; aiohttp's default refuses "
-        "it (not a framing issue: both parse the request alike)",
+        "a request line over aiohttp's default 8190 bytes (a long query string) is "
+        "forwarded: the gateway bounds the path (4096 bytes), each header field and the whole "
+        "head (the aiohttp plane: lines up to 4 x max_header_bytes; the Protocols plane: a "
+        "64 KiB head), not the query string as such. No framing issue: both parse it alike",
         lambda m: (
             len(m.method) + len(m.target) + 10 > AIOHTTP_MAX_LINE
             and len(m.target.split(b"?", 1)[0]) <= MAX_PATH_BYTES
