@@ -19,6 +19,7 @@ from gateway import __version__
 from gateway.counters.base import CounterBackend
 from gateway.metrics import Metrics
 from gateway.policy.matcher import select
+from gateway.policy.model import IdentityKind
 from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
 from gateway.proxy.reload import RuleSource
@@ -61,6 +62,7 @@ _IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
 OK_ANSWER = Answer.json(200, b'{"ok": true}')
 # Identities whose refusal is known in advance, kept at most (oldest dropped first).
 MAX_KNOWN_REFUSALS = 100_000
+MAX_CACHED_PATHS = 10_000
 
 
 @dataclass(slots=True)
@@ -103,6 +105,7 @@ class Gateway:
     max_body_bytes: int = 32 * 1024 * 1024
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
+    _paths: dict[str, str] = field(default_factory=dict)  # raw path -> normalised
     _refusals_table: object = None
 
     # --- the synchronous part: everything up to the rate-limit decision
@@ -114,7 +117,9 @@ class Gateway:
         client = None if trusted else self.addresses.client_address(address, None)
         return Peer(address, trusted, client)
 
-    def begin(self, req: Incoming, peer: Peer) -> Answer | None:
+    def begin(
+        self, req: Incoming, peer: Peer, memo: dict[tuple[IdentityKind, str], str] | None = None
+    ) -> Answer | None:
         """Check, identify and (when it can be known now) decide ``req``.
 
         Returns the answer when the gateway answers itself, or None when the request
@@ -132,6 +137,8 @@ class Gateway:
         if problem is not None:
             return problem
         method = req.method
+        if req.version != "1.1" and req.version != "1.0":
+            return Answer.error(505, f"HTTP/{req.version} is not supported; use HTTP/1.1")
         if method in REFUSED_METHODS:
             return Answer.error(405, f"{method} is not accepted by this gateway")
         target = req.target.decode("latin-1")
@@ -140,11 +147,17 @@ class Gateway:
         req.query = b"" if qmark < 0 else req.target[qmark:]  # with the "?", byte for byte
         if not raw_path.startswith("/") and "://" in raw_path:
             return Answer.error(400, "absolute-form request targets are refused")
-        try:
-            path = normalise_path(raw_path)
-        except PathError as exc:
-            record.path = raw_path[:200]
-            return Answer.error(400, str(exc))
+        path = self._paths.get(raw_path)
+        if path is None:
+            try:
+                path = normalise_path(raw_path)
+            except PathError as exc:
+                record.path = raw_path[:200]
+                return Answer.error(400, str(exc))
+            if len(raw_path) <= 256:  # the paths a service sees again and again
+                if len(self._paths) >= MAX_CACHED_PATHS:
+                    self._paths.clear()
+                self._paths[raw_path] = path
         req.path = record.path = path
         if path == HEALTH_PATH and (method == "GET" or method == "HEAD"):
             return OK_ANSWER
@@ -161,7 +174,7 @@ class Gateway:
             client = self.addresses.client_address(peer.address, forwarded)
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
-        identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id)
+        identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
         table = self.rules.table
         selection = req.selection = select(table, region, method, path, identity.key_for)
         if self._refusals:
@@ -235,6 +248,7 @@ class Gateway:
         given_id: bytes | None = None
         too_big: bytes | None = None
         last_coding = expect = None
+        only_chunked = True
         singles: set[bytes] = set()
         for name, value in headers:
             if len(name) + len(value) > limit and too_big is None:
@@ -265,13 +279,20 @@ class Gateway:
             elif lower == b"transfer-encoding":
                 req.chunked = True
                 last_coding = value.rsplit(b",", 1)[-1].strip().lower()
+                only_chunked = value.strip().lower() == b"chunked"
             elif lower == b"expect":
                 expect = value.lower()
         accepted = None if given_id is None else accept_request_id(given_id)
         req.request_id = accepted or new_request_id()
-        if req.chunked and last_coding != b"chunked":
-            # Without chunked last a request body has no length (RFC 9112 6.3).
-            return Answer.error(400, "Transfer-Encoding must end with chunked")
+        if req.chunked:
+            if last_coding != b"chunked":
+                # Without chunked last a request body has no length (RFC 9112 6.3).
+                return Answer.error(400, "Transfer-Encoding must end with chunked")
+            if not only_chunked:
+                # Relayed de-chunked, a coded body would reach the upstream unlabelled.
+                return Answer.error(501, "no transfer coding but chunked is supported")
+            if req.version == "1.0":
+                return Answer.error(400, "Transfer-Encoding in an HTTP/1.0 request (RFC 9112 6.1)")
         if expect is not None:
             if expect != b"100-continue":
                 return Answer.error(417, "the only expectation accepted is 100-continue")

@@ -27,6 +27,7 @@ from typing import cast
 import httptools
 
 from gateway.counters.base import CounterUnavailableError
+from gateway.policy.model import IdentityKind
 from gateway.proxy.handler import Gateway, Peer
 from gateway.proxy.relay import (
     BUFFER_BEFORE_FORWARD,
@@ -61,6 +62,10 @@ class PlaneLimits:
     max_connections: int = 10_000
 
 
+class StopParsingError(Exception):
+    """Raised from a parser callback to stop reading the connection's input."""
+
+
 class BodyStalledError(Exception):
     """The client stopped sending its request body for longer than allowed."""
 
@@ -75,6 +80,7 @@ class ClientConnection(asyncio.Protocol):
         self.loop = plane.loop
         self.transport: asyncio.Transport | None = None
         self.peer = NO_PEER
+        self.identity_memo: dict[tuple[IdentityKind, str], str] = {}
         self.parser = httptools.HttpRequestParser(self)
         self.current: Incoming | None = None  # being parsed
         self.active: Incoming | None = None  # being answered
@@ -97,6 +103,7 @@ class ClientConnection(asyncio.Protocol):
         self.draining = False
         self.response_started = False
         self.pending_error: str | None = None
+        self.no_more = False  # a request said Connection: close: nothing after it is read
 
     # --- asyncio.Protocol
 
@@ -136,9 +143,18 @@ class ClientConnection(asyncio.Protocol):
             # Upgrade is not offered (the header is hop-by-hop and stripped), so the
             # request is answered as plain HTTP and the connection closes after it.
             self.dead_parser = True
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, StopParsingError):
+                # A bug of ours, not the client's: drop the connection, say where.
+                log.error("request parser callback failed", exc_info=exc.__context__)
+                self.dead_parser = True
+                if self.transport is not None:
+                    self.transport.abort()
+            return
         except httptools.HttpParserError as exc:
             self.dead_parser = True
-            self._protocol_error(exc)
+            if not self.no_more:  # after Connection: close llhttp refuses what follows
+                self._protocol_error(exc)
             return
         if self.in_head:
             # Still inside a request head: llhttp keeps what it has not reported, so
@@ -150,8 +166,11 @@ class ClientConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         # A half-closed client may still read its answers: keep the transport while a
-        # request is being answered, close once it is done.
+        # request is being answered, close once it is done. A request whose head or
+        # body was cut off can never complete: close (connection_lost ends it).
         if self.active is None and not self.pipeline:
+            return False
+        if self.current is not None or (self.active is not None and not self.active.body_done):
             return False
         for req in (self.active, *self.pipeline):
             if req is not None:
@@ -169,6 +188,10 @@ class ClientConnection(asyncio.Protocol):
     # --- llhttp callbacks
 
     def on_message_begin(self) -> None:
+        if self.no_more:
+            # A request said Connection: close; what follows it is not read (RFC 9112 9.6).
+            self.dead_parser = True
+            raise StopParsingError
         req = Incoming()
         req.started = time.perf_counter()
         self.current = req
@@ -214,6 +237,8 @@ class ClientConnection(asyncio.Protocol):
         if req is None:
             return
         req.body_done = True
+        if not req.keep_alive:
+            self.no_more = True
         if req is self.active:
             self.body_deadline = 0.0
         sink = req.sink
@@ -271,7 +296,7 @@ class ClientConnection(asyncio.Protocol):
         if not req.body_done:
             self.body_deadline = self.loop.time() + self.limits.body_read_timeout
         try:
-            answer = self.gateway.begin(req, self.peer)
+            answer = self.gateway.begin(req, self.peer, self.identity_memo)
             if answer is None:
                 decision = req.decision
                 if decision is None:

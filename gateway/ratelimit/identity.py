@@ -19,6 +19,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 MAX_IDENTITY_HEADER_BYTES = 256
 MAX_FORWARDED_HOPS = 32
+MEMO_SIZE = 8  # identity hashes remembered per connection
 HASH_HEX_CHARS = 32  # 128 bits of the HMAC: collisions are not a practical concern
 
 
@@ -129,6 +130,10 @@ class RequestIdentity:
     api_key: str | None
     user_id: str | None
     _cache: dict[IdentityKind, str | None] | None = None
+    # Hashes already computed on the same connection (its caller's, kept small): a
+    # client usually sends one key for a whole connection, so HMAC runs once per
+    # connection, not per request.
+    memo: dict[tuple[IdentityKind, str], str] | None = None
 
     def key_for(self, kind: IdentityKind) -> str | None:
         """The hashed identity for a rule of ``kind``, or None if it cannot be formed."""
@@ -144,6 +149,16 @@ class RequestIdentity:
             value = self.api_key
         else:
             value = None if self.user_id is None else f"{self.user_id}\0{self.client_ip}"
-        result = None if value is None else self.hasher.digest(kind, value)
+        if value is None:
+            result = None
+        elif self.memo is None:
+            result = self.hasher.digest(kind, value)
+        else:
+            result = self.memo.get((kind, value))
+            if result is None:
+                result = self.hasher.digest(kind, value)
+                if len(self.memo) >= MEMO_SIZE:
+                    self.memo.clear()
+                self.memo[(kind, value)] = result
         cache[kind] = result
         return result

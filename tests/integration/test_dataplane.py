@@ -238,3 +238,48 @@ async def test_the_head_size_is_bounded(upstream):
         data = await asyncio.wait_for(reader.read(), 10)
         writer.close()
     assert data.startswith(b"HTTP/1.1 431") and b"request head is larger" in data
+
+
+async def test_versions_and_codings_it_cannot_relay_faithfully_are_refused(upstream):
+    async with running_gateway(upstream) as gw:
+        cases = {
+            b"GET /x HTTP/2.0\r\nHost: a\r\n\r\n": b"505",
+            b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n"
+            b"Connection: close\r\n\r\n"
+            b"0\r\n\r\n": b"501",
+            b"POST /x HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n": b"400",
+        }
+        for request, status in cases.items():
+            reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+            writer.write(request)
+            data = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert data.split(b" ")[1] == status, (request, data[:120])
+
+
+async def test_nothing_after_a_connection_close_request_is_read(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(
+            b"GET /echo/1 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+            b"GET /echo/2 HTTP/1.1\r\nHost: a\r\n\r\n"
+        )
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert data.count(b"HTTP/1.1 ") == 1 and b"/echo/1" in data and b"/echo/2" not in data
+
+
+async def test_a_client_gone_mid_body_leaves_nothing_behind(upstream):
+    async with running_gateway(upstream) as gw:
+        _, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 50\r\n\r\nabcde")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.close()
+        plane = gw.proxy.plane
+        assert plane is not None
+        for _ in range(50):
+            if not plane.connections:
+                break
+            await asyncio.sleep(0.05)
+        assert not plane.connections
