@@ -37,6 +37,7 @@ from gateway.proxy.relay import (
     stale_connection,
 )
 from gateway.proxy.request import Incoming
+from gateway.proxy.request_id import new_request_id
 from gateway.proxy.upstream_pool import Upstream, UpstreamConnection, UpstreamPool
 from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
 from gateway.ratelimit.decision import Decision
@@ -626,12 +627,14 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is None or self.lost:
             return
         answer = Answer.error(status, detail)
-        self.transport.write(answer.encode(keep_alive=False, head_only=False))
+        request_id = new_request_id()
+        extra = b"X-Request-Id: " + request_id.encode() + CRLF
+        self.transport.write(answer.encode(keep_alive=False, head_only=False, extra=extra))
         self._linger_close()
         self.plane.gateway.metrics.child(
             self.plane.gateway.metrics.responses, self.gateway.regions.default, f"{status // 100}xx"
         ).inc()
-        log.info("%s: %d %s", self.peer.address or "-", status, detail)
+        log.info("%s: %d %s rid=%s", self.peer.address or "-", status, detail, request_id)
 
     def _linger_close(self) -> None:
         """Close after an answer while the client may still be sending: closing with

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 from aiohttp import web
@@ -283,3 +284,23 @@ async def test_a_client_gone_mid_body_leaves_nothing_behind(upstream):
                 break
             await asyncio.sleep(0.05)
         assert not plane.connections
+
+
+async def test_malformed_requests_never_put_their_bytes_in_any_log(upstream, caplog):
+    secret = b"sk-live-never-log-me-0123456789"
+    async with running_gateway(upstream, access_log="json") as gw:
+        with caplog.at_level(logging.DEBUG):
+            for request in (
+                b"GET /x HTTP/1.1\r\nHost: a\r\nx-api-key: " + secret + b"\r\n b\r\n\r\n",
+                b"GET /x?token=" + secret + b" HTTP/1.1\r\nHost: a\r\nX: \x00\r\n\r\n",
+                b"get /x HTTP/1.1\r\nAuthorization: Bearer " + secret + b"\r\n\r\n",
+            ):
+                reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+                writer.write(request)
+                data = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                assert data.startswith(b"HTTP/1.1 400"), data[:80]
+                assert b"X-Request-Id" in data
+            gw.gateway.access_log.flush()
+    assert secret.decode() not in caplog.text
+    assert "malformed HTTP request" in caplog.text  # the refusal itself is logged
