@@ -44,6 +44,7 @@ _RATE_NAMES = frozenset({b"ratelimit", b"ratelimit-policy"})
 # client trickling a small body holds no upstream connection (slow-body starvation);
 # anything larger streams once this much has arrived.
 BUFFER_BEFORE_FORWARD = 64 * 1024
+RETRY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Relay phases: waiting for the response head, streaming the body, ended.
 WAITING, STREAMING, DONE = 0, 1, 2
 
@@ -53,7 +54,9 @@ class BodyTooLargeError(Exception):
 
 
 # Request header names the loop below looks at; everything else is copied as it came.
-_REQUEST_SPECIAL = HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | {b"host"}
+_REQUEST_SPECIAL = (
+    HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | {b"host", b"content-length"}
+)
 
 
 def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer: str) -> bytes:
@@ -78,6 +81,8 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
             elif lower == b"via":
                 via.append(value)
                 continue
+            elif lower == b"content-length":
+                pass  # framing: kept whatever Connection names (the body follows it)
             elif trusted and lower in UNTRUSTED_FORWARDING and lower not in tokens:
                 pass  # a trusted proxy's own forwarding headers pass on
             else:
@@ -133,6 +138,7 @@ class Relay:
         self.metrics = metrics
         self.uconn: UpstreamConnection | None = None
         self.phase = WAITING
+        self.body_whole_at_send = False
         self.status = 0
         self.out: list[bytes] = []
         self.chunked_out = False
@@ -147,6 +153,7 @@ class Relay:
         """Write the head and the buffered body; stream the rest as it arrives."""
         self.uconn = uconn
         req = self.req
+        self.body_whole_at_send = req.body_done
         chunked = req.chunked and not req.body_done
         self.body_chunked_up = chunked
         body = req.body
@@ -302,7 +309,14 @@ class Relay:
 
 def stale_connection(relay: Relay) -> bool:
     """A reused keep-alive connection that the upstream closed before answering: the
-    request never reached it, so it may be sent again on a new connection (only with
-    its whole body still at hand)."""
+    request most likely never reached it, so a safe request (GET, HEAD, OPTIONS) whose
+    whole body was at hand when sent goes again on a new connection. Anything else
+    could be applied twice, or resent without its body: 502."""
     uconn = relay.uconn
-    return uconn is not None and uconn.used > 1 and not uconn.received and relay.req.body_done
+    return (
+        uconn is not None
+        and uconn.used > 1
+        and not uconn.received
+        and relay.body_whole_at_send
+        and relay.req.method in RETRY_METHODS
+    )

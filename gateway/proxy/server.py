@@ -103,7 +103,7 @@ class ClientConnection(asyncio.Protocol):
         self.lost = False
         self.draining = False
         self.response_started = False
-        self.pending_error: str | None = None
+        self.pending_error: tuple[int, str] | None = None
         self.no_more = False  # a request said Connection: close: nothing after it is read
 
     # --- asyncio.Protocol
@@ -159,11 +159,16 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.in_head:
             # Still inside a request head: llhttp keeps what it has not reported, so
-            # the head's size is bounded here (a head never completes otherwise).
+            # the head's size is bounded here (a head never completes otherwise), also
+            # for a pipelined head behind a request still being answered.
             self.head_bytes += len(data)
-            if self.head_bytes > self.limits.max_head_bytes and self.active is None:
+            if self.head_bytes > self.limits.max_head_bytes:
                 detail = f"request head is larger than {self.limits.max_head_bytes} bytes"
-                self._fatal(431, detail)
+                if self.active is None:
+                    self._fatal(431, detail)
+                else:
+                    self.dead_parser = True  # nothing more is read or kept
+                    self._after_active(431, detail)
 
     def eof_received(self) -> bool | None:
         # A half-closed client may still read its answers: keep the transport while a
@@ -245,6 +250,9 @@ class ClientConnection(asyncio.Protocol):
         sink = req.sink
         if sink is not None:
             sink(b"")
+            relay = self.relay
+            if req is self.active and relay is not None and relay.phase == WAITING:
+                self._set_deadline(UPSTREAM, self.limits.upstream_timeout)
         elif self.waiting_body:
             self._body_progress(req)
 
@@ -255,7 +263,7 @@ class ClientConnection(asyncio.Protocol):
         if req.body_size > self.limits.max_body_bytes:
             self._body_too_large(req)
             return
-        if req is self.active:
+        if req is self.active or self.active is None:
             self.body_deadline = self.loop.time() + self.limits.body_read_timeout
         sink = req.sink
         if sink is not None:
@@ -286,6 +294,7 @@ class ClientConnection(asyncio.Protocol):
             self._answer(req, answer, keep=False)
         elif self.transport is not None:
             self.transport.abort()
+        raise StopParsingError  # the rest of this read is not looked at
 
     # --- the request cycle
 
@@ -378,7 +387,7 @@ class ClientConnection(asyncio.Protocol):
             self.dead_parser = True
             self.pipeline.clear()
             if self.pending_error is not None:
-                self._fatal(400, self.pending_error)
+                self._fatal(*self.pending_error)
             elif not req.body_done or self.current is not None:
                 self._linger_close()  # the client may still be sending
             elif self.transport is not None:
@@ -393,14 +402,19 @@ class ClientConnection(asyncio.Protocol):
         finally:
             self.draining = False
         if self.active is None:
-            if len(self.pipeline) < MAX_PIPELINED:
-                self.set_paused("pipeline", False)
+            # Pauses that belonged to the request just answered end with it.
+            self.paused.discard("buffer")
+            self.paused.discard("upstream")
+            self.set_paused("pipeline", len(self.pipeline) >= MAX_PIPELINED)
             if self.plane.closing and self.current is None and self.transport is not None:
                 self.transport.close()
             elif self.current is None:
                 self._set_deadline(IDLE, self.limits.client_idle_timeout)
-            else:
+            elif self.in_head:
                 self._set_deadline(HEAD, self.limits.header_timeout)
+            else:  # the rest of an answered request's body is being read and dropped
+                self.deadline = 0.0
+                self.body_deadline = self.loop.time() + self.limits.body_read_timeout
 
     def keep_alive_after(self, req: Incoming) -> bool:
         return req.keep_alive and not req.upgrade and not self.plane.closing and not self.lost
@@ -474,6 +488,10 @@ class ClientConnection(asyncio.Protocol):
             )
         relay = self.relay = Relay(self, req, upstream, self.plane.pool, self.gateway.metrics)
         relay.send(uconn, head)
+        if not req.body_done:
+            # While the body streams, its silence is what is bounded (body_read_timeout);
+            # the wait for the answer (upstream_timeout) starts once all of it is sent.
+            self.deadline = 0.0
 
     def _forward_error(self, req: Incoming, answer: Answer) -> None:
         if self.active is req and not self.lost:
@@ -607,7 +625,11 @@ class ClientConnection(asyncio.Protocol):
 
     def _body_stalled(self) -> None:
         req = self.active
-        if req is None or req.body_done:
+        if req is None:
+            if self.current is not None and not self.in_head and self.transport is not None:
+                self.transport.abort()  # a dropped body went silent: already answered
+            return
+        if req.body_done:
             return
         if self.waiting_body:
             self.waiting_body = False
@@ -673,9 +695,14 @@ class ClientConnection(asyncio.Protocol):
         else:
             # A later request is malformed: what came before it is answered first, then
             # the 400, then the connection closes.
-            self.pending_error = detail
-            last = self.pipeline[-1] if self.pipeline else req
-            last.keep_alive = False
+            self._after_active(400, detail)
+
+    def _after_active(self, status: int, detail: str) -> None:
+        """Answer ``status`` once the requests already read are answered, then close."""
+        self.pending_error = (status, detail)
+        req = self.pipeline[-1] if self.pipeline else self.active
+        if req is not None:
+            req.keep_alive = False
 
 
 class DataPlane:

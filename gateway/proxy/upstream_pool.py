@@ -83,8 +83,15 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        self.received = True
         sink = self.sink
+        if sink is None:
+            # Bytes on an idle connection answer nothing we asked: never parse them into
+            # the next exchange; the connection is not used again.
+            self.reusable = False
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self.received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -92,8 +99,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._broken(ConnectionError("the upstream switched protocols unasked"))
         except httptools.HttpParserError as exc:
             self._broken(exc)
-        if sink is not None:
-            sink.flush()
+        sink.flush()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost reports the end

@@ -304,3 +304,77 @@ async def test_malformed_requests_never_put_their_bytes_in_any_log(upstream, cap
             gw.gateway.access_log.flush()
     assert secret.decode() not in caplog.text
     assert "malformed HTTP request" in caplog.text  # the refusal itself is logged
+
+
+async def test_connection_cannot_strip_the_framing_of_a_forwarded_body(upstream):
+    """``Connection: content-length`` must not drop the length while the body is still
+    sent: the upstream would read the body as a request of its own (smuggling)."""
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nHost: a\r\nConnection: content-length\r\n"
+            b"Content-Length: 3\r\n\r\nabc"
+        )
+        (status, body), = await _read_responses(reader, 1)
+        writer.close()
+    seen = json.loads(body)
+    assert status == 200 and seen["body_length"] == 3
+    assert seen["headers"]["Content-Length"] == "3"
+
+
+async def test_an_unsafe_request_is_never_sent_twice(upstream):
+    """A POST on a reused connection the upstream drops without answering is a 502, not
+    a second POST (it may have been applied)."""
+    posts = 0
+
+    async def handler(reader, writer):
+        nonlocal posts
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if head.startswith(b"POST"):
+                posts += 1
+                await reader.readexactly(5)
+                writer.close()  # read it, then vanish without an answer
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_gateway(url) as gw, aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/warm") as r:
+                assert r.status == 200
+            async with http.post(gw.url + "/orders", data=b"12345") as r:
+                assert r.status == 502
+        assert posts == 1
+    finally:
+        server.close()
+
+
+async def test_a_connection_reads_on_after_an_answered_upload(tmp_path, upstream):
+    """A request refused while its body was buffered must not leave the connection
+    paused: the next request on it is answered."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n"
+        "  - id: tiny\n    category: test\n    match: {prefix: /tiny}\n"
+        "    identity: ip\n    limits: {us: 1/60}\n"
+        "  - id: rest\n    category: test\n    match: {prefix: /}\n"
+        "    identity: ip\n    unlimited: true\n"
+    )
+    async with running_gateway(upstream, rules=[str(rules)]) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        body = b"x" * 200_000
+        for expected in (200, 429):
+            writer.write(
+                b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
+            (status, _), = await _read_responses(reader, 1)
+            assert status == expected
+        writer.write(b"GET /echo/next HTTP/1.1\r\nHost: a\r\n\r\n")
+        (status, body_next), = await _read_responses(reader, 1)
+        writer.close()
+    assert status == 200 and json.loads(body_next)["path"] == "/echo/next"
