@@ -300,6 +300,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _start(self, req: Incoming) -> None:
         self.active = req
+        self.gateway.metrics.inflight.inc()
         self.response_started = False
         self.deadline_kind = 0
         self.deadline = 0.0
@@ -376,6 +377,7 @@ class ClientConnection(asyncio.Protocol):
         if self.active is not req:
             return
         self.active = None
+        self.gateway.metrics.inflight.dec()
         self.relay = None
         self.upstream = None
         self.waiting_body = False

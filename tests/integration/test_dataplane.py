@@ -378,3 +378,14 @@ async def test_a_connection_reads_on_after_an_answered_upload(tmp_path, upstream
         (status, body_next), = await _read_responses(reader, 1)
         writer.close()
     assert status == 200 and json.loads(body_next)["path"] == "/echo/next"
+
+
+async def test_inflight_gauge_counts_requests_being_answered(upstream):
+    async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
+        sample = gw.metrics.registry.get_sample_value
+        slow = asyncio.ensure_future(http.get(gw.url + "/slow?s=0.5"))
+        await asyncio.sleep(0.2)
+        assert sample("gateway_inflight_requests") == 1
+        async with await slow as r:
+            assert r.status == 200
+        assert sample("gateway_inflight_requests") == 0
