@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
 
 log = logging.getLogger("gateway.access")
@@ -34,6 +36,24 @@ class AccessRecord:
     duration_ms: float = 0.0
     upstream_ms: float | None = None
     request_id: str | None = None
+    # When the request ended, UTC with milliseconds ("2026-11-23T13:04:38.037Z"); set by
+    # ``AccessLogger.emit``: in a batch only the first line carries the logger's own time.
+    time: str | None = None
+
+
+_second = -1
+_second_text = ""
+
+
+def utc_now_ms() -> str:
+    """The current time as ISO 8601 UTC with milliseconds, formatted once per second."""
+    global _second, _second_text
+    now = time.time()
+    whole = int(now)
+    if whole != _second:
+        _second = whole
+        _second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{_second_text}.{int((now - whole) * 1000):03d}Z"
 
 
 # The JSON string of a str, quotes included, exactly as json.dumps writes it (ASCII only:
@@ -53,7 +73,8 @@ def json_line(r: AccessRecord) -> str:
         f'"upstream":{"null" if r.upstream is None else _q(r.upstream)},'
         f'"duration_ms":{r.duration_ms!r},'
         f'"upstream_ms":{"null" if r.upstream_ms is None else repr(r.upstream_ms)},'
-        f'"request_id":{"null" if r.request_id is None else _q(r.request_id)}}}'
+        f'"request_id":{"null" if r.request_id is None else _q(r.request_id)},'
+        f'"time":{"null" if r.time is None else _q(r.time)}}}'
     )
 
 
@@ -67,6 +88,8 @@ def plain_line(r: AccessRecord) -> str:
         f"upstream={r.upstream or '-'} dur_ms={r.duration_ms:.1f} "
         f"upstream_ms={upstream_ms} rid={r.request_id or '-'}"
     )
+    if r.time is not None:
+        line = f"{line} time={r.time}"
     if line.isprintable():  # one C scan of the whole line: the common case stops here
         return line
     return plain_line(_escaped(r))
@@ -92,6 +115,7 @@ def _escaped(r: AccessRecord) -> AccessRecord:
         duration_ms=r.duration_ms,
         upstream_ms=r.upstream_ms,
         request_id=opt(r.request_id),
+        time=opt(r.time),
     )
 
 
@@ -110,6 +134,8 @@ class AccessLogger:
         """Format the record now; write it at the end of this loop turn at the latest."""
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
+        if record.time is None:
+            record.time = utc_now_ms()
         lines = self._lines
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import logging
 from typing import Any
 
@@ -14,7 +15,7 @@ from gateway.proxy.access_log import AccessLogger, AccessRecord, json_line, plai
 
 FIELDS = [
     "method", "path", "status", "region", "client", "rule", "decision", "identity",
-    "upstream", "duration_ms", "upstream_ms", "request_id",
+    "upstream", "duration_ms", "upstream_ms", "request_id", "time",
 ]  # fmt: skip
 
 ODD_PATHS = [
@@ -172,3 +173,19 @@ def test_records_have_no_place_for_a_query_string(access):
     logger.emit(record(path="/runs/query"))
     assert json.loads(access()[0])["path"] == "/runs/query"
     assert "?" not in access()[0]
+
+
+def test_every_emitted_line_carries_its_own_time(access):
+    logger = AccessLogger("plain")
+    logger.emit(record())
+    logger.emit(record())
+    logger.flush()
+    lines = access()
+    assert len(lines) == 2
+    for line in lines:
+        stamp = line.rsplit(" time=", 1)[1]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", stamp), line
+    json_logger = AccessLogger("json")
+    json_logger.emit(record())
+    json_logger.flush()
+    assert json.loads(access()[-1])["time"].endswith("Z")
