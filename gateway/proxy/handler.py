@@ -63,6 +63,7 @@ OK_ANSWER = Answer.json(200, b'{"ok": true}')
 # Identities whose refusal is known in advance, kept at most (oldest dropped first).
 MAX_KNOWN_REFUSALS = 100_000
 MAX_CACHED_PATHS = 10_000
+_STATUS_CLASSES = {n: f"{n}xx" for n in range(1, 6)}
 
 
 @dataclass(slots=True)
@@ -392,7 +393,7 @@ class Gateway:
         record.rule = decision.rule_id
         record.decision = label
         if decision.identity_hash:
-            record.identity = f"{kind}:{decision.identity_hash[:12]}"
+            record.identity = decision.logged_identity
 
     def _count(self, region: str, rule: str, kind: str, decision: str) -> None:
         self.metrics.child(self.metrics.requests, region, rule, kind, decision).inc()
@@ -401,7 +402,7 @@ class Gateway:
         """Metrics and the access-log line of a request that has ended."""
         record.duration_ms = (time.perf_counter() - started) * 1000
         if record.status:
-            status_class = f"{record.status // 100}xx"
+            status_class = _STATUS_CLASSES.get(record.status // 100) or "other"
             self.metrics.child(self.metrics.responses, record.region, status_class).inc()
         self.access_log.emit(record)
 

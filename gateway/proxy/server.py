@@ -304,7 +304,7 @@ class ClientConnection(asyncio.Protocol):
         self.response_started = False
         self.deadline_kind = 0
         self.deadline = 0.0
-        if not req.body_done:
+        if not req.body_done and (req.content_length or req.chunked):
             self.body_deadline = self.loop.time() + self.limits.body_read_timeout
         try:
             answer = self.gateway.begin(req, self.peer, self.identity_memo)
@@ -404,10 +404,11 @@ class ClientConnection(asyncio.Protocol):
         finally:
             self.draining = False
         if self.active is None:
-            # Pauses that belonged to the request just answered end with it.
-            self.paused.discard("buffer")
-            self.paused.discard("upstream")
-            self.set_paused("pipeline", len(self.pipeline) >= MAX_PIPELINED)
+            if self.paused:
+                # Pauses that belonged to the request just answered end with it.
+                self.paused.discard("buffer")
+                self.paused.discard("upstream")
+                self.set_paused("pipeline", len(self.pipeline) >= MAX_PIPELINED)
             if self.plane.closing and self.current is None and self.transport is not None:
                 self.transport.close()
             elif self.current is None:

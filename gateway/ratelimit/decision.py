@@ -47,6 +47,13 @@ class Decision:
     certain_ms: int = 0
 
     @property
+    def logged_identity(self) -> str | None:
+        """``<kind>:<first 12 hex of the keyed hash>``, as access logs show identities."""
+        if not self.identity_hash:
+            return None
+        return f"{self.identity_kind or '-'}:{self.identity_hash[:12]}"
+
+    @property
     def near_limit(self) -> bool:
         """Admitted with under 20 % of an enforced limit left."""
         return self.outcome is Outcome.ALLOWED and any(
