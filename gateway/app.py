@@ -136,7 +136,6 @@ class Proxy:
             access_log=AccessLogger(settings.access_log),
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
-            max_body_bytes=settings.max_body_bytes,
         )
         limits = PlaneLimits(
             max_body_bytes=settings.max_body_bytes,

@@ -103,7 +103,6 @@ class Gateway:
     access_log: AccessLogger
     max_header_bytes: int = 8190
     max_headers: int = 100
-    max_body_bytes: int = 32 * 1024 * 1024
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
     _paths: dict[str, str] = field(default_factory=dict)  # raw path -> normalised

@@ -243,8 +243,7 @@ class UpstreamPool:
         if found is not None:
             return found
         while self.open >= self.limit:
-            if self._close_one_idle():
-                continue
+            self._close_one_idle()  # its slot frees when it has closed, and wakes us
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -306,12 +305,11 @@ class UpstreamPool:
             conn.abort()
         self._idle.clear()
 
-    def _close_one_idle(self) -> bool:
+    def _close_one_idle(self) -> None:
         for idle in self._idle.values():
             if idle:
                 idle.popleft().abort()  # connection_lost frees its slot later
-                return False
-        return False
+                return
 
     def _wake(self) -> None:
         while self._waiters:

@@ -82,9 +82,6 @@ class Answer:
     def error(cls, status: int, detail: str, headers: Iterable[tuple[str, str]] = ()) -> Answer:
         return cls.json(status, json_body(detail), headers)
 
-    def with_headers(self, headers: Iterable[tuple[str, str]]) -> Answer:
-        return Answer(self.status, self.head + header_lines(headers), self.body)
-
     def encode(self, *, keep_alive: bool, head_only: bool, extra: bytes = b"") -> bytes:
         """The whole response; ``extra`` is pre-encoded header lines (X-Request-Id)."""
         connection = KEEP_ALIVE if keep_alive else CLOSE
