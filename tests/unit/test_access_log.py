@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import logging
+import re
 from typing import Any
 
 import pytest
