@@ -671,6 +671,7 @@ class ClientConnection(asyncio.Protocol):
         self.dead_parser = True
         if transport.can_write_eof():
             transport.write_eof()
+            self.lost = True  # nothing more may be written (write() would raise)
         self.set_paused("linger", False)
         self.paused.clear()
         if self.reading_paused:
