@@ -175,7 +175,7 @@ class Gateway:
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
-        table = self.rules.table
+        table = req.table = self.rules.table
         selection = req.selection = select(table, region, method, path, identity.key_for)
         if self._refusals:
             if table is not self._refusals_table:  # limits may have changed: forget all
@@ -224,6 +224,8 @@ class Gateway:
             or selection.shadows
         ):
             return
+        if req.table is not self.rules.table:
+            return  # decided under a table a reload has replaced since
         refusals = self._refusals
         if self._refusals_table is not self.rules.table:
             refusals.clear()
@@ -232,8 +234,11 @@ class Gateway:
             del refusals[next(iter(refusals))]
         now = time.monotonic()
         key = (req.region, decision.rule_id or "", decision.identity_hash or "")
+        # The backend's clock read whole milliseconds a moment ago: one less is certain.
         refusals[key] = KnownRefusal(
-            decision, now + decision.certain_ms / 1000, now + decision.reports[0].reset_ms / 1000
+            decision,
+            now + (decision.certain_ms - 1) / 1000,
+            now + decision.reports[0].reset_ms / 1000,
         )
 
     def _read_headers(self, req: Incoming) -> Answer | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.policy.matcher import Selection
+from gateway.policy.model import RuleTable
 from gateway.proxy.access_log import AccessRecord
 from gateway.ratelimit.decision import Decision
 
@@ -45,6 +46,7 @@ class Incoming:
     connection_tokens: frozenset[bytes] = frozenset()
     region = ""
     request_id = ""
+    table: RuleTable | None = None  # the rule table the request was matched against
     selection: Selection | None = None
     decision: Decision | None = None
     rate_headers: list[tuple[str, str]] = []

@@ -304,11 +304,12 @@ class ClientConnection(asyncio.Protocol):
         self.response_started = False
         self.deadline_kind = 0
         self.deadline = 0.0
-        if not req.body_done and (req.content_length or req.chunked):
-            self.body_deadline = self.loop.time() + self.limits.body_read_timeout
         try:
             answer = self.gateway.begin(req, self.peer, self.identity_memo)
             if answer is None:
+                if not req.body_done and (req.content_length or req.chunked):
+                    # (framing is known only once begin() has read the headers)
+                    self.body_deadline = self.loop.time() + self.limits.body_read_timeout
                 decision = req.decision
                 if decision is None:
                     self.plane.spawn(self._decide(req))
@@ -401,6 +402,8 @@ class ClientConnection(asyncio.Protocol):
         try:
             while self.active is None and self.pipeline and not self.lost:
                 self._start(self.pipeline.popleft())
+                if "pipeline" in self.paused and len(self.pipeline) < MAX_PIPELINED:
+                    self.set_paused("pipeline", False)
         finally:
             self.draining = False
         if self.active is None:
@@ -420,7 +423,10 @@ class ClientConnection(asyncio.Protocol):
                 self.body_deadline = self.loop.time() + self.limits.body_read_timeout
 
     def keep_alive_after(self, req: Incoming) -> bool:
-        return req.keep_alive and not req.upgrade and not self.plane.closing and not self.lost
+        # While stopping, requests already read (pipelined) are still answered; the last
+        # one says Connection: close.
+        closing = self.plane.closing and not self.pipeline
+        return req.keep_alive and not req.upgrade and not closing and not self.lost
 
     # --- forwarding
 

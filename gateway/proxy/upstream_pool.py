@@ -74,6 +74,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._in_body = False
+        self._finished = False  # the response is complete; reported after the read
+        self._junk = False  # parsing a response nobody asked for (never reused)
         self._lost = False
 
     # --- asyncio.Protocol
@@ -96,9 +98,20 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # A 101 we never asked for (Upgrade is stripped from requests): not HTTP now.
-            self._broken(ConnectionError("the upstream switched protocols unasked"))
+            if self._finished:
+                self._stray()
+            else:
+                self._broken(ConnectionError("the upstream switched protocols unasked"))
         except httptools.HttpParserError as exc:
-            self._broken(exc)
+            if self._finished:
+                self._stray()
+            else:
+                self._broken(exc)
+        if self._finished:
+            # The exchange ends only now, outside llhttp: ending it inside a callback
+            # would start the next exchange while this read is still being parsed.
+            self._finished = False
+            self._complete()
         sink.flush()
 
     def eof_received(self) -> bool | None:
@@ -123,18 +136,25 @@ class UpstreamConnection(asyncio.Protocol):
     # --- llhttp callbacks
 
     def on_message_begin(self) -> None:
+        if self._finished or self.sink is None:
+            self._stray()  # a second response in one read: never anyone's answer
+            self._junk = True
+            return
         self._headers = []
         self._reason = b""
         self._in_body = False
 
     def on_status(self, reason: bytes) -> None:
-        self._reason += reason
+        if not self._junk:
+            self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._in_body:  # trailers of a chunked body are not passed on
+        if not self._in_body and not self._junk:  # trailers are not passed on
             self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._junk:
+            return
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             return  # interim responses (100 Continue, 103) are not relayed; the final one is
@@ -145,18 +165,27 @@ class UpstreamConnection(asyncio.Protocol):
         if self.sink is not None:
             self.sink.response_head(status, self._reason, self._headers, keep_alive)
         if self.head_only or status in (204, 304):
-            # llhttp cannot be told the request was HEAD: end the message here and start
-            # a fresh parser for the next exchange (nothing follows a body-less answer).
+            # llhttp cannot be told the request was HEAD: the message ends here, and a
+            # fresh parser takes the next exchange. Whatever else the old parser still
+            # finds in this read (a body sent after all) is stray.
             self._parser = httptools.HttpResponseParser(self)
-            self._complete()
+            self._in_body = False
+            self._finished = True
 
     def on_body(self, body: bytes) -> None:
-        if self.sink is not None:
+        if self._finished or self._junk:
+            self._stray()
+        elif self.sink is not None:
             self.sink.response_body(body)
 
     def on_message_complete(self) -> None:
-        if self._in_body:
-            self._complete()
+        if self._in_body and not self._junk:
+            self._in_body = False
+            self._finished = True
+
+    def _stray(self) -> None:
+        """Bytes no request asked for: the connection is not used again."""
+        self.reusable = False
 
     # ---
 

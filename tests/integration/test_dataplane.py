@@ -389,3 +389,60 @@ async def test_inflight_gauge_counts_requests_being_answered(upstream):
         async with await slow as r:
             assert r.status == 200
         assert sample("gateway_inflight_requests") == 0
+
+
+async def test_a_pipelined_upload_that_stalls_gets_408(upstream):
+    async with running_gateway(upstream, body_read_timeout=0.5) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(
+            b"GET /echo/1 HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabcde"
+        )
+        (status, _), = await _read_responses(reader, 1)
+        rest = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert status == 200
+    assert rest.startswith(b"HTTP/1.1 408")
+
+
+async def test_a_long_pipeline_then_an_upload_is_read_to_the_end(upstream):
+    async with running_gateway(upstream) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: a\r\n\r\n" * 40)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabcde")
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(b"fghij")
+        replies = await _read_responses(reader, 41)
+        writer.close()
+    assert all(status == 200 for status, _ in replies)
+    assert json.loads(replies[-1][1])["body_length"] == 10
+
+
+async def test_a_body_sent_after_a_head_answer_never_reaches_the_next_response(upstream):
+    async def head_with_body(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if head.startswith(b"HEAD"):  # a buggy upstream: a body after a HEAD answer
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+
+    server = await asyncio.start_server(head_with_body, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_gateway(url) as gw:
+            reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
+            writer.write(
+                b"HEAD /a HTTP/1.1\r\nHost: a\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n"
+                b"Connection: close\r\n\r\n"
+            )
+            data = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+    finally:
+        server.close()
+    assert b"hello" not in data
+    assert data.count(b"HTTP/1.1 200") == 2 and data.endswith(b"abc")
