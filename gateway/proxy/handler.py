@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from gateway import __version__
 from gateway.counters.base import CounterBackend
-from gateway.metrics import Metrics
+from gateway.metrics import CounterChild, HistogramChild, Metrics
 from gateway.policy.matcher import select
 from gateway.policy.model import IdentityKind
 from gateway.policy.paths import PathError, normalise_path
@@ -42,14 +42,10 @@ log = logging.getLogger("gateway.proxy")
 REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 HEALTH_PATH = "/ok"
 INFO_PATH = "/info"
-# Header names the gateway reads (lower-case); every other header is only relayed.
-_WATCHED = frozenset(
-    {
-        b"host", b"x-api-key", b"x-user-id", b"connection", b"x-forwarded-for",
-        b"x-request-id", b"x-forwarded-proto", b"content-length", b"transfer-encoding",
-        b"expect",
-    }
-)  # fmt: skip
+# What the gateway reads in a request header (by lower-case name); every other header is
+# only relayed. One dict lookup per header decides.
+_HOST, _IDENTITY, _CONNECTION, _FORWARDED_FOR, _REQUEST_ID = 1, 2, 3, 4, 5
+_FORWARDED_PROTO, _CONTENT_LENGTH, _TRANSFER_ENCODING, _EXPECT, _SINGLE = 6, 7, 8, 9, 10
 # Headers a message may carry once: upstreams disagree about which of two copies counts
 # (the same list as aiohttp's parser, so the gateway refuses what its upstreams would).
 SINGLETONS = frozenset(
@@ -58,6 +54,14 @@ SINGLETONS = frozenset(
         b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent",
     }
 )  # fmt: skip
+_ROLES = {
+    b"host": _HOST, b"x-api-key": _IDENTITY, b"x-user-id": _IDENTITY,
+    b"connection": _CONNECTION, b"x-forwarded-for": _FORWARDED_FOR,
+    b"x-request-id": _REQUEST_ID, b"x-forwarded-proto": _FORWARDED_PROTO,
+    b"content-length": _CONTENT_LENGTH, b"transfer-encoding": _TRANSFER_ENCODING,
+    b"expect": _EXPECT,
+    **{name: _SINGLE for name in SINGLETONS - {b"host", b"content-length", b"transfer-encoding"}},
+}  # fmt: skip
 _IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
 OK_ANSWER = Answer.json(200, b'{"ok": true}')
 # Identities whose refusal is known in advance, kept at most (oldest dropped first).
@@ -75,6 +79,9 @@ class KnownRefusal:
     decision: Decision
     until: float
     report_at: float  # when the limit frees a slot again (Retry-After counts down to it)
+    counted: CounterChild  # gateway_requests_total{...,decision="limited"}
+    deny_cache_hits: CounterChild | None  # for refusals the deny cache knew
+    overhead: HistogramChild
     wait: int = 0
     answer: Answer | None = None
 # The 429 bodies differ only by rule and wait: kept once each, bounded.
@@ -197,9 +204,13 @@ class Gateway:
             return None
         record = req.record
         assert record is not None
-        self._observe(req.region, decision, record)
-        if decision.source == "deny-cache":
-            self.metrics.child(self.metrics.deny_cache_hits, req.region).inc()
+        # What _observe does, from what was looked up when the refusal was remembered.
+        known.counted.inc()
+        if known.deny_cache_hits is not None:
+            known.deny_cache_hits.inc()
+        record.rule = decision.rule_id
+        record.decision = "limited"
+        record.identity = decision.logged_identity
         wait = max(1, -int((now - known.report_at) // 1))  # whole seconds, rounded up
         if known.answer is None or known.wait != wait:
             report = decision.reports[0]
@@ -210,9 +221,7 @@ class Gateway:
                 decision, [("RateLimit-Policy", policy), ("RateLimit", state)], wait
             )
         req.rate_headers = []
-        self.metrics.child(self.metrics.overhead, req.region).observe(
-            time.perf_counter() - req.started
-        )
+        known.overhead.observe(time.perf_counter() - req.started)
         return known.answer
 
     def _remember_refusal(self, req: Incoming, decision: Decision) -> None:
@@ -235,11 +244,16 @@ class Gateway:
         now = time.monotonic()
         key = (req.region, decision.rule_id or "", decision.identity_hash or "")
         # The backend's clock read whole milliseconds a moment ago: one less is certain.
+        m, region = self.metrics, req.region
         refusals[key] = KnownRefusal(
             decision,
             now + (decision.certain_ms - 1) / 1000,
             now + decision.reports[0].reset_ms / 1000,
-        )
+            m.child(m.requests, region, decision.rule_id or "-",
+                    decision.identity_kind or "-", "limited"),
+            m.child(m.deny_cache_hits, region) if decision.source == "deny-cache" else None,
+            m.child(m.overhead, region),
+        )  # fmt: skip
 
     def _read_headers(self, req: Incoming) -> Answer | None:
         """One pass over the raw headers: limits, framing, and what the gateway reads."""
@@ -248,44 +262,52 @@ class Gateway:
             req.request_id = new_request_id()
             return Answer.error(431, f"too many request headers (at most {self.max_headers})")
         limit = self.max_header_bytes
-        identity: dict[bytes, list[bytes]] = {}
-        tokens: set[bytes] = set()
+        identity: dict[bytes, list[bytes]] | None = None
+        tokens: set[bytes] | None = None
         given_id: bytes | None = None
         too_big: bytes | None = None
         last_coding = expect = None
         only_chunked = True
-        singles: set[bytes] = set()
+        singles: set[bytes] | None = None
+        roles = _ROLES
         for name, value in headers:
             if len(name) + len(value) > limit and too_big is None:
                 too_big = name
             lower = name.lower()
+            role = roles.get(lower)
+            if role is None:
+                continue  # the common case: a header the gateway only relays
             if lower in SINGLETONS:
-                if lower in singles:
+                if singles is None:
+                    singles = set()
+                elif lower in singles:
                     shown = name.decode("latin-1")
                     req.request_id = new_request_id()
                     return Answer.error(400, f"send one {shown} header, not several")
                 singles.add(lower)
-            if lower not in _WATCHED:
-                continue
-            if lower == b"host":
+            if role == _HOST:
                 req.host = value
-            elif lower in _IDENTITY_NAMES:
+            elif role == _IDENTITY:
+                if identity is None:
+                    identity = {}
                 identity.setdefault(lower, []).append(value)
-            elif lower == b"connection":
+            elif role == _CONNECTION:
+                if tokens is None:
+                    tokens = set()
                 tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
-            elif lower == b"x-forwarded-for":
+            elif role == _FORWARDED_FOR:
                 req.forwarded_for.append(value)
-            elif lower == b"x-request-id":
+            elif role == _REQUEST_ID:
                 given_id = value
-            elif lower == b"x-forwarded-proto":
+            elif role == _FORWARDED_PROTO:
                 req.forwarded_proto = value
-            elif lower == b"content-length":
+            elif role == _CONTENT_LENGTH:
                 req.content_length = int(value)  # llhttp accepted it: digits only
-            elif lower == b"transfer-encoding":
+            elif role == _TRANSFER_ENCODING:
                 req.chunked = True
                 last_coding = value.rsplit(b",", 1)[-1].strip().lower()
                 only_chunked = value.strip().lower() == b"chunked"
-            elif lower == b"expect":
+            elif role == _EXPECT:
                 expect = value.lower()
         accepted = None if given_id is None else accept_request_id(given_id)
         req.request_id = accepted or new_request_id()
@@ -307,14 +329,17 @@ class Gateway:
         if too_big is not None:
             shown = too_big[:64].decode("latin-1")
             return Answer.error(431, f"request header {shown!r} is over {limit} bytes")
-        req.connection_tokens = frozenset(tokens)
+        if tokens:
+            req.connection_tokens = frozenset(tokens)
+        if identity is None:
+            return None
         for wire_name, label in _IDENTITY_NAMES.items():
             values = identity.get(wire_name)
             if not values:
                 continue
             if len(values) > 1:
                 return Answer.error(400, f"send one {label} header, not {len(values)}")
-            if wire_name in tokens:
+            if tokens and wire_name in tokens:
                 continue  # hop-by-hop for this request: the upstream never sees it
             text, problem = identity_value(label, values[0])
             if problem is not None:
