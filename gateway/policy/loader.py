@@ -44,9 +44,11 @@ MAX_COUNT = 10**9
 MAX_FILE_BYTES = 1_048_576
 TEMPLATE_TYPES = {
     # Every spelling common servers (pydantic, Python's uuid) accept for one UUID, so a
-    # client cannot leave a UUID-keyed rule by writing the same id differently.
-    "uuid": r"(?:urn:uuid:)?(?:[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?"
-    r"[0-9a-fA-F]{4}-?[0-9a-fA-F]{12})",
+    # client cannot leave a UUID-keyed rule by writing the same id differently: a
+    # "urn:" / "uuid:" prefix (its colon raw or %3A), braces (always %7B/%7D in a
+    # normalised path), and hyphens anywhere around 32 hex digits, as uuid.UUID() takes.
+    "uuid": r"(?:urn(?::|%3[Aa]))?(?:uuid(?::|%3[Aa]))?(?:%7[Bb])*"
+    r"(?:-*[0-9a-fA-F]){32}-*(?:%7[Dd])*",
     "int": r"[0-9]+",
     "str": r"[^/]+",
 }

@@ -64,6 +64,15 @@ _ROLES = {
 }  # fmt: skip
 _IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
 OK_ANSWER = Answer.json(200, b'{"ok": true}')
+# RFC 9110 15.5.6: a 405 names the methods that are allowed.
+REFUSED_METHOD_ANSWERS = {
+    method: Answer.error(
+        405,
+        f"{method} is not accepted by this gateway",
+        [("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")],
+    )
+    for method in REFUSED_METHODS
+}
 # Identities whose refusal is known in advance, kept at most (oldest dropped first).
 MAX_KNOWN_REFUSALS = 100_000
 MAX_CACHED_PATHS = 10_000
@@ -147,7 +156,7 @@ class Gateway:
         if req.version != "1.1" and req.version != "1.0":
             return Answer.error(505, f"HTTP/{req.version} is not supported; use HTTP/1.1")
         if method in REFUSED_METHODS:
-            return Answer.error(405, f"{method} is not accepted by this gateway")
+            return REFUSED_METHOD_ANSWERS[method]
         target = req.target.decode("latin-1")
         raw_path, _, _ = target.partition("?")
         qmark = req.target.find(b"?")

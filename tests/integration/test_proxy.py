@@ -145,6 +145,8 @@ async def test_open_proxy_requests_are_refused(upstream):
             port, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
         )
         assert connect.split(b"\r\n")[0].split(b" ")[1] in (b"400", b"405"), connect[:100]
+        trace = await raw_request(port, b"TRACE /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert trace.startswith(b"HTTP/1.1 405") and b"\r\nAllow: GET, HEAD" in trace
 
 
 async def test_path_spellings_do_not_dodge_a_limit(upstream):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 import uuid
 
 import aiohttp
@@ -93,10 +94,15 @@ async def test_uuid_spellings_and_head_stay_in_run_lookup(upstream):
         f"/runs/{str(run).upper()}",
         f"/runs/urn:uuid:{run}",
         f"/api/v1/runs/{run.hex}",
+        # braces, hyphens anywhere, an encoded colon: uuid.UUID() takes them all
+        f"/runs/%7B{run}%7D",
+        f"/runs/uuid%3A{run.hex[:5]}-{run.hex[5:]}",
+        f"/runs/%7b%7B{run.hex}%7d",
     ]
     async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
         for n in range(31):
             method = "HEAD" if n % 3 == 0 else "GET"
+            assert uuid.UUID(urllib.parse.unquote(spellings[n % len(spellings)].rsplit("/", 1)[1]))
             path = spellings[n % len(spellings)]
             async with http.request(method, gw.url + path, headers={"x-api-key": "k"}) as r:
                 assert r.headers["RateLimit-Policy"] == '"run-lookup";q=30;w=60', path
