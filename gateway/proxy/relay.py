@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from gateway.proxy.request import Incoming
-from gateway.proxy.upstream_pool import UpstreamConnection, UpstreamPool
+from gateway.proxy.upstream_pool import UpstreamConnection
 from gateway.proxy.wire import CHUNKED_END, CLOSE, CRLF, chunk, date_line, status_line
 
 if TYPE_CHECKING:
@@ -47,10 +47,6 @@ BUFFER_BEFORE_FORWARD = 64 * 1024
 RETRY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Relay phases: waiting for the response head, streaming the body, ended.
 WAITING, STREAMING, DONE = 0, 1, 2
-
-
-class BodyTooLargeError(Exception):
-    pass
 
 
 # Request header names the loop below looks at; everything else is copied as it came.
@@ -128,13 +124,11 @@ class Relay:
         conn: ClientConnection,
         req: Incoming,
         upstream: Upstream,
-        pool: UpstreamPool,
         metrics: Metrics,
     ) -> None:
         self.conn = conn
         self.req = req
         self.upstream = upstream
-        self.pool = pool
         self.metrics = metrics
         self.uconn: UpstreamConnection | None = None
         self.phase = WAITING

@@ -495,7 +495,7 @@ class ClientConnection(asyncio.Protocol):
             head = req.upstream_head = request_head(
                 req, upstream, prefix, f"{host}:{port}", self.peer.address or ""
             )
-        relay = self.relay = Relay(self, req, upstream, self.plane.pool, self.gateway.metrics)
+        relay = self.relay = Relay(self, req, upstream, self.gateway.metrics)
         relay.send(uconn, head)
         if not req.body_done:
             # While the body streams, its silence is what is bounded (body_read_timeout);
