@@ -24,9 +24,9 @@ from gateway.metrics import Metrics
 from gateway.proxy.access_log import AccessLogger
 from gateway.proxy.admin import create_admin_app
 from gateway.proxy.handler import Gateway
+from gateway.proxy.plane import DataPlane, PlaneLimits
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.routing import RegionMap, Router
-from gateway.proxy.server import DataPlane, PlaneLimits
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
 from gateway.ratelimit.identity import ClientAddressPolicy, IdentityHasher
 from gateway.ratelimit.limiter import Limiter

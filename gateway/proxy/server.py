@@ -1,4 +1,5 @@
-"""The proxy port: HTTP/1.1 connections on asyncio Protocols, parsed by llhttp (httptools).
+"""One client connection of the proxy port: HTTP/1.1 on an asyncio Protocol, parsed by
+llhttp (httptools); the port as a whole is ``gateway.proxy.plane.DataPlane``.
 
 What this saves, against aiohttp's web layer (benchmarks/README.md, "Data plane"): no
 request/response objects, router, middleware, multidicts or URL objects per request;
@@ -20,15 +21,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from contextlib import suppress
-from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
 from gateway.counters.base import CounterUnavailableError
 from gateway.policy.model import IdentityKind
-from gateway.proxy.handler import Gateway, Peer
+from gateway.proxy.handler import Peer
 from gateway.proxy.relay import (
     BUFFER_BEFORE_FORWARD,
     WAITING,
@@ -38,9 +37,12 @@ from gateway.proxy.relay import (
 )
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import new_request_id
-from gateway.proxy.upstream_pool import Upstream, UpstreamConnection, UpstreamPool
+from gateway.proxy.upstream_pool import Upstream, UpstreamConnection
 from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
 from gateway.ratelimit.decision import Decision
+
+if TYPE_CHECKING:
+    from gateway.proxy.plane import DataPlane
 
 log = logging.getLogger("gateway.proxy")
 
@@ -49,18 +51,6 @@ IDLE, HEAD, UPSTREAM, RESPONSE = 1, 2, 3, 4
 MAX_PIPELINED = 32  # queued requests after which reading pauses
 LINGER_SECONDS = 2.0  # reading (and dropping) after a final answer, before closing
 NO_PEER = Peer(None, False, "unknown")
-
-
-@dataclass(frozen=True, slots=True)
-class PlaneLimits:
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_head_bytes: int = 64 * 1024  # the whole request head, all headers together
-    header_timeout: float = 10.0
-    client_idle_timeout: float = 75.0
-    body_read_timeout: float = 60.0
-    upstream_timeout: float = 60.0
-    upstream_read_timeout: float = 300.0
-    max_connections: int = 10_000
 
 
 class StopParsingError(Exception):
@@ -713,119 +703,3 @@ class ClientConnection(asyncio.Protocol):
         req = self.pipeline[-1] if self.pipeline else self.active
         if req is not None:
             req.keep_alive = False
-
-
-class DataPlane:
-    """The proxy port's server: connections, their deadlines, graceful stop."""
-
-    def __init__(self, gateway: Gateway, pool: UpstreamPool, limits: PlaneLimits) -> None:
-        self.gateway = gateway
-        self.pool = pool
-        self.limits = limits
-        self.loop = asyncio.get_running_loop()
-        self.connections: set[ClientConnection] = set()
-        self.closing = False
-        self.refused = 0
-        self._refused_logged = 0.0
-        self._servers: list[asyncio.AbstractServer] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._addresses: dict[Upstream, tuple[str, int, bool, str]] = {}
-        self._sweeper: asyncio.TimerHandle | None = None
-        shortest = min(
-            limits.header_timeout, limits.client_idle_timeout, limits.body_read_timeout,
-            limits.upstream_timeout, limits.upstream_read_timeout,
-        )  # fmt: skip
-        self._tick = max(0.05, min(1.0, shortest / 4))
-        self._sweeps = 0
-        self._all_closed: asyncio.Future[None] | None = None
-
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> list[str]:
-        server = await self.loop.create_server(
-            lambda: ClientConnection(self),
-            host,
-            port,
-            reuse_port=reuse_port or None,
-            backlog=1024,
-        )
-        self._servers.append(server)
-        if self._sweeper is None:
-            self._sweeper = self.loop.call_later(self._tick, self._sweep)
-        addresses = []
-        for sock in getattr(server, "sockets", ()):
-            name = sock.getsockname()
-            shown = f"[{name[0]}]" if ":" in name[0] else name[0]
-            addresses.append(f"http://{shown}:{name[1]}")
-        return addresses
-
-    @property
-    def ports(self) -> list[int]:
-        return [
-            int(s.getsockname()[1]) for srv in self._servers for s in getattr(srv, "sockets", ())
-        ]
-
-    def spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = self.loop.create_task(coro)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("request task failed", exc_info=task.exception())
-
-    def address(self, upstream: Upstream) -> tuple[str, int, bool, str]:
-        found = self._addresses.get(upstream)
-        if found is None:
-            found = self._addresses[upstream] = upstream.address()
-        return found
-
-    def connection_closed(self, conn: ClientConnection) -> None:
-        self.connections.discard(conn)
-        if not self.connections and self._all_closed is not None and not self._all_closed.done():
-            self._all_closed.set_result(None)
-
-    def refused_connection(self) -> None:
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._refused_logged > 10:
-            self._refused_logged = now
-            log.warning(
-                "connection limit reached (%d open): new connections are closed at once "
-                "(%d so far); raise max_connections if this is legitimate traffic",
-                len(self.connections),
-                self.refused,
-            )
-
-    def _sweep(self) -> None:
-        now = self.loop.time()
-        for conn in list(self.connections):
-            if conn.deadline or conn.body_deadline:
-                conn.check(now)
-        self._sweeps += 1
-        if self._sweeps % max(1, int(10 / self._tick)) == 0:
-            self.pool.sweep()
-        self._sweeper = self.loop.call_later(self._tick, self._sweep)
-
-    async def stop(self, grace: float) -> None:
-        """Stop accepting, let requests in flight finish (up to ``grace`` s), close."""
-        self.closing = True
-        for server in self._servers:
-            server.close()
-        for conn in list(self.connections):
-            if conn.active is None and conn.current is None and conn.transport is not None:
-                conn.transport.close()
-        self._all_closed = self.loop.create_future()
-        if self.connections:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._all_closed), grace)
-        for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-        self.pool.close()
-        for server in self._servers:
-            await server.wait_closed()
