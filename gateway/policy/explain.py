@@ -45,12 +45,13 @@ def explain(
             raise ValueError(f"header {header!r} is not 'Name: value'")
         values[name.strip().lower()] = value.strip()
     secret, secret_source = _secret()
-    identity = RequestIdentity(
-        IdentityHasher(secret),
-        client_ip,
-        valid_identity_header(values.get("x-api-key")),
-        valid_identity_header(values.get("x-user-id")),
-    )
+    found: list[str | None] = []
+    for name in ("x-api-key", "x-user-id"):
+        try:
+            found.append(valid_identity_header(values.get(name)))
+        except ValueError as exc:  # the gateway answers such a request 400
+            raise ValueError(f"the {name} header {exc}: the gateway refuses it (400)") from exc
+    identity = RequestIdentity(IdentityHasher(secret), client_ip, found[0], found[1])
     regions = [region] if region else sorted(table.regions)
     lines = [
         f"request: {method} {path}"

@@ -30,10 +30,10 @@ from gateway.proxy.upstream_pool import Upstream
 from gateway.proxy.wire import Answer, json_body
 from gateway.ratelimit.decision import Decision, Outcome
 from gateway.ratelimit.identity import (
-    MAX_IDENTITY_HEADER_BYTES,
     ClientAddressPolicy,
     IdentityHasher,
     RequestIdentity,
+    valid_identity_header,
 )
 from gateway.ratelimit.limiter import Limiter
 
@@ -350,9 +350,10 @@ class Gateway:
                 return Answer.error(400, f"send one {label} header, not {len(values)}")
             if tokens and wire_name in tokens:
                 continue  # hop-by-hop for this request: the upstream never sees it
-            text, problem = identity_value(label, values[0])
-            if problem is not None:
-                return Answer.error(400, problem)
+            try:
+                text = valid_identity_header(values[0])
+            except ValueError as exc:
+                return Answer.error(400, f"the {label} header {exc}")
             if wire_name == b"x-api-key":
                 req.api_key = text
             else:
@@ -469,19 +470,6 @@ class Gateway:
             },
             "upstreams": [{"prefix": p, "upstream": u} for p, u in self.router.describe()],
         }
-
-
-def identity_value(name: str, raw: bytes) -> tuple[str | None, str | None]:
-    """(value, None) when ``raw`` may form an identity, (None, None) when it forms none
-    (empty or over 256 bytes), or (None, problem) when the request must be refused: the
-    bytes are not printable ASCII, so no identity could be taken from exactly what the
-    upstream would receive."""
-    if not raw or len(raw) > MAX_IDENTITY_HEADER_BYTES:
-        return None, None
-    value = raw.decode("ascii") if raw.isascii() else None
-    if value is None or not value.isprintable():  # for ASCII: 0x20-0x7E
-        return None, f"the {name} header must be printable ASCII"
-    return value, None
 
 
 def _json(payload: object) -> bytes:

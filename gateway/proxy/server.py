@@ -276,9 +276,7 @@ class ClientConnection(asyncio.Protocol):
         ).inc()
         self.dead_parser = True
         if req is self.active and not self.response_started:
-            limit = self.limits.max_body_bytes
-            detail = f"request body is larger than the {limit} bytes this gateway accepts"
-            answer = Answer.error(413, detail, req.rate_headers)
+            answer = self._too_large(req)
             if self.relay is not None and self.relay.uconn is not None:
                 self.relay.uconn.abort()
             self._answer(req, answer, keep=False)
@@ -423,11 +421,8 @@ class ClientConnection(asyncio.Protocol):
     def _forward(self, req: Incoming, upstream: Upstream) -> None:
         """Start forwarding ``req``: by callbacks from here on, no task unless a new
         upstream connection must be opened."""
-        limits = self.limits
-        if req.content_length is not None and req.content_length > limits.max_body_bytes:
-            limit = limits.max_body_bytes
-            detail = f"request body is larger than the {limit} bytes this gateway accepts"
-            self._answer(req, Answer.error(413, detail, req.rate_headers), keep=False)
+        if req.content_length is not None and req.content_length > self.limits.max_body_bytes:
+            self._answer(req, self._too_large(req), keep=False)
             return
         if req.expect_continue and not req.body_done and self.transport is not None:
             self.transport.write(CONTINUE_100)
@@ -509,7 +504,7 @@ class ClientConnection(asyncio.Protocol):
         if isinstance(exc, TimeoutError):
             answer = self._upstream_timeout(req, upstream)
         elif isinstance(exc, BodyStalledError):
-            answer = Answer.error(408, "the request body stalled", req.rate_headers)
+            answer = _stalled(req)
         elif self.attempt == 1 and stale_connection(relay):
             self.relay = None
             self._connect(req)
@@ -556,6 +551,11 @@ class ClientConnection(asyncio.Protocol):
         elif uconn is not None:
             self.plane.pool.release(uconn)
         self._finish(req, keep=not relay.close_after)
+
+    def _too_large(self, req: Incoming) -> Answer:
+        limit = self.limits.max_body_bytes
+        detail = f"request body is larger than the {limit} bytes this gateway accepts"
+        return Answer.error(413, detail, req.rate_headers)
 
     def _upstream_timeout(self, req: Incoming, upstream: Upstream) -> Answer:
         self.gateway.metrics.upstream_errors.labels(upstream.name, "timeout").inc()
@@ -632,8 +632,7 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.waiting_body:
             self.waiting_body = False
-            self._answer(req, Answer.error(408, "the request body stalled", req.rate_headers),
-                         keep=False)  # fmt: skip
+            self._answer(req, _stalled(req), keep=False)
             return
         relay = self.relay
         if relay is not None and relay.phase == WAITING:
@@ -703,3 +702,7 @@ class ClientConnection(asyncio.Protocol):
         req = self.pipeline[-1] if self.pipeline else self.active
         if req is not None:
             req.keep_alive = False
+
+
+def _stalled(req: Incoming) -> Answer:
+    return Answer.error(408, "the request body stalled", req.rate_headers)

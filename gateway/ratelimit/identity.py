@@ -23,13 +23,16 @@ MEMO_SIZE = 8  # identity hashes remembered per connection
 HASH_HEX_CHARS = 32  # 128 bits of the HMAC: collisions are not a practical concern
 
 
-def valid_identity_header(value: str | None) -> str | None:
-    """The header value if it may form an identity: non-empty, <= 256 bytes, printable ASCII."""
+def valid_identity_header(value: str | bytes | None) -> str | None:
+    """The header value as an identity, or None when it forms none (absent, empty, over
+    256 bytes). ``ValueError`` when it is not printable ASCII: such a request is refused,
+    since no identity could be taken from exactly what the upstream would receive."""
     if not value or len(value) > MAX_IDENTITY_HEADER_BYTES:
         return None
-    if not value.isascii() or not value.isprintable():
-        return None
-    return value
+    text = value if isinstance(value, str) else value.decode("latin-1")
+    if not text.isascii() or not text.isprintable():  # for ASCII: 0x20-0x7E
+        raise ValueError("must be printable ASCII")
+    return text
 
 
 class IdentityHasher:

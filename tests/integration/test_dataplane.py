@@ -355,8 +355,8 @@ async def test_an_unsafe_request_is_never_sent_twice(upstream):
 
 
 async def test_a_connection_reads_on_after_an_answered_upload(tmp_path, upstream):
-    """A request refused while its body was buffered must not leave the connection
-    paused: the next request on it is answered."""
+    """A request refused after its body was buffered (it waited behind a slow one) must
+    not leave the connection paused: the request after it is answered."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(
         "rules:\n"
@@ -367,17 +367,20 @@ async def test_a_connection_reads_on_after_an_answered_upload(tmp_path, upstream
     )
     async with running_gateway(upstream, rules=[str(rules)]) as gw:
         reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
-        body = b"x" * 200_000
-        for expected in (200, 429):
-            writer.write(
-                b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-            )
-            (status, _), = await _read_responses(reader, 1)
-            assert status == expected
-        writer.write(b"GET /echo/next HTTP/1.1\r\nHost: a\r\n\r\n")
-        (status, body_next), = await _read_responses(reader, 1)
+        writer.write(b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx")
+        (status, _), = await _read_responses(reader, 1)
+        assert status == 200  # the one request the limit allows
+        body = b"x" * 200_000  # over the 64 KiB read ahead while it waits its turn
+        writer.write(
+            b"GET /slow?s=0.3 HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+            + b"GET /echo/next HTTP/1.1\r\nHost: a\r\n\r\n"
+        )
+        replies = await _read_responses(reader, 3)
         writer.close()
-    assert status == 200 and json.loads(body_next)["path"] == "/echo/next"
+    assert [status for status, _ in replies] == [200, 429, 200]
+    assert json.loads(replies[2][1])["path"] == "/echo/next"
 
 
 async def test_inflight_gauge_counts_requests_being_answered(upstream):

@@ -44,9 +44,19 @@ def test_ipv6_clients_are_grouped_by_prefix_and_mapped_v4_unwrapped():
     assert exact.client_address("2001:db8::1", None) == "2001:db8::1"
 
 
-@pytest.mark.parametrize("bad", ["", "x" * 257, "caf\u00e9", "a\tb", "a\x00b", None])
-def test_bad_identity_headers_form_no_identity(bad):
-    assert valid_identity_header(bad) is None
+@pytest.mark.parametrize("absent", ["", "x" * 257, b"", None])
+def test_empty_or_long_identity_headers_form_no_identity(absent):
+    assert valid_identity_header(absent) is None
+
+
+@pytest.mark.parametrize("bad", ["caf\u00e9", "a\tb", "a\x00b", b"key\xff", b"a\x7fb"])
+def test_identity_headers_that_are_not_printable_ascii_are_refused(bad):
+    with pytest.raises(ValueError, match="printable ASCII"):
+        valid_identity_header(bad)
+
+
+def test_identity_header_bytes_become_the_same_text():
+    assert valid_identity_header(b"key-1 x") == valid_identity_header("key-1 x") == "key-1 x"
 
 
 def test_hash_is_keyed_and_never_contains_the_key():
