@@ -43,17 +43,24 @@ class AccessRecord:
 
 _second = -1
 _second_text = ""
+_milli = -1
+_milli_text = ""
 
 
 def utc_now_ms() -> str:
-    """The current time as ISO 8601 UTC with milliseconds, formatted once per second."""
-    global _second, _second_text
-    now = time.time()
-    whole = int(now)
+    """The current time as ISO 8601 UTC with milliseconds: the seconds formatted once per
+    second, the whole text once per millisecond (a flood ends dozens of requests in one)."""
+    global _second, _second_text, _milli, _milli_text
+    milli = int(time.time() * 1000)
+    if milli == _milli:
+        return _milli_text
+    whole, frac = divmod(milli, 1000)
     if whole != _second:
         _second = whole
         _second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{_second_text}.{int((now - whole) * 1000):03d}Z"
+    _milli = milli
+    _milli_text = f"{_second_text}.{frac:03d}Z"
+    return _milli_text
 
 
 # The JSON string of a str, quotes included, exactly as json.dumps writes it (ASCII only:

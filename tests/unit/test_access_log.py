@@ -7,11 +7,18 @@ import dataclasses
 import json
 import logging
 import re
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from gateway.proxy.access_log import AccessLogger, AccessRecord, json_line, plain_line
+from gateway.proxy.access_log import (
+    AccessLogger,
+    AccessRecord,
+    json_line,
+    plain_line,
+    utc_now_ms,
+)
 
 FIELDS = [
     "method", "path", "status", "region", "client", "rule", "decision", "identity",
@@ -189,3 +196,17 @@ def test_every_emitted_line_carries_its_own_time(access):
     json_logger.emit(record())
     json_logger.flush()
     assert json.loads(access()[-1])["time"].endswith("Z")
+
+
+def test_the_time_field_is_the_wall_clock_to_the_millisecond():
+    # Formatted once per millisecond and once per second: a cached text must still be
+    # the current one, across many calls and second boundaries.
+    seen = set()
+    for _ in range(20_000):
+        before = datetime.now(UTC).replace(tzinfo=None)
+        stamp = utc_now_ms()
+        after = datetime.now(UTC).replace(tzinfo=None)
+        parsed = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ")
+        assert before - timedelta(milliseconds=1) <= parsed <= after, (before, stamp, after)
+        seen.add(stamp)
+    assert len(seen) > 1  # the text moves on with the clock
