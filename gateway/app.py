@@ -146,6 +146,8 @@ class Proxy:
             upstream_timeout=settings.upstream_timeout,
             upstream_read_timeout=settings.upstream_read_timeout,
             max_connections=connection_cap(settings.max_connections, settings.upstream_pool_size),
+            max_uploads_per_client=settings.max_uploads_per_client,
+            max_uploads=max(1, settings.upstream_pool_size // 2),
         )
         pool = UpstreamPool(settings.upstream_pool_size, settings.upstream_connect_timeout)
         self.plane = DataPlane(self.gateway, pool, limits)

@@ -280,7 +280,9 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             "gateway_upstream_errors",
-            "Requests the upstream could not answer (unreachable, timeout, broken stream).",
+            "Requests the upstream could not answer (unreachable, timeout, broken stream, "
+            "body_too_large), or that would have held too many of its connections "
+            "(uploads_per_client, uploads_total).",
             ["upstream", "kind"],
         )
         self.responses = Counter(

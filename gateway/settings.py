@@ -68,6 +68,9 @@ class Settings:
     body_read_timeout: float = 60.0  # longest silence while receiving a request body
     header_timeout: float = 10.0  # a request's head must arrive whole within this (408)
     max_connections: int = 10_000  # client connections open at once; more are closed
+    # Streamed request bodies (over 64 KiB) holding an upstream connection at once, per
+    # client address; all clients together may hold at most half the upstream pool.
+    max_uploads_per_client: int = 8
     shutdown_timeout: float = 30.0
     upstream_pool_size: int = 256
     access_log: str = "plain"  # plain | json | off
@@ -252,6 +255,10 @@ def _validate(s: Settings) -> None:
             bad(f"{name} must be positive")
     if s.max_connections < 1:
         bad(f"max_connections must be at least 1, not {s.max_connections}")
+    if s.max_uploads_per_client < 1:
+        bad(f"max_uploads_per_client must be at least 1, not {s.max_uploads_per_client}")
+    if s.upstream_pool_size < 1:
+        bad(f"upstream_pool_size must be at least 1, not {s.upstream_pool_size}")
     if s.max_body_bytes < 0 or s.max_header_bytes < 256:
         bad("max_body_bytes must be >= 0 and max_header_bytes >= 256")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

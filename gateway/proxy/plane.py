@@ -30,6 +30,8 @@ class PlaneLimits:
     upstream_timeout: float = 60.0
     upstream_read_timeout: float = 300.0
     max_connections: int = 10_000
+    max_uploads_per_client: int = 8
+    max_uploads: int = 128  # all clients together: half the upstream pool
 
 
 
@@ -44,6 +46,9 @@ class DataPlane:
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self.refused = 0
+        # Streamed uploads holding an upstream connection, per client address and in all.
+        self.uploads: dict[str, int] = {}
+        self.uploads_open = 0
         self._refused_logged = 0.0
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -96,6 +101,32 @@ class DataPlane:
         if found is None:
             found = self._addresses[upstream] = upstream.address()
         return found
+
+    def take_upload(self, client: str) -> int:
+        """Reserve an upload slot for ``client``: 0 when taken, else the status to answer
+        (429: this client has its share; 503: the slots of all clients are taken).
+
+        A request body over 64 KiB streams to the upstream as it arrives, so the upstream
+        connection is held for as long as the client takes to send it. Without these caps
+        a few hundred clients trickling large bodies would hold the whole pool and every
+        other request would wait for a connection (hardening issue, slow-body starvation).
+        """
+        held = self.uploads.get(client, 0)
+        if held >= self.limits.max_uploads_per_client:
+            return 429
+        if self.uploads_open >= self.limits.max_uploads:
+            return 503
+        self.uploads[client] = held + 1
+        self.uploads_open += 1
+        return 0
+
+    def end_upload(self, client: str) -> None:
+        held = self.uploads.get(client, 0) - 1
+        if held > 0:
+            self.uploads[client] = held
+        else:
+            self.uploads.pop(client, None)
+        self.uploads_open -= 1
 
     def connection_closed(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)

@@ -30,6 +30,8 @@ class Incoming:
     content_length: int | None = None
     chunked = False
     expect_continue = False
+    # the client address whose upload slot this request holds (DataPlane.take_upload)
+    upload_client: str | None = None
     # body: buffered until a sink (the upstream) takes it
     body_size = 0
     body_done = False

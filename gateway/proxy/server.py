@@ -237,6 +237,8 @@ class ClientConnection(asyncio.Protocol):
             self.no_more = True
         if req is self.active:
             self.body_deadline = 0.0
+        if req.upload_client is not None:
+            self._end_upload(req)
         sink = req.sink
         if sink is not None:
             sink(b"")
@@ -367,6 +369,8 @@ class ClientConnection(asyncio.Protocol):
             return
         self.active = None
         self.gateway.metrics.inflight.dec()
+        if req.upload_client is not None:
+            self._end_upload(req)
         self.relay = None
         self.upstream = None
         self.waiting_body = False
@@ -434,6 +438,39 @@ class ClientConnection(asyncio.Protocol):
             return
         self._connect(req)
 
+    def _take_upload(self, req: Incoming) -> bool:
+        """A body that streams holds an upstream connection while it arrives: at most
+        ``max_uploads_per_client`` per client, half the pool in all (else 429 / 503)."""
+        refused = self.plane.take_upload(req.client_ip)
+        if not refused:
+            req.upload_client = req.client_ip
+            return True
+        upstream = self.upstream
+        limits = self.limits
+        if refused == 429:
+            reason = "uploads_per_client"
+            detail = (
+                f"too many uploads in progress from this client (at most "
+                f"{limits.max_uploads_per_client} at once); retry when one has finished"
+            )
+        else:
+            reason = "uploads_total"
+            detail = (
+                f"the upstream connections set aside for uploads ({limits.max_uploads}) "
+                "are all in use; retry shortly"
+            )
+        self.gateway.metrics.upstream_errors.labels(
+            upstream.name if upstream else "-", reason
+        ).inc()
+        headers = [*req.rate_headers, ("Retry-After", "1")]
+        self._answer(req, Answer.error(refused, detail, headers), keep=False)
+        return False
+
+    def _end_upload(self, req: Incoming) -> None:
+        client, req.upload_client = req.upload_client, None
+        if client is not None:
+            self.plane.end_upload(client)
+
     def _body_progress(self, req: Incoming) -> None:
         if self.waiting_body and req is self.active and (
             req.body_done or req.body_size >= BUFFER_BEFORE_FORWARD
@@ -444,6 +481,8 @@ class ClientConnection(asyncio.Protocol):
     def _connect(self, req: Incoming) -> None:
         upstream = self.upstream
         assert upstream is not None
+        if not req.body_done and req.upload_client is None and not self._take_upload(req):
+            return
         self.attempt += 1
         if self.attempt == 1:
             self.forward_started = time.perf_counter()

@@ -449,3 +449,87 @@ async def test_a_body_sent_after_a_head_answer_never_reaches_the_next_response(u
         server.close()
     assert b"hello" not in data
     assert data.count(b"HTTP/1.1 200") == 2 and data.endswith(b"abc")
+
+
+async def _start_upload(port: int, n: int, forwarded_for: str | None = None):
+    """Send a 200,000-byte upload's head and its first 70,000 bytes (past the 64 KiB read
+    before forwarding, so it streams), then stall: it holds an upstream connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    xff = f"X-Forwarded-For: {forwarded_for}\r\n" if forwarded_for else ""
+    writer.write(
+        f"POST /upload HTTP/1.1\r\nHost: a\r\nx-api-key: up-{n}\r\n{xff}"
+        "Content-Length: 200000\r\n\r\n".encode()
+        + b"x" * 70_000
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def test_one_client_cannot_hold_more_than_its_share_of_upstream_connections(upstream):
+    """Slow-body starvation with bodies that stream (over 64 KiB): one client address may
+    hold at most max_uploads_per_client upstream connections with unfinished uploads."""
+    async with running_gateway(upstream, upstream_pool_size=8, max_uploads_per_client=2) as gw:
+        plane = gw.proxy.plane
+        assert plane is not None
+        held = [await _start_upload(_port(gw), n) for n in range(2)]
+        for _ in range(100):
+            if plane.uploads_open == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert plane.uploads == {"127.0.0.1": 2}
+        reader, writer = await _start_upload(_port(gw), 3)
+        [(status, body)] = await _read_responses(reader, 1)
+        assert status == 429
+        assert "too many uploads in progress from this client" in json.loads(body)["detail"]
+        writer.close()
+        # Requests without a streamed body are not held back, from the same client too.
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                async with http.post(gw.url + "/echo", data=b"y" * 1000) as r:
+                    assert r.status == 200
+        # A finished upload gives its slot back: the next one goes through whole.
+        held_reader, held_writer = held[0]
+        held_writer.write(b"x" * 130_000)
+        [(status, body)] = await _read_responses(held_reader, 1)
+        assert (status, json.loads(body)) == (200, {"received": 200_000})
+        assert plane.uploads == {"127.0.0.1": 1}
+        reader, writer = await _start_upload(_port(gw), 4)
+        writer.write(b"x" * 130_000)
+        [(status, body)] = await _read_responses(reader, 1)
+        assert (status, json.loads(body)) == (200, {"received": 200_000})
+        for _, w in [*held, (reader, writer)]:
+            w.close()
+        for _ in range(100):  # a client gone mid-upload gives its slot back too
+            if plane.uploads_open == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert plane.uploads == {} and plane.uploads_open == 0
+
+
+async def test_uploads_of_all_clients_together_leave_half_the_pool_free(upstream):
+    """Many addresses trickling large bodies hold at most half the upstream pool: the
+    other half keeps serving everyone else."""
+    async with running_gateway(
+        upstream, upstream_pool_size=4, max_uploads_per_client=8, trusted_proxies=["127.0.0.1/32"]
+    ) as gw:
+        plane = gw.proxy.plane
+        assert plane is not None
+        held = [await _start_upload(_port(gw), n, f"10.0.0.{n}") for n in range(2)]
+        for _ in range(100):
+            if plane.uploads_open == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert plane.uploads == {"10.0.0.0": 1, "10.0.0.1": 1}
+        refused = []
+        for n in range(2, 6):
+            reader, writer = await _start_upload(_port(gw), n, f"10.0.0.{n}")
+            refused.append(await _read_responses(reader, 1))
+            writer.close()
+        assert [replies[0][0] for replies in refused] == [503] * 4
+        assert "set aside for uploads (2)" in json.loads(refused[0][0][1])["detail"]
+        async with aiohttp.ClientSession() as http:
+            for _ in range(10):
+                async with http.get(gw.url + "/echo", timeout=aiohttp.ClientTimeout(5)) as r:
+                    assert r.status == 200
+        for _, w in held:
+            w.close()
