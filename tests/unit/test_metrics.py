@@ -22,7 +22,9 @@ FAMILIES = [
     ("gateway_upstream_seconds", "histogram", ("upstream",),
      "Time from forwarding a request to receiving the upstream's response headers."),
     ("gateway_upstream_errors_total", "counter", ("upstream", "kind"),
-     "Requests the upstream could not answer (unreachable, timeout, broken stream)."),
+     "Requests the upstream could not answer (unreachable, timeout, broken stream, "
+     "body_too_large), or that would have held too many of its connections "
+     "(uploads_per_client, uploads_total)."),
     ("gateway_responses_total", "counter", ("region", "status_class"),
      "Responses sent, by status class."),
     ("gateway_counter_store_errors_total", "counter", ("region", "kind"),
