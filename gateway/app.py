@@ -155,6 +155,11 @@ class Proxy:
             self._watcher = asyncio.create_task(self.rules.watch(settings.watch_interval))
         return await self.plane.start(host, port, reuse_port)
 
+    async def info(self) -> dict[str, object]:
+        """The operator's view (the admin port's ``/info``)."""
+        assert self.gateway is not None
+        return await self.gateway.info(full=True)
+
     @property
     def port(self) -> int:
         assert self.plane is not None
@@ -394,7 +399,7 @@ async def serve(
         if worker_index is not None and admin_port:
             admin_port += worker_index
         for address in await service.start_tcp(
-            create_admin_app(metrics), settings.admin_host, admin_port
+            create_admin_app(metrics, proxy.info), settings.admin_host, admin_port
         ):
             log.info("metrics on %s/metrics%s", address, worker)
         await stop.wait()

@@ -1,6 +1,11 @@
-"""The admin application (its own port): Prometheus metrics and a liveness probe."""
+"""The admin application (its own port): Prometheus metrics, a liveness probe and the
+operator's ``/info`` (counter store addresses, rule files, upstreams, the last reload
+error), which the public port does not show."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -8,7 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.metrics import Metrics
 
 
-def create_admin_app(metrics: Metrics) -> web.Application:
+def create_admin_app(
+    metrics: Metrics, info: Callable[[], Awaitable[dict[str, object]]] | None = None
+) -> web.Application:
     async def metrics_handler(request: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
         response = web.Response(body=body)
@@ -18,7 +25,13 @@ def create_admin_app(metrics: Metrics) -> web.Application:
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    async def info_handler(request: web.Request) -> web.Response:
+        assert info is not None
+        return web.json_response(await info(), dumps=json.dumps)
+
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/ok", ok)
+    if info is not None:
+        app.router.add_get("/info", info_handler)
     return app

@@ -446,9 +446,13 @@ class Gateway:
         self.access_log.emit(record)
 
     async def info_answer(self, req: Incoming) -> Answer:
-        return Answer.json(200, _json(await self.info()), req.rate_headers)
+        return Answer.json(200, _json(await self.info(full=False)), req.rate_headers)
 
-    async def info(self) -> dict[str, object]:
+    async def info(self, full: bool = True) -> dict[str, object]:
+        """What the gateway runs. The public port's ``/info`` (``full=False``) tells
+        which rule table is in force and whether the counters answer; where the counter
+        stores, rule files and upstreams are, and the last reload error, are for the
+        operator: the admin port's ``/info`` (hardening issue: /info exposure)."""
         table = self.rules.table
         regions = []
         for name, backend in self.backends.items():
@@ -456,20 +460,31 @@ class Gateway:
                 healthy = await asyncio.wait_for(backend.healthy(), 1.0)
             except (TimeoutError, OSError):
                 healthy = False
-            regions.append({"name": name, "counter_backend": backend.name, "healthy": healthy})
-        return {
+            shown = backend.name if full else backend_kind(backend.name)
+            regions.append({"name": name, "counter_backend": shown, "healthy": healthy})
+        rules: dict[str, object] = {
+            "hash": table.digest,
+            "loaded_at": dt.datetime.fromtimestamp(table.loaded_at, dt.UTC).isoformat(),
+            "count": len(table.rules),
+        }
+        info: dict[str, object] = {
             "version": __version__,
             "default_region": self.regions.default,
             "regions": regions,
-            "rules": {
-                "hash": table.digest,
-                "loaded_at": dt.datetime.fromtimestamp(table.loaded_at, dt.UTC).isoformat(),
-                "files": list(table.sources),
-                "count": len(table.rules),
-                "last_reload_error": self.rules.last_error,
-            },
-            "upstreams": [{"prefix": p, "upstream": u} for p, u in self.router.describe()],
+            "rules": rules,
         }
+        if full:
+            rules["files"] = list(table.sources)
+            rules["last_reload_error"] = self.rules.last_error
+            info["upstreams"] = [{"prefix": p, "upstream": u} for p, u in self.router.describe()]
+        return info
+
+
+def backend_kind(name: str) -> str:
+    """A counter backend's kind without its address: ``memory``, or the counter URL's
+    scheme (``redis``, ``rediss``, ``redis+cluster``, ``unix`` ...)."""
+    scheme, sep, _ = name.partition("://")
+    return scheme if sep else name.split(" ", 1)[0]
 
 
 def _json(payload: object) -> bytes:

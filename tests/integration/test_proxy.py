@@ -7,7 +7,9 @@ import json
 
 import aiohttp
 
-from tests.support.gateway import free_port, raw_request, running_gateway
+from gateway.proxy.admin import create_admin_app
+from tests.support.gateway import free_port, raw_request, running_app, running_gateway
+from tests.support.redis_servers import RedisServer
 from tests.support.upstream import EVENTS_KEY
 
 
@@ -206,6 +208,34 @@ async def test_info_reports_table_and_backend(upstream):
             assert r.headers["RateLimit-Policy"].startswith('"high-throughput-ip"')
         assert info["rules"]["hash"] == gw.rules.table.digest
         assert info["regions"][0] == {"name": "us", "counter_backend": "memory", "healthy": True}
+
+
+async def test_public_info_names_no_address_file_or_upstream(tmp_path, upstream):
+    """The public port's /info says which table is in force and whether the counters
+    answer; where the counter store, rule files and upstreams are is on the admin port."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        async with (
+            running_gateway(upstream, redis_url=redis.url) as gw,
+            aiohttp.ClientSession() as http,
+        ):
+            async with http.get(gw.url + "/info") as r:
+                public = await r.json()
+            admin_app = create_admin_app(gw.metrics, gw.proxy.info)
+            async with running_app(admin_app) as admin, http.get(admin + "/info") as r:
+                assert r.status == 200
+                full = await r.json()
+    finally:
+        redis.stop()
+    text = json.dumps(public)
+    assert str(redis.port) not in text and "127.0.0.1" not in text
+    assert public["regions"] == [{"name": "us", "counter_backend": "redis", "healthy": True}]
+    assert set(public["rules"]) == {"hash", "loaded_at", "count"}
+    assert "upstreams" not in public
+    assert full["regions"][0]["counter_backend"] == f"redis://127.0.0.1:{redis.port}/0 (region us)"
+    assert full["rules"]["files"] and full["rules"]["last_reload_error"] is None
+    assert {"prefix": "(everything else)", "upstream": "default"} in full["upstreams"]
+    assert full["rules"]["hash"] == public["rules"]["hash"]
 
 
 async def test_compressed_request_body_passes_through_untouched(upstream):

@@ -145,10 +145,12 @@ def test_the_image_command_serves_and_stops_cleanly_on_sigterm(tmp_path):
         assert _healthcheck(env) == 0
 
         # The baked-in rules are the ones in force, and the metrics port answers.
-        status, body = _get(f"http://127.0.0.1:{port}/info")
+        status, body = _get(f"http://127.0.0.1:{admin_port}/info")
         info = json.loads(body)
         assert status == 200
         assert info["rules"]["files"] == [str(ROOT / "rules" / "default.yaml")]
+        status, body = _get(f"http://127.0.0.1:{port}/info")  # counted: the log line below
+        assert status == 200 and "files" not in json.loads(body)["rules"]
         status, body = _get(f"http://127.0.0.1:{admin_port}/metrics")
         assert status == 200 and b"gateway_rules " in body
 
