@@ -49,9 +49,12 @@ RETRY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 WAITING, STREAMING, DONE = 0, 1, 2
 
 
+# The gateway meets a request's "Expect: 100-continue" itself (it sends the 100 and reads
+# the body before forwarding): passed on, the upstream would answer it a second time.
+_MET_HERE = frozenset({b"expect"})
 # Request header names the loop below looks at; everything else is copied as it came.
 _REQUEST_SPECIAL = (
-    HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | {b"host", b"content-length"}
+    HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | _MET_HERE | {b"host", b"content-length"}
 )
 
 

@@ -131,6 +131,8 @@ async def test_expect_100_continue_is_answered_after_the_decision(upstream):
         (status, body), = await _read_responses(reader, 1)
         writer.close()
     assert status == 200 and json.loads(body)["body_length"] == 5
+    # The expectation was met here: the upstream is not asked to meet it again.
+    assert "expect" not in {k.lower() for k in json.loads(body)["headers"]}
 
 
 async def test_upstream_connections_are_reused(upstream):

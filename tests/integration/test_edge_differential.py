@@ -380,6 +380,10 @@ def _drop_added_length(ref: Forwarded, up: Forwarded) -> tuple[Forwarded, Forwar
     return ref, up.replace(headers=[h for h in up.headers if h != (b"content-length", b"0")])
 
 
+def _drop_met_expectation(ref: Forwarded, up: Forwarded) -> tuple[Forwarded, Forwarded]:
+    return ref.replace(headers=[h for h in ref.headers if h[0] != b"expect"]), up
+
+
 def _no_framing(m: Message) -> bool:
     return not m.values(b"content-length") and not m.values(b"transfer-encoding") and not m.body
 
@@ -496,6 +500,14 @@ KNOWN_DIFFERENCES: tuple[Difference, ...] = (
         "no meaning (RFC 9110 5.3); the aiohttp data plane's client wrote Host first",
         lambda m: len(m.values(b"host")) == 1,
         adjust=_host_first,
+    ),
+    Difference(
+        "expect-met-here",
+        "forwards",
+        "Expect: 100-continue is met by the gateway (it sends the 100 and reads the body "
+        "first) and not passed on, so the upstream does not answer it a second time",
+        lambda m: any(v.lower() == b"100-continue" for v in m.values(b"expect")),
+        adjust=_drop_met_expectation,
     ),
     Difference(
         "host-added",
