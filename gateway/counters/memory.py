@@ -3,8 +3,13 @@
 Each counter keeps at most one entry per sub-bucket that the window can still see, so
 memory per identity is bounded by the bucket count (about 60), not by the limit.
 Idle counters are dropped once their whole window has passed, and the number of
-counters is capped (least recently used first), so a flood of distinct clients
-cannot grow memory without bound.
+counters is capped, so a flood of distinct clients cannot grow memory without bound.
+
+Which counter goes when the cap is reached: the least recently used one that still has
+room. A counter at its limit (an identity being refused) is forgotten only when every
+counter kept is at its limit: otherwise an identity that used up its limit could reset
+its own counter by sending ``max_keys`` throwaway identities (one request each), where
+now it would have to push ``max_keys`` identities over their limits within one window.
 
 All work in ``hit`` happens without an ``await``, which is what makes the
 check-then-increment atomic on one event loop.
@@ -32,11 +37,12 @@ class _Window:
     (a flat list costs a fraction of a deque of pairs; at most ~61 pairs, so trimming
     the front by slicing is cheap), plus when the whole window expires."""
 
-    __slots__ = ("expires_ms", "flat")
+    __slots__ = ("expires_ms", "flat", "full")
 
     def __init__(self) -> None:
         self.flat: list[int] = []
         self.expires_ms = 0
+        self.full = False  # at its limit: kept in MemoryBackend._full
 
     def prune(self, oldest: int) -> None:
         flat = self.flat
@@ -75,7 +81,10 @@ class MemoryBackend:
         self._max_keys = max_keys
         self._sweep_every = sweep_every
         self._calls = 0
+        # Counters with room, least recently used first; counters at their limit apart,
+        # forgotten last (see the module's docstring).
         self._windows: OrderedDict[str, _Window] = OrderedDict()
+        self._full: OrderedDict[str, _Window] = OrderedDict()
         self._label = label
 
     @property
@@ -83,7 +92,7 @@ class MemoryBackend:
         return self._label
 
     def __len__(self) -> int:
-        return len(self._windows)
+        return len(self._windows) + len(self._full)
 
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         return self.hit_now(checks)
@@ -124,7 +133,9 @@ class MemoryBackend:
             )
             states.append(LimitState(has_room, max(0, check.limit - total), reset))
             if not window.flat:
-                self._windows.pop(check.key, None)
+                self._forget(check.key, window)
+            elif window.full != (total >= check.limit):
+                self._refile(check.key, window)
         certain = 0
         if not admitted:
             # A full window frees its next slot after reset_ms, and refused requests are
@@ -152,24 +163,49 @@ class MemoryBackend:
             window.pairs(), total, check.limit, now, check.window_ms, check.bucket_ms
         )
         if not window.flat:
-            self._windows.pop(check.key, None)
+            self._forget(check.key, window)
+        elif window.full != (total >= check.limit):
+            self._refile(check.key, window)
         state = LimitState(has_room, max(0, check.limit - total), reset)
         return HitResult(
             admitted, (state,), source=self._label, certain_ms=0 if admitted else reset
         )
 
     def _window(self, key: str) -> _Window:
-        window = self._windows.get(key)
-        if window is None:
-            window = _Window()
-            self._windows[key] = window
-            if len(self._windows) > self._max_keys:
-                # Evicting the least recently used counter can only forget past
-                # requests of an idle identity; the cap keeps memory bounded.
-                self._windows.popitem(last=False)
-        else:
-            self._windows.move_to_end(key)
+        windows = self._windows
+        window = windows.get(key)
+        if window is not None:
+            windows.move_to_end(key)
+            return window
+        window = self._full.get(key)
+        if window is not None:
+            self._full.move_to_end(key)
+            return window
+        window = windows[key] = _Window()
+        if len(windows) + len(self._full) > self._max_keys:
+            # The cap keeps memory bounded: the least recently used counter with room
+            # goes (it forgets past requests of an idle identity); one at its limit only
+            # when all are (the new one is never the one dropped).
+            if len(windows) > 1:
+                windows.popitem(last=False)
+            else:
+                self._full.popitem(last=False)
         return window
+
+    def _refile(self, key: str, window: _Window) -> None:
+        """Move a counter between the two tables when it reaches its limit or has room
+        again (it stays the most recently used of its table)."""
+        if window.full:
+            window.full = False
+            self._full.pop(key, None)
+            self._windows[key] = window
+        else:
+            window.full = True
+            self._windows.pop(key, None)
+            self._full[key] = window
+
+    def _forget(self, key: str, window: _Window) -> None:
+        (self._full if window.full else self._windows).pop(key, None)
 
     def sweep_oldest(self, now_ms: int, budget: int = 1000) -> int:
         """Drop expired counters from the least recently used end, at most ``budget``.
@@ -177,23 +213,26 @@ class MemoryBackend:
         Called on the request path, so it never scans the whole table (that would stall
         the event loop with a million keys); the LRU order puts idle keys first.
         """
-        windows = self._windows
         removed = 0
-        while windows and removed < budget:
-            key, window = next(iter(windows.items()))
-            if window.expires_ms > now_ms:
-                break
-            del windows[key]
-            removed += 1
+        for windows in (self._windows, self._full):
+            while windows and removed < budget:
+                key, window = next(iter(windows.items()))
+                if window.expires_ms > now_ms:
+                    break
+                del windows[key]
+                removed += 1
         return removed
 
     def sweep(self, now_ms: int | None = None) -> int:
         """Drop counters whose whole window has passed; returns how many."""
         now = self._clock() if now_ms is None else now_ms
-        dead = [key for key, w in self._windows.items() if w.expires_ms <= now]
-        for key in dead:
-            del self._windows[key]
-        return len(dead)
+        removed = 0
+        for windows in (self._windows, self._full):
+            dead = [key for key, w in windows.items() if w.expires_ms <= now]
+            for key in dead:
+                del windows[key]
+            removed += len(dead)
+        return removed
 
     async def healthy(self) -> bool:
         return True

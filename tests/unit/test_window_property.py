@@ -119,3 +119,34 @@ def test_request_path_sweep_removes_idle_keys_without_scanning_everything():
     assert 1000 <= len(backend) <= 3000 - 1000
     assert backend.sweep_oldest(clock.now, budget=10_000) >= 1
     assert len(backend) == 1  # only the busy key is left
+
+
+def test_a_flood_of_throwaway_identities_cannot_reset_a_used_up_counter():
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock, max_keys=1000)
+    victim = LimitCheck("used-up", 3, 60_000, bucket_ms_for(60_000))
+    for _ in range(3):
+        clock.now += 1
+        assert backend.hit_now([victim]).admitted
+    assert not backend.hit_now([victim]).admitted
+    for n in range(5000):  # five times the cap, one request each
+        clock.now += 1
+        assert backend.hit_now([LimitCheck(f"throwaway{n}", 3, 60_000, 1000)]).admitted
+    assert len(backend) <= 1000
+    assert not backend.hit_now([victim]).admitted  # still refused: not forgotten
+    # Once its window has passed it has room again, like any counter.
+    clock.now += 61_000
+    assert backend.hit_now([victim]).admitted
+
+
+def test_when_every_counter_is_at_its_limit_memory_stays_bounded():
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock, max_keys=1000)
+    for n in range(3000):
+        check = LimitCheck(f"full{n}", 1, 60_000, 1000)
+        assert backend.hit_now([check]).admitted
+        assert not backend.hit_now([check]).admitted
+    assert len(backend) <= 1000
+    # The oldest of them were forgotten, the newest kept.
+    assert backend.hit_now([LimitCheck("full0", 1, 60_000, 1000)]).admitted
+    assert not backend.hit_now([LimitCheck("full2999", 1, 60_000, 1000)]).admitted
