@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.dataplane_bench import (  # noqa: E402
     Processes,
     descendants,
+    fmt,
     free_port,
     http_ok,
     read_stat,
@@ -289,17 +290,28 @@ async def header_flood(writer: asyncio.StreamWriter) -> None:
 # --------------------------------------------------------------------------- the run
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+def can_pin() -> bool:
+    """Cores 0 and 1 are both ours and taskset is there: the gateway gets core 0."""
+    return {0, 1} <= os.sched_getaffinity(0) and shutil.which("taskset") is not None
+
+
+class Bench(contextlib.AbstractContextManager["Bench"]):
+    """One run: its processes and files, all stopped and removed when the block ends
+    (also on Ctrl-C or SIGTERM)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.tmp = tmp
-        cpus = os.sched_getaffinity(0)
-        self.pin = {0, 1} <= cpus and shutil.which("taskset") is not None
-        self.procs = Processes(tmp, self.pin)
-        self.rules = tmp / "rules.yaml"
+        self.pin = can_pin()
+        self.tmp = Path(tempfile.mkdtemp(prefix="abuse-bench-"))
+        self.procs = Processes(self.tmp, self.pin)
+        self.rules = self.tmp / "rules.yaml"
         self.rules.write_text(RULES)
         self.upstream_port = 0
         self.done: list[Row] = []
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.procs.stop_all()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def start_upstream(self) -> None:
         self.upstream_port = free_port()
@@ -443,10 +455,6 @@ class Bench:
 # --------------------------------------------------------------------------- output
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| row | attackers | legit OK | p50 ms | p99 ms | max ms | within 1 s "
@@ -496,24 +504,20 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    tmp = Path(tempfile.mkdtemp(prefix="abuse-bench-"))
-    bench = Bench(args, tmp)
-    if bench.pin:
-        os.sched_setaffinity(0, {1})  # attackers and the legitimate client off core 0
-    else:
-        print("warning: cores 0 and 1 not both available (or no taskset): not pinned",
-              file=sys.stderr)  # fmt: skip
-    started = time.monotonic()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # ends the run as Ctrl-C does
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    try:
-        rows = asyncio.run(bench.run())
-    except KeyboardInterrupt:
-        print("interrupted: stopping every process started here", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        bench.procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
+    started = time.monotonic()
+    with Bench(args) as bench:
+        if bench.pin:  # attackers and the legitimate client stay off the gateway's core
+            os.sched_setaffinity(0, {1})
+        else:
+            print("warning: not pinned (cores 0 and 1 not both ours, or no taskset)",
+                  file=sys.stderr)  # fmt: skip
+        try:
+            rows = asyncio.run(bench.run())
+        except KeyboardInterrupt:
+            print("interrupted: every process started here is stopped", file=sys.stderr)
+            raise SystemExit(130) from None
     elapsed = time.monotonic() - started
     pinning = (
         "gateway on core 0; upstream, attackers and client on core 1"

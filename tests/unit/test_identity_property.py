@@ -19,7 +19,7 @@ import ipaddress
 import string
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.policy.model import IdentityKind
@@ -29,14 +29,9 @@ from gateway.ratelimit.identity import (
     RequestIdentity,
     valid_identity_header,
 )
+from tests.support.fuzz import fuzz
 
-FUZZ = settings(
-    max_examples=400,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = fuzz(400)
 SECRET = b"identity-fuzz-secret-0123"
 PRINTABLE = set(range(0x20, 0x7F))
 REFUSED = "refused"

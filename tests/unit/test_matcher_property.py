@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from gateway.policy.loader import RuleLoadError, load_rules, load_rules_from_texts
@@ -32,14 +32,9 @@ from gateway.policy.model import RuleTable
 from gateway.policy.paths import PathError, normalise_path
 from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
 from gateway.ratelimit.limiter import limit_checks
+from tests.support.fuzz import fuzz
 
-FUZZ = settings(
-    max_examples=300,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+FUZZ = fuzz(300)
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"fuzzing-secret-0123456789"
 HASHER = IdentityHasher(SECRET)

@@ -14,19 +14,13 @@ from __future__ import annotations
 import re
 import string
 
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.policy.paths import PathError, normalise_path
+from tests.support.fuzz import fuzz
 
-# A fixed, derandomized profile: the same examples on every run, well inside the time budget.
-FUZZ = settings(
-    max_examples=400,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = fuzz(400)
 
 UNRESERVED = set(string.ascii_letters + string.digits + "-._~")
 # RFC 3986 pchar, less ';' (path parameters are refused on purpose) and '%' (escapes).
