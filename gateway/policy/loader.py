@@ -18,6 +18,7 @@ import yaml
 
 from gateway.policy.model import (
     PATH_KINDS,
+    UUID_GROUP_PREFIX,
     IdentityKind,
     LimitSpec,
     MatchAlternative,
@@ -43,12 +44,11 @@ MAX_WINDOW_SECONDS = 7 * 86400
 MAX_COUNT = 10**9
 MAX_FILE_BYTES = 1_048_576
 TEMPLATE_TYPES = {
-    # Every spelling common servers (pydantic, Python's uuid) accept for one UUID, so a
-    # client cannot leave a UUID-keyed rule by writing the same id differently: a
-    # "urn:" / "uuid:" prefix (its colon raw or %3A), braces (always %7B/%7D in a
-    # normalised path), and hyphens anywhere around 32 hex digits, as uuid.UUID() takes.
-    "uuid": r"(?:urn(?::|%3[Aa]))?(?:uuid(?::|%3[Aa]))?(?:%7[Bb])*"
-    r"(?:-*[0-9a-fA-F]){32}-*(?:%7[Dd])*",
+    # Any one segment here; the matcher then keeps it only if Python's uuid.UUID reads it
+    # once percent-decoded (model.is_uuid_segment), so a client cannot leave a UUID-keyed
+    # rule by writing the same id in another spelling that server (or a stricter one)
+    # would serve: braces, "urn:"/"uuid:" wherever, hyphens anywhere, "+", "0x", "_"...
+    "uuid": r"[^/]+",
     "int": r"[0-9]+",
     "str": r"[^/]+",
 }
@@ -360,7 +360,7 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
     """``/runs/{uuid}`` or ``/runs/{run_id:uuid}``: a parameter is one typed segment."""
     parts: list[str] = []
     position = 0
-    for param in TEMPLATE_PARAM.finditer(value):
+    for number, param in enumerate(TEMPLATE_PARAM.finditer(value)):
         parts.append(re.escape(value[position : param.start()]))
         name, kind = param.group(1), param.group(2)
         if kind is None:
@@ -368,7 +368,10 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
         if kind not in TEMPLATE_TYPES:
             ctx.error(field, f"unknown parameter type {kind!r}; one of {sorted(TEMPLATE_TYPES)}")
             return None
-        parts.append(f"(?:{TEMPLATE_TYPES[kind]})")
+        if kind == "uuid":  # a named group: the matcher checks what it took
+            parts.append(f"(?P<{UUID_GROUP_PREFIX}{number}>{TEMPLATE_TYPES[kind]})")
+        else:
+            parts.append(f"(?:{TEMPLATE_TYPES[kind]})")
         position = param.end()
     rest = value[position:]
     if "{" in rest or "}" in rest:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from urllib.parse import unquote
 
 
 class IdentityKind(StrEnum):
@@ -27,6 +29,18 @@ class PathKind(StrEnum):
 PATH_KINDS = tuple(k.value for k in PathKind if k is not PathKind.ANY)
 MATCH_CACHE_ENTRIES = 16_384
 MATCH_CACHE_MAX_PATH = 256
+UUID_GROUP_PREFIX = "uuid_"  # a template's {uuid} parameters are the groups named so
+
+
+def is_uuid_segment(segment: str) -> bool:
+    """Whether a path segment, percent-decoded, is a UUID to Python's ``uuid.UUID``: the
+    most lenient common reading, so every spelling an upstream may serve for one id is
+    caught by the rule that limits that id."""
+    try:
+        uuid.UUID(unquote(segment))
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +92,14 @@ def _path_test(
         return lambda path: path.endswith(value)
     assert pattern is not None
     fullmatch = pattern.fullmatch
+    uuid_groups = tuple(g for g in pattern.groupindex if g.startswith(UUID_GROUP_PREFIX))
+    if kind is PathKind.TEMPLATE and uuid_groups:
+
+        def template_test(path: str) -> bool:
+            found = fullmatch(path)
+            return found is not None and all(is_uuid_segment(found[g]) for g in uuid_groups)
+
+        return template_test
     return lambda path: fullmatch(path) is not None
 
 

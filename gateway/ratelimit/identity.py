@@ -27,9 +27,11 @@ def valid_identity_header(value: str | bytes | None) -> str | None:
     """The header value as an identity, or None when it forms none (absent, empty, over
     256 bytes). ``ValueError`` when it is not printable ASCII: such a request is refused,
     since no identity could be taken from exactly what the upstream would receive."""
+    if isinstance(value, str):  # judged by the bytes a client sends, as the data plane is
+        value = value.encode()
     if not value or len(value) > MAX_IDENTITY_HEADER_BYTES:
         return None
-    text = value if isinstance(value, str) else value.decode("latin-1")
+    text = value.decode("latin-1")
     if not text.isascii() or not text.isprintable():  # for ASCII: 0x20-0x7E
         raise ValueError("must be printable ASCII")
     return text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class GatewayProcess:
         port: int | None = None,
         admin_port: int | None = None,
         log_path: Path | None = None,
+        new_session: bool = False,
     ):
         self.port = port or free_port()
         # 0 lets every process (each worker too) pick its own free admin port.
@@ -117,8 +119,15 @@ class GatewayProcess:
         ]
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        # new_session: the gateway and its workers get a process group of their own, so
+        # ``kill_group`` can SIGKILL all of them at once (and nothing else).
         self.proc = subprocess.Popen(
-            self.args, env=full_env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT
+            self.args,
+            env=full_env,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
 
     def wait_ready(self, timeout: float = 30.0) -> GatewayProcess:
@@ -140,6 +149,13 @@ class GatewayProcess:
         if self.log_path and self.log_path.exists():
             return self.log_path.read_text(errors="replace")[-4000:]
         return ""
+
+    def kill_group(self) -> int:
+        """``kill -9`` the whole process group (needs ``new_session=True``): no cleanup,
+        no flush, no goodbye, for the gateway, its workers and the built-in upstreams."""
+        assert os.getpgid(self.proc.pid) == self.proc.pid, "started without new_session"
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait(30)
 
     def stop(self, sig: int = 15, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

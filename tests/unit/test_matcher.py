@@ -46,3 +46,33 @@ def test_match_cache_gives_the_same_answers_and_stays_bounded(monkeypatch):
         assert first.rule.id == ("a-key" if n % 2 else "rest")
         assert again.rule.id == "rest"  # same path, other headers: not a cached rule
         assert len(table.match_cache) <= 50
+
+
+RUN = "0b6f2a4c-1d2e-4f00-8a9b-0123456789ab"
+
+
+def test_uuid_spellings_python_accepts_stay_in_the_uuid_rule():
+    # Regression: these spellings, all read by uuid.UUID() as one id, used to leave the
+    # run-lookup rule (found by tests/unit/test_matcher_property.py).
+    table = load_rules_from_texts(
+        [("t.yaml", "rules:\n"
+          "  - {id: run, match: {template: '/runs/{uuid}'}, identity: ip, limits: {us: 1/1}}\n"
+          "  - {id: rest, identity: ip, limits: {us: 9/1}}\n")]
+    )  # fmt: skip
+    plain = RUN.replace("-", "")
+    spellings = [
+        f"%7Burn:uuid:{RUN}%7D",  # braces around the prefix
+        f"uuid:urn:{RUN}",  # prefixes in either order
+        f"urn:urn:{RUN}",
+        f"{plain[:10]}urn:{plain[10:]}",  # uuid.UUID deletes "urn:" wherever it is
+        "+" + plain[1:],  # int(..., 16) reads a sign, "0x" and "_" separators
+        "0X" + plain[2:],
+        f"{plain[:4]}_{plain[4:31]}",
+        "%EF%BC%90" + plain[1:],  # a fullwidth 0: a Unicode decimal digit
+        f"%7B%7B{RUN}%7D",
+    ]
+    for spelling in spellings:
+        path = f"/runs/{spelling}"
+        assert select(table, "us", "GET", path, lookup()).rule.id == "run", spelling
+    for other in ["stats", plain[:31], f"%7B{RUN}%7Dx", f"URN:{RUN}", f"{RUN}/x", "%7B%7D"]:
+        assert select(table, "us", "GET", f"/runs/{other}", lookup()).rule.id == "rest", other

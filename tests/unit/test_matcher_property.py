@@ -1,0 +1,377 @@
+"""Fuzzing the rule matcher against a reference model of docs/rules.md.
+
+Random rule tables (every path form, method lists, identities, shadow and unlimited
+rules, limits for some regions only) are written as YAML, loaded by the real loader, and
+asked about random requests. The model reads the same rule dictionaries and applies the
+documented evaluation order by hand: the first rule that applies in the region, matches
+method and path, and can form its identity wins; shadow rules met before it are collected.
+
+The model of a ``{uuid}`` template parameter is the one the docs give: any segment that
+Python's ``uuid.UUID`` accepts once percent-decoded, so that no spelling of a run id a
+Python upstream would serve can leave a UUID-keyed rule. A separate property checks that
+every such spelling of one UUID lands on one counter key of the default table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import urllib.parse
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+from gateway.policy.loader import RuleLoadError, load_rules, load_rules_from_texts
+from gateway.policy.matcher import Selection, select
+from gateway.policy.model import RuleTable
+from gateway.policy.paths import PathError, normalise_path
+from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
+from gateway.ratelimit.limiter import limit_checks
+from tests.support.fuzz import fuzz
+
+FUZZ = fuzz(300)
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = b"fuzzing-secret-0123456789"
+HASHER = IdentityHasher(SECRET)
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
+REGIONS = ["us", "eu", "us2"]
+WORDS = ["a", "b", "runs", "x1", "42"]
+TEMPLATE_PARAMS = ["{uuid}", "{uuid}", "{rid:uuid}", "{int}", "{str}", "{id}", "{n:int}", "{s:str}"]
+REGEXES = [r"^/a/[0-9]+$", r"/runs/.*", r"/(a|b)(/(a|b))*", r".*/x1", r"/[^/]+/42"]
+
+
+# --- the reference model ----------------------------------------------------------
+
+
+def model_hash(kind: str, value: str) -> str:
+    """HMAC-SHA256 of ``kind NUL value`` under the identity secret, 32 hex digits."""
+    mac = hmac.new(SECRET, f"{kind}\0{value}".encode(), hashlib.sha256)
+    return mac.hexdigest()[:32]
+
+
+def model_is_uuid(segment: str) -> bool:
+    try:
+        uuid.UUID(urllib.parse.unquote(segment))
+    except ValueError:
+        return False
+    return True
+
+
+def model_template(template: str, path: str) -> bool:
+    wanted, given_ = template.split("/"), path.split("/")
+    if len(wanted) != len(given_):
+        return False
+    for pattern, segment in zip(wanted, given_, strict=True):
+        param = re.fullmatch(r"\{(\w+)(?::(\w+))?\}", pattern)
+        if param is None:
+            if pattern != segment:
+                return False
+            continue
+        name, kind = param.groups()
+        kind = kind or (name if name in ("uuid", "int", "str") else "str")
+        if not segment:
+            return False
+        if kind == "int" and not set(segment) <= set("0123456789"):
+            return False
+        if kind == "uuid" and not model_is_uuid(segment):
+            return False
+    return True
+
+
+def model_path(form: dict[str, str], path: str) -> bool:
+    if not form:
+        return True
+    ((kind, value),) = form.items()
+    if kind == "path":
+        return path == value
+    if kind == "prefix":
+        return value == "/" or path == value or path.startswith(value + "/")
+    if kind == "contains":
+        return value in path
+    if kind == "suffix":
+        return path.endswith(value)
+    if kind == "template":
+        return model_template(value, path)
+    return re.fullmatch(value, path) is not None  # regex: anchored at both ends
+
+
+def model_alternative(alt: dict[str, Any], method: str, path: str) -> bool:
+    methods = alt.get("methods")
+    head_as_get = method == "HEAD" and "GET" in (methods or ())
+    if methods is not None and method not in methods and not head_as_get:
+        return False
+    return model_path({k: v for k, v in alt.items() if k != "methods"}, path)
+
+
+def model_applies_in(rule: dict[str, Any], region: str) -> bool:
+    if rule.get("unlimited"):
+        return True
+    limits = rule["limits"]
+    return region in limits or (region == "us2" and "us" in limits) or "default" in limits
+
+
+def model_identity(kind: str, client: str, key: str | None, user: str | None) -> str | None:
+    if kind == "ip":
+        return model_hash(kind, client)
+    if kind == "api_key":
+        return None if key is None else model_hash(kind, key)
+    return None if user is None else model_hash(kind, f"{user}\0{client}")
+
+
+def model_select(
+    rules: list[dict[str, Any]], region: str, method: str, path: str, who: tuple[Any, ...]
+) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    shadows: list[tuple[str, str]] = []
+    for rule in rules:
+        if not model_applies_in(rule, region):
+            continue
+        match = rule.get("match", {})
+        alternatives = match if isinstance(match, list) else [match]
+        if not any(model_alternative(a, method, path) for a in alternatives):
+            continue
+        identity = model_identity(rule.get("identity", "ip"), *who)
+        if identity is None:
+            continue
+        if rule.get("shadow"):
+            shadows.append((rule["id"], identity))
+            continue
+        return rule["id"], identity, shadows
+    return None, None, shadows
+
+
+def outcome(selection: Selection) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    rule = None if selection.rule is None else selection.rule.id
+    return rule, selection.identity, [(r.id, key) for r, key in selection.shadows]
+
+
+# --- generated tables and requests ------------------------------------------------
+
+
+@st.composite
+def path_forms(draw: st.DrawFn) -> dict[str, str]:
+    kinds = ["", "path", "prefix", "contains", "suffix", "regex"] + ["template"] * 3
+    kind = draw(st.sampled_from(kinds))
+    words = st.lists(st.sampled_from(WORDS), min_size=1, max_size=3)
+    if kind in ("path", "prefix"):
+        return {kind: "/" + "/".join(draw(words))}
+    if kind in ("contains", "suffix"):
+        return {kind: draw(st.sampled_from(["/a", "a/b", "runs", "/x1", "b", "2"]))}
+    if kind == "template":
+        parts = st.lists(st.sampled_from(WORDS + TEMPLATE_PARAMS), min_size=1, max_size=3)
+        return {kind: "/" + "/".join(draw(parts))}
+    if kind == "regex":
+        return {kind: draw(st.sampled_from(REGEXES))}
+    return {}
+
+
+@st.composite
+def alternatives(draw: st.DrawFn) -> dict[str, Any]:
+    alt: dict[str, Any] = dict(draw(path_forms()))
+    if draw(st.booleans()):
+        alt["methods"] = draw(st.lists(st.sampled_from(METHODS), min_size=1, max_size=3))
+    return alt
+
+
+@st.composite
+def rule_dicts(draw: st.DrawFn, index: int) -> dict[str, Any]:
+    rule: dict[str, Any] = {"id": f"r{index}"}
+    match = draw(st.lists(alternatives(), min_size=1, max_size=2))
+    if match != [{}]:
+        rule["match"] = match if len(match) > 1 else match[0]
+    flavour = draw(st.sampled_from(["plain", "plain", "plain", "shadow", "unlimited"]))
+    if flavour == "unlimited":
+        rule["unlimited"] = True
+        return rule
+    if flavour == "shadow":
+        rule["shadow"] = True
+    rule["identity"] = draw(st.sampled_from(["ip", "api_key", "user_ip"]))
+    regions = draw(st.lists(st.sampled_from(["us", "eu", "us2", "default"]), min_size=1,
+                            max_size=3, unique=True))  # fmt: skip
+    rule["limits"] = {region: f"{draw(st.integers(1, 99))}/60" for region in regions}
+    return rule
+
+
+@st.composite
+def loaded_tables(draw: st.DrawFn) -> tuple[list[dict[str, Any]], RuleTable]:
+    """Random rules, less those the loader rightly refuses as unreachable."""
+    count = draw(st.integers(1, 7))
+    rules = [draw(rule_dicts(n)) for n in range(count)]
+    while rules:
+        try:
+            text = yaml.safe_dump({"rules": rules})
+            return rules, load_rules_from_texts([("fuzz.yaml", text)])
+        except RuleLoadError as exc:
+            unreachable = set()
+            for problem in exc.problems:
+                assert "unreachable" in problem.message, str(problem)
+                found = re.match(r"'(r\d+)'", problem.rule or "")
+                assert found is not None
+                unreachable.add(found.group(1))
+            rules = [r for r in rules if r["id"] not in unreachable]
+    assume(False)
+    raise AssertionError("unreachable")
+
+
+@st.composite
+def uuid_spellings(draw: st.DrawFn) -> tuple[str, uuid.UUID]:
+    """A path segment spelling some UUID in one of the ways ``uuid.UUID`` reads, percent-
+    encoded where a path needs it, and the UUID it spells."""
+    int_prefix = draw(st.sampled_from(["", "", "", "+", "0x", "0X", "+0x"]))
+    underscores = draw(st.integers(0, 2))
+    digits = draw(
+        st.text("0123456789abcdefABCDEF", min_size=32 - len(int_prefix) - underscores,
+                max_size=32 - len(int_prefix) - underscores)
+    )  # fmt: skip
+    for _ in range(underscores):  # int() takes single underscores between digits
+        at = draw(st.integers(1, len(digits) - 1))
+        if "_" not in digits[at - 1 : at + 1]:
+            digits = digits[:at] + "_" + digits[at:]
+    body = int_prefix + digits
+    for _ in range(draw(st.integers(0, 6))):  # hyphens anywhere in the digits
+        at = draw(st.integers(0, len(body)))
+        body = body[:at] + "-" + body[at:]
+    if draw(st.integers(0, 5)) == 0:  # "urn:" anywhere: uuid.UUID deletes it wherever it is
+        at = draw(st.integers(0, len(body)))
+        body = body[:at] + "urn:" + body[at:]
+    prefix = "".join(draw(st.lists(st.sampled_from(["urn:", "uuid:"]), max_size=3)))
+    opening = "{" * draw(st.integers(0, 2))
+    closing = "}" * draw(st.integers(0, 2))
+    inside = draw(st.booleans())  # braces around the prefix, or between it and the digits
+    text = opening + prefix + body + closing if inside else prefix + opening + body + closing
+    if draw(st.integers(0, 9)) == 0:  # a Unicode decimal digit: int() reads it
+        zeros = [i for i, c in enumerate(text) if c == "0"]
+        if zeros:
+            at = draw(st.sampled_from(zeros))
+            text = text[:at] + draw(st.sampled_from(["\uff10", "\u0660"])) + text[at + 1 :]
+    spelled = "".join(encode_char(draw, c) for c in text)
+    try:
+        value = uuid.UUID(text)
+    except ValueError:
+        assume(False)
+        raise
+    return spelled, value
+
+
+def encode_char(draw: st.DrawFn, char: str) -> str:
+    """How a client may write one character in a path: braces and non-ASCII always
+    encoded (raw they are refused), the rest raw or encoded, in either case of hex."""
+    must = char in "{}" or not char.isascii()
+    if not must and draw(st.integers(0, 7)) != 0:
+        return char
+    quoted = urllib.parse.quote(char, safe="")
+    if quoted == char:
+        quoted = f"%{ord(char):02X}"
+    return quoted if draw(st.booleans()) else quoted.lower()
+
+
+@st.composite
+def request_paths(draw: st.DrawFn) -> str:
+    pieces = st.one_of(
+        st.sampled_from(WORDS),
+        st.sampled_from(["", ".", "..", "7", "runs", "%7B", "x%2Dy", "stats"]),
+        uuid_spellings().map(lambda pair: pair[0]),
+        st.uuids().map(lambda u: str(u)[: draw(st.integers(20, 36))]),  # near misses
+        st.uuids().map(lambda u: f"%7B{u}%7Dx"),
+        st.text("abcxyz0123456789-_:%+", max_size=8),
+    )
+    raw = "/" + "/".join(draw(st.lists(pieces, min_size=0, max_size=4)))
+    try:
+        return normalise_path(raw)
+    except PathError:
+        assume(False)
+        raise
+
+
+headers = st.one_of(st.none(), st.sampled_from(["k1", "k2"]), st.text("abc-_.", min_size=1))
+clients = st.sampled_from(["192.0.2.1", "198.51.100.7", "2001:db8::/64"])
+
+
+def fill(draw: st.DrawFn, shape: str) -> str:
+    """A path made from a rule's own path text: its parameters filled with values that
+    do or do not fit them (UUID spellings, near misses, numbers, words)."""
+    values = st.one_of(
+        uuid_spellings().map(lambda pair: pair[0]),
+        uuid_spellings().map(lambda pair: pair[0]),
+        st.sampled_from(["7", "x", "%7Bx%7D", "urn:uuid:", "0x"]),
+        st.uuids().map(lambda u: u.hex[:31]),
+    )
+    return re.sub(r"\{[^}]*\}", lambda _: draw(values), shape)
+
+
+@st.composite
+def requests_for(draw: st.DrawFn, rules: list[dict[str, Any]]) -> tuple[Any, ...]:
+    shapes = [
+        value
+        for rule in rules
+        for alt in (rule.get("match") or [{}] if isinstance(rule.get("match"), list)
+                    else [rule.get("match", {})])
+        for kind, value in alt.items()
+        if kind in ("path", "prefix", "template")
+    ]  # fmt: skip
+    if shapes and draw(st.integers(0, 3)):
+        raw = fill(draw, draw(st.sampled_from(shapes))) + draw(st.sampled_from(["", "/b", "/"]))
+        try:
+            path = normalise_path(raw)
+        except PathError:
+            path = "/"
+    else:
+        path = draw(request_paths())
+    region = draw(st.sampled_from(REGIONS))
+    method = draw(st.sampled_from([*METHODS, "PROPFIND"]))
+    return region, method, path, draw(clients), draw(headers), draw(headers)
+
+
+@FUZZ
+@given(data=st.data(), table=loaded_tables())
+def test_selection_agrees_with_the_model(
+    data: st.DataObject, table: tuple[list[dict[str, Any]], RuleTable]
+) -> None:
+    rules, loaded = table
+    requests = data.draw(st.lists(requests_for(rules), min_size=1, max_size=6))
+    for region, method, path, client, key, user in requests:
+        identity = RequestIdentity(HASHER, client, key, user)
+        expected = model_select(rules, region, method, path, (client, key, user))
+        assert outcome(select(loaded, region, method, path, identity.key_for)) == expected
+        # Asked again (now from the match cache) with no identity headers at all.
+        bare = RequestIdentity(HASHER, client, None, None)
+        expected = model_select(rules, region, method, path, (client, None, None))
+        assert outcome(select(loaded, region, method, path, bare.key_for)) == expected
+
+
+DEFAULT_TABLE = load_rules([ROOT / "rules" / "default.yaml"])
+
+
+def counter_keys(region: str, method: str, path: str) -> list[str]:
+    identity = RequestIdentity(HASHER, "192.0.2.1", "sk-fuzz", None)
+    chosen = select(DEFAULT_TABLE, region, method, path, identity.key_for)
+    assert chosen.rule is not None and chosen.identity is not None
+    return [c.key for c in limit_checks(region, chosen.rule, chosen.identity, True)]
+
+
+@FUZZ
+@given(
+    spelling=uuid_spellings(),
+    method=st.sampled_from(["GET", "HEAD"]),
+    base=st.sampled_from(["/runs/", "/api/v1/runs/", "//runs/./", "/api/x/../v1/runs/"]),
+    region=st.sampled_from(REGIONS),
+)
+@example(spelling=("%7Burn:uuid:0b6f2a4c-1d2e-4f00-8a9b-0123456789ab%7D",
+                   uuid.UUID("0b6f2a4c-1d2e-4f00-8a9b-0123456789ab")),
+         method="GET", base="/runs/", region="us")  # fmt: skip
+@example(spelling=("uuid%3Aurn:+b6f2a4c1d2e4f008a9b0123456789ab",
+                   uuid.UUID("0b6f2a4c-1d2e-4f00-8a9b-0123456789ab")),
+         method="GET", base="/runs/", region="eu")  # fmt: skip
+def test_every_uuid_spelling_is_one_counter_key(
+    spelling: tuple[str, uuid.UUID], method: str, base: str, region: str
+) -> None:
+    text, value = spelling
+    path = normalise_path(base + text)
+    canonical = normalise_path(base.replace("x/../", "") + str(value))
+    keys = counter_keys(region, method, path)
+    assert keys == counter_keys(region, "GET", canonical)
+    assert all(key.startswith(f"rl:{{{region}:run-lookup:") for key in keys)
