@@ -1,0 +1,90 @@
+"""Run schemathesis, as its command line does, against a server a test started on loopback.
+
+Every check (``--checks all``), a fixed seed, the examples, coverage and fuzzing phases, a
+bounded number of cases per operation, no example database: the same command gives the
+same run, and a failure prints the command line to replay it by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SEED = 20260613
+MAX_EXAMPLES = 40
+
+
+@dataclass
+class ContractRun:
+    command: list[str]
+    returncode: int
+    output: str
+
+    @property
+    def operations_tested(self) -> int:
+        found = re.search(r"Tested: (\d+)", self.output)
+        return int(found.group(1)) if found else 0
+
+    @property
+    def cases(self) -> int:
+        found = re.search(r"(\d+) generated", self.output)
+        return int(found.group(1)) if found else 0
+
+    @property
+    def summary(self) -> str:
+        return self.output[self.output.find("SUMMARY") :] if "SUMMARY" in self.output else ""
+
+
+async def run_schemathesis(
+    document_url: str,
+    work_dir: Path,
+    *,
+    headers: dict[str, str] | None = None,
+    hooks: str | None = None,
+    max_examples: int = MAX_EXAMPLES,
+) -> ContractRun:
+    """``schemathesis run`` against ``document_url`` (which must be on 127.0.0.1)."""
+    assert document_url.startswith("http://127.0.0.1:"), document_url
+    command = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        document_url,
+        "--checks",
+        "all",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--seed",
+        str(SEED),
+        "--max-examples",
+        str(max_examples),
+        "--generation-database",
+        "none",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "30",
+        "--no-color",
+    ]
+    for name, value in (headers or {}).items():
+        command += ["--header", f"{name}: {value}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    if hooks is not None:
+        env["SCHEMATHESIS_HOOKS"] = hooks
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        cwd=work_dir,  # its .schemathesis/ state lands in the test's temporary directory
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=600)
+    assert process.returncode is not None
+    return ContractRun(command, process.returncode, output.decode(errors="replace"))
