@@ -27,6 +27,6 @@ async def test_store_api_conforms_to_its_openapi_document(tmp_path: Path) -> Non
         await store.runner.cleanup()
     print(run.summary)
     assert run.returncode == 0, run.output[-20000:]
-    assert "No issues found" in run.output, run.output[-20000:]
+    assert run.failures == 0, run.output[-20000:]
     assert run.operations_tested == STORE_OPERATIONS, run.summary
     assert run.cases >= 20 * STORE_OPERATIONS, run.summary

@@ -6,7 +6,10 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from . import validation
+from gateway.upstreams.http_api.openapi import Operation, Response
+from gateway.upstreams.http_api.routes import Route
+
+from .api_doc import AUTHENTICATED, errors, links_from
 from .http_helpers import (
     create_resource,
     delete_resource,
@@ -14,10 +17,11 @@ from .http_helpers import (
     list_resources,
     not_found,
     path_id,
-    read_json,
+    read_body,
     runtime,
     tenant,
 )
+from .models import Listener, ListenerCreate, ListenerList, ListenerPatch, PageQuery, PathId
 from .storage import ControlPlaneStore as Store
 
 
@@ -25,8 +29,12 @@ def _missing(listener_id: str) -> NoReturn:
     not_found(f"Listener ID {listener_id} not found.")
 
 
+TAG = "Listeners"  # the group of these operations in the OpenAPI document
+
+
 async def create_listener(request: web.Request) -> web.Response:
-    return await create_resource(request, validation.listener_create, Store.create_listener)
+    body = await read_body(request, ListenerCreate)
+    return await create_resource(request, body.model_dump(), Store.create_listener)
 
 
 async def list_listeners(request: web.Request) -> web.Response:
@@ -40,14 +48,10 @@ async def get_listener(request: web.Request) -> web.Response:
 async def patch_listener(request: web.Request) -> web.Response:
     rt = runtime(request)
     listener_id = path_id(request, "listener_id")
-    body = await read_json(request)
+    given = (await read_body(request, ListenerPatch)).model_dump(exclude_unset=True)
     db = rt.database()
-    current = await db.run(db.store.get_listener, tenant(request), listener_id)
-    if current is None:
-        _missing(listener_id)
-    patch = validation.listener_patch(body, current)
     listener = await db.run(
-        db.store.patch_listener, tenant(request), listener_id, patch, rt.clock()
+        db.store.patch_listener, tenant(request), listener_id, given, rt.clock()
     )
     if listener is None:
         _missing(listener_id)
@@ -58,10 +62,77 @@ async def delete_listener(request: web.Request) -> web.Response:
     return await delete_resource(request, "listener_id", Store.delete_listener, _missing)
 
 
-def add_routes(router: web.UrlDispatcher, prefix: str) -> None:
-    base = f"{prefix}/v2/listeners"
-    router.add_post(base, create_listener)
-    router.add_get(base, list_listeners, allow_head=False)
-    router.add_get(base + "/{listener_id}", get_listener, allow_head=False)
-    router.add_patch(base + "/{listener_id}", patch_listener)
-    router.add_delete(base + "/{listener_id}", delete_listener)
+_LISTENER = {"listener_id": "id"}
+_CREATED_LINKS = links_from(
+    "created",
+    {"get_listener": _LISTENER, "update_listener": _LISTENER, "delete_listener": _LISTENER},
+)
+_BASE = "/v2/listeners"
+_ONE = _BASE + "/{listener_id}"
+
+ROUTES = (
+    Route(
+        Operation(
+            "post",
+            _BASE,
+            "create_listener",
+            "Create a listener for a compute cluster",
+            {
+                201: Response("The listener", Listener, _CREATED_LINKS),
+                **errors(*AUTHENTICATED, 409, 413, 422),
+            },
+            body=ListenerCreate,
+            tag=TAG,
+        ),
+        create_listener,
+    ),
+    Route(
+        Operation(
+            "get",
+            _BASE,
+            "list_listeners",
+            "List listeners, newest first",
+            {200: Response("A page of listeners", ListenerList), **errors(*AUTHENTICATED, 422)},
+            query=PageQuery,
+            tag=TAG,
+        ),
+        list_listeners,
+    ),
+    Route(
+        Operation(
+            "get",
+            _ONE,
+            "get_listener",
+            "Read a listener",
+            {200: Response("The listener", Listener), **errors(*AUTHENTICATED, 404, 422)},
+            path_parameter=PathId,
+            tag=TAG,
+        ),
+        get_listener,
+    ),
+    Route(
+        Operation(
+            "patch",
+            _ONE,
+            "update_listener",
+            "Update a listener's compute config or version",
+            {200: Response("The listener", Listener), **errors(*AUTHENTICATED, 404, 413, 422)},
+            body=ListenerPatch,
+            path_parameter=PathId,
+            tag=TAG,
+        ),
+        patch_listener,
+    ),
+    Route(
+        Operation(
+            "delete",
+            _ONE,
+            "delete_listener",
+            "Delete a listener",
+            {204: Response("Deleted"), **errors(*AUTHENTICATED, 404, 422)},
+            path_parameter=PathId,
+            tag=TAG,
+        ),
+        delete_listener,
+    ),
+)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping
-from typing import Any, TypeVar
+from collections.abc import Collection, Mapping
+from typing import Any, TypeVar, overload
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from gateway.upstreams.http_api.problems import InvalidRequest, describe
 
@@ -47,21 +47,43 @@ class ModelReader:
         self._patterns = dict(patterns or {})
         self._tags = tuple(tags)
 
-    def body(self, model: Callable[..., T] | type[T], raw: bytes) -> T:
-        """``raw`` decoded as JSON and validated strictly into ``model``."""
+    @overload
+    def body(self, model: type[T], raw: bytes) -> T: ...
+    @overload
+    def body(self, model: object, raw: bytes) -> Any: ...
+    def body(self, model: Any, raw: bytes) -> Any:
+        """``raw`` decoded as JSON and validated strictly into ``model`` (a class, or a type
+        such as a tagged union)."""
         return self.json(model, decode_json(raw))
 
-    def json(self, model: Callable[..., T] | type[T], data: object) -> T:
+    @overload
+    def json(self, model: type[T], data: object) -> T: ...
+    @overload
+    def json(self, model: object, data: object) -> Any: ...
+    def json(self, model: Any, data: object) -> Any:
         """Decoded JSON validated strictly (no string-to-number or number-to-bool guesses)."""
         return self._validate(model, data, strict=True)
 
-    def query(self, model: Callable[..., T] | type[T], query: Mapping[str, str]) -> T:
+    def query(self, model: type[T], query: Mapping[str, str]) -> T:
         """Query parameters (all text) validated with text-to-number conversion."""
-        return self._validate(model, dict(query), strict=False)
+        value: T = self._validate(model, dict(query), strict=False)
+        return value
 
-    def _validate(self, model: Callable[..., T] | type[T], data: object, *, strict: bool) -> T:
+    def parameter(self, model: Any, name: str, value: str) -> Any:
+        """One path parameter, validated into ``model``; errors name the parameter."""
+        return self._validate(model, value, strict=True, name=name)
+
+    def _validate(self, model: Any, data: object, *, strict: bool, name: str | None = None) -> Any:
         try:
-            value: T = adapter(model).validate_python(data, strict=strict)
+            value = adapter(model).validate_python(data, strict=strict)
         except ValidationError as exc:
-            raise InvalidRequest(describe(exc, patterns=self._patterns, tags=self._tags)) from None
+            fields = (
+                model.model_fields
+                if isinstance(model, type) and issubclass(model, BaseModel)
+                else ()
+            )
+            detail = describe(
+                exc, patterns=self._patterns, tags=self._tags, name=name, fields=list(fields)
+            )
+            raise InvalidRequest(detail) from None
         return value

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
 # Arrays and objects inside one field may nest at most this deep (the field's own value is
@@ -91,6 +91,18 @@ INTEGRAL = BeforeValidator(_integral)
 
 Text = Annotated[str, UTF8]
 """A string that has a UTF-8 form."""
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+def omissible() -> Any:
+    """The default of a field that may be left out but is never null when given: its value
+    is then None ("not given", so read such a model with ``exclude_unset``), and the JSON
+    Schema shows no default."""
+    return Field(default=None, json_schema_extra=_no_default)
+
 
 JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_tree)]
 """A free-form JSON object whose every node is storable JSON."""

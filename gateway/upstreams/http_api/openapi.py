@@ -23,10 +23,13 @@ _PATH_PARAMETER = re.compile(r"\{([^}/]+)\}")
 
 @dataclass(frozen=True)
 class Response:
-    """One documented answer: a description and the body's type (None: no body)."""
+    """One documented answer: a description, the body's type (None: no body), and links:
+    operations whose parameters come from this answer (name -> operation id ->
+    parameter -> ``$response.body#/...`` expression)."""
 
     description: str
     model: Any = None
+    links: Mapping[str, tuple[str, Mapping[str, str]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Operation:
     path_parameter: Any = None  # the type of every ``{name}`` in the path
     description: str = ""
     public: bool = False  # True: no credentials needed (when the API has security schemes)
+    tag: str = ""  # the group in the document; empty: the API's own tag
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class Api:
     title: str
     version: str
     description: str
-    tag: str
+    tag: str  # operations name their own group, or are in this one
     security_schemes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
@@ -62,10 +66,11 @@ def openapi_document(api: Api, operations: Sequence[Operation]) -> dict[str, Any
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
         paths.setdefault(op.path, {})[op.method] = _operation(api, op, schemas)
+    tags = dict.fromkeys(op.tag or api.tag for op in operations)
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": api.title, "version": api.version, "description": api.description},
-        "tags": [{"name": api.tag}],
+        "tags": [{"name": tag} for tag in tags],
         "paths": paths,
         "components": {"schemas": schemas.definitions()},
     }
@@ -76,7 +81,11 @@ def openapi_document(api: Api, operations: Sequence[Operation]) -> dict[str, Any
 
 
 def _operation(api: Api, op: Operation, schemas: _Schemas) -> dict[str, Any]:
-    out: dict[str, Any] = {"operationId": op.operation_id, "tags": [api.tag], "summary": op.summary}
+    out: dict[str, Any] = {
+        "operationId": op.operation_id,
+        "tags": [op.tag or api.tag],
+        "summary": op.summary,
+    }
     if op.description:
         out["description"] = op.description
     parameters = [
@@ -135,6 +144,11 @@ def _response(response: Response, schemas: _Schemas) -> dict[str, Any]:
     if response.model is not None:
         schema = schemas.ref(response.model, mode="serialization")
         out["content"] = {"application/json": {"schema": schema}}
+    if response.links:
+        out["links"] = {
+            name: {"operationId": operation_id, "parameters": dict(parameters)}
+            for name, (operation_id, parameters) in response.links.items()
+        }
     return out
 
 

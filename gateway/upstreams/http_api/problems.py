@@ -50,12 +50,16 @@ def describe(
     *,
     patterns: Mapping[str, str] | None = None,
     tags: Collection[str] = (),
+    name: str | None = None,
+    fields: Collection[str] = (),
 ) -> str:
     """The first problem of ``error`` as ``path: message``.
 
     ``patterns`` maps a regular expression of the models to what it means in words.
     ``tags`` are the discriminator values of a tagged union validated at the top: pydantic
-    puts the chosen one first in every location, and it is no field.
+    puts the chosen one first in every location, and it is no field. ``name`` is the name of
+    what was validated, when it is one parameter rather than a body. ``fields`` are the
+    fields of a body, named when an unknown one is refused.
     """
     details = error.errors(include_url=False)
     first = details[0]
@@ -66,8 +70,11 @@ def describe(
         key=lambda d: len(_loc(d, tags)),
     )
     loc = _loc(best, tags)
-    path = [*loc, *best.get("ctx", {}).get("path", [])]
-    return f"{render_path(path)}: {_message(best, patterns or {})}"
+    path = [*([name] if name else []), *loc, *best.get("ctx", {}).get("path", [])]
+    message = _message(best, patterns or {})
+    if best["type"] == "extra_forbidden" and len(loc) == 1 and fields:
+        message += f" (accepted: {', '.join(fields)})"
+    return f"{render_path(path)}: {message}"
 
 
 def _loc(detail: ErrorDetails, tags: Collection[str]) -> list[str | int]:
@@ -126,8 +133,9 @@ def _message(detail: ErrorDetails, patterns: Mapping[str, str]) -> str:
     if kind == "extra_forbidden":
         return "unknown field"
     if kind in ("literal_error", "enum", "union_tag_invalid"):
-        expected = ctx.get("expected") or ctx.get("expected_tags", "")
-        return f"expected one of {expected}"
+        expected = str(ctx.get("expected") or ctx.get("expected_tags", ""))
+        one = " or " not in expected and ", " not in expected
+        return f"expected {expected}" if one else f"expected one of {expected}"
     if kind == "string_too_short":
         if ctx.get("min_length") == 1:
             return "must not be empty"

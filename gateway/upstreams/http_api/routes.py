@@ -24,14 +24,19 @@ class Route:
 
 
 def add_routes(
-    router: web.UrlDispatcher, routes: Sequence[Route], prefix: str = "", name: str = ""
+    router: web.UrlDispatcher,
+    routes: Sequence[Route],
+    prefix: str = "",
+    public_name_prefix: str = "",
 ) -> None:
-    """Register every route under ``prefix``; ``name`` prefixes the route names (public
-    routes are recognised by it)."""
+    """Register every route under ``prefix``. The routes of public operations are named
+    ``<public_name_prefix><operation id><prefix>``, so middleware can tell them apart."""
     for route in routes:
         op = route.operation
-        route_name = f"{name}{op.operation_id}{prefix.replace('/', '-')}" if name else None
-        router.add_route(op.method.upper(), prefix + op.path, route.handler, name=route_name)
+        name = None
+        if public_name_prefix and op.public:
+            name = f"{public_name_prefix}{op.operation_id}{prefix.replace('/', '-')}"
+        router.add_route(op.method.upper(), prefix + op.path, route.handler, name=name)
 
 
 def document_bytes(api: Api, routes: Sequence[Route]) -> bytes:
