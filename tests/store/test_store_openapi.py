@@ -8,11 +8,11 @@ import json
 from typing import Any
 
 import aiohttp
-import jsonschema_rs
 import pytest
 
 from gateway.upstreams.http_api.routes import document_bytes
 from gateway.upstreams.store.app import API, ROUTES
+from tests.support.openapi_document import unresolved_refs, validator
 
 from .store_support import RunningStore
 from .test_store_validation import NAMESPACES_CASES, PUT_CASES, SEARCH_CASES
@@ -43,9 +43,7 @@ async def test_openapi_document_matches_the_routes(
         if route.method != "HEAD" and route.resource is not None
     }
     assert documented == served
-    for ref in _refs(document):
-        assert ref.startswith("#/components/schemas/")
-        assert ref.removeprefix("#/components/schemas/") in document["components"]["schemas"]
+    assert unresolved_refs(document) == []
 
 
 async def test_openapi_document_has_the_service_description_names(
@@ -117,18 +115,9 @@ async def test_schema_and_store_agree_on_each_body(
     http: aiohttp.ClientSession, operation: str, schema: str, body: Any
 ) -> None:
     document = await _document(http)
-    validator = jsonschema_rs.validator_for({**document, "$ref": f"#/components/schemas/{schema}"})
+    schema_of_body = validator(document, {"$ref": f"#/components/schemas/{schema}"})
     method, path = operation.split(" ")
     async with http.request(method, path, json=body) as response:
         accepted = response.status != 422
         detail = await response.text()
-    assert validator.is_valid(body) == accepted, (body, detail)
-
-
-def _refs(node: Any) -> list[str]:
-    if isinstance(node, dict):
-        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
-        return own + [ref for child in node.values() for ref in _refs(child)]
-    if isinstance(node, list):
-        return [ref for child in node for ref in _refs(child)]
-    return []
+    assert schema_of_body.is_valid(body) == accepted, (body, detail)

@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.upstreams.http_api.openapi import Operation, Response
 from gateway.upstreams.http_api.routes import Route
 
-from .api_doc import AUTHENTICATED, errors, links_from
+from .api_doc import AUTHENTICATED, Resource, ResourceHandlers, errors, resource_routes
 from .http_helpers import (
     READ,
     create_resource,
@@ -39,7 +39,6 @@ from .models import (
     AuthenticateResponse,
     CallbackRequest,
     CallbackResponse,
-    PageQuery,
     PathId,
     Provider,
     ProviderCreate,
@@ -202,18 +201,24 @@ async def oauth_callback(request: web.Request) -> web.Response:
 
 
 _BY_PROVIDER = {"provider_id": "provider_id"}
-_PROVIDER_LINKS = links_from(
-    "created",
-    {
-        "get_provider": _BY_PROVIDER,
-        "update_provider": _BY_PROVIDER,
-        "delete_provider": _BY_PROVIDER,
-        "complete_auth": _BY_PROVIDER,
-        "complete_auth_post": _BY_PROVIDER,
+PROVIDERS = Resource(
+    noun="provider",
+    plural="providers",
+    base="/v2/auth/providers",
+    key="provider_id",
+    view=Provider,
+    page=ProviderList,
+    create_body=ProviderCreate,
+    update_body=ProviderPatch,
+    tag=TAG,
+    id_field="provider_id",
+    conflicts=True,
+    summaries={
+        "create": "Configure an OAuth provider",
+        "delete": "Delete an OAuth provider and its flows",
     },
+    created_links={"complete_auth": _BY_PROVIDER, "complete_auth_post": _BY_PROVIDER},
 )
-_PROVIDERS = "/v2/auth/providers"
-_PROVIDER = _PROVIDERS + "/{provider_id}"
 _CALLBACK = "/v2/auth/callback/{provider_id}"
 
 
@@ -224,75 +229,11 @@ def routes(wait_max_seconds: float) -> tuple[Route, ...]:
         **errors(404, 413, 422),
     }
     return (
-        Route(
-            Operation(
-                "post",
-                _PROVIDERS,
-                "create_provider",
-                "Configure an OAuth provider",
-                {
-                    201: Response("The provider", Provider, _PROVIDER_LINKS),
-                    **errors(*AUTHENTICATED, 409, 413, 422),
-                },
-                body=ProviderCreate,
-                tag=TAG,
+        *resource_routes(
+            PROVIDERS,
+            ResourceHandlers(
+                create_provider, list_providers, get_provider, patch_provider, delete_provider
             ),
-            create_provider,
-        ),
-        Route(
-            Operation(
-                "get",
-                _PROVIDERS,
-                "list_providers",
-                "List OAuth providers, newest first",
-                {
-                    200: Response("A page of providers", ProviderList),
-                    **errors(*AUTHENTICATED, 422),
-                },
-                query=PageQuery,
-                tag=TAG,
-            ),
-            list_providers,
-        ),
-        Route(
-            Operation(
-                "get",
-                _PROVIDER,
-                "get_provider",
-                "Read an OAuth provider",
-                {200: Response("The provider", Provider), **errors(*AUTHENTICATED, 404, 422)},
-                path_parameter=PathId,
-                tag=TAG,
-            ),
-            get_provider,
-        ),
-        Route(
-            Operation(
-                "patch",
-                _PROVIDER,
-                "update_provider",
-                "Update an OAuth provider",
-                {
-                    200: Response("The provider", Provider),
-                    **errors(*AUTHENTICATED, 404, 413, 422),
-                },
-                body=ProviderPatch,
-                path_parameter=PathId,
-                tag=TAG,
-            ),
-            patch_provider,
-        ),
-        Route(
-            Operation(
-                "delete",
-                _PROVIDER,
-                "delete_provider",
-                "Delete an OAuth provider and its flows",
-                {204: Response("Deleted"), **errors(*AUTHENTICATED, 404, 422)},
-                path_parameter=PathId,
-                tag=TAG,
-            ),
-            delete_provider,
         ),
         Route(
             Operation(

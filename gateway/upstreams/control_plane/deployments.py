@@ -11,7 +11,7 @@ from gateway.upstreams.http_api.openapi import Operation, Response
 from gateway.upstreams.http_api.routes import Route
 
 from . import rules
-from .api_doc import AUTHENTICATED, errors, links_from
+from .api_doc import AUTHENTICATED, Resource, ResourceHandlers, errors, resource_routes
 from .http_helpers import (
     READ,
     delete_resource,
@@ -199,101 +199,56 @@ async def redeploy_revision(request: web.Request) -> web.Response:
     return web.json_response(deployment)
 
 
-_DEPLOYMENT = {"deployment_id": "id"}
+_ONE = "/v2/deployments/{deployment_id}"
+_REVISION = _ONE + "/revisions/{revision_id}"
 _LATEST = {"deployment_id": "id", "revision_id": "latest_revision_id"}
-_CREATED_LINKS = links_from(
-    "created",
-    {
-        "get_deployment": _DEPLOYMENT,
-        "update_deployment": _DEPLOYMENT,
-        "delete_deployment": _DEPLOYMENT,
-        "list_revisions": _DEPLOYMENT,
+
+DEPLOYMENTS = Resource(
+    noun="deployment",
+    plural="deployments",
+    base="/v2/deployments",
+    key="deployment_id",
+    view=Deployment,
+    page=DeploymentList,
+    create_body=DeploymentCreate,
+    update_body=DeploymentPatch,
+    tag=TAG,
+    list_query=DeploymentListQuery,
+    summaries={
+        "create": "Create a deployment and its first revision",
+        "update": "Update a deployment; a revision config or secrets make a new revision",
+        "delete": "Delete a deployment and its revisions",
+    },
+    descriptions={
+        "create": (
+            "`source` github needs `integration_id`, `repo_url`, `repo_ref` and the config "
+            "path; external_docker needs `image_uri`. When integrations are configured, "
+            "`integration_id` must name one the tenant can see (422 otherwise). Input that "
+            "is well-formed but cannot build is accepted and fails the revision with "
+            "BUILD_FAILED."
+        ),
+        "update": (
+            "Objects are merged field by field into the stored configuration. A named "
+            "`integration_id` is checked as on create."
+        ),
+    },
+    created_links={
+        "list_revisions": {"deployment_id": "id"},
         "get_revision": _LATEST,
         "redeploy_revision": _LATEST,
     },
 )
-_BASE = "/v2/deployments"
-_ONE = _BASE + "/{deployment_id}"
-_REVISION = _ONE + "/revisions/{revision_id}"
 
 ROUTES = (
-    Route(
-        Operation(
-            "post",
-            _BASE,
-            "create_deployment",
-            "Create a deployment and its first revision",
-            {
-                201: Response("The deployment", Deployment, _CREATED_LINKS),
-                **errors(*AUTHENTICATED, 413, 422),
-            },
-            body=DeploymentCreate,
-            description=(
-                "`source` github needs `integration_id`, `repo_url`, `repo_ref` and the config "
-                "path; external_docker needs `image_uri`. When integrations are configured, "
-                "`integration_id` must name one the tenant can see (422 otherwise). Input "
-                "that is well-formed but cannot build is accepted and fails the revision "
-                "with BUILD_FAILED."
-            ),
-            tag=TAG,
+    *resource_routes(
+        DEPLOYMENTS,
+        ResourceHandlers(
+            create_deployment,
+            list_deployments,
+            get_deployment,
+            patch_deployment,
+            delete_deployment,
         ),
-        create_deployment,
-    ),
-    Route(
-        Operation(
-            "get",
-            _BASE,
-            "list_deployments",
-            "List deployments, newest first",
-            {200: Response("A page of deployments", DeploymentList), **errors(*AUTHENTICATED, 422)},
-            query=DeploymentListQuery,
-            tag=TAG,
-        ),
-        list_deployments,
-    ),
-    Route(
-        Operation(
-            "get",
-            _ONE,
-            "get_deployment",
-            "Read a deployment",
-            {200: Response("The deployment", Deployment), **errors(*AUTHENTICATED, 404, 422)},
-            path_parameter=PathId,
-            tag=TAG,
-        ),
-        get_deployment,
-    ),
-    Route(
-        Operation(
-            "patch",
-            _ONE,
-            "update_deployment",
-            "Update a deployment; a revision config or secrets make a new revision",
-            {
-                200: Response("The deployment", Deployment),
-                **errors(*AUTHENTICATED, 404, 413, 422),
-            },
-            body=DeploymentPatch,
-            path_parameter=PathId,
-            description=(
-                "Objects are merged field by field into the stored configuration. A named "
-                "`integration_id` is checked as on create."
-            ),
-            tag=TAG,
-        ),
-        patch_deployment,
-    ),
-    Route(
-        Operation(
-            "delete",
-            _ONE,
-            "delete_deployment",
-            "Delete a deployment and its revisions",
-            {204: Response("Deleted"), **errors(*AUTHENTICATED, 404, 422)},
-            path_parameter=PathId,
-            tag=TAG,
-        ),
-        delete_deployment,
     ),
     Route(
         Operation(

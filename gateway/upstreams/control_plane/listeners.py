@@ -6,10 +6,7 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from gateway.upstreams.http_api.openapi import Operation, Response
-from gateway.upstreams.http_api.routes import Route
-
-from .api_doc import AUTHENTICATED, errors, links_from
+from .api_doc import Resource, ResourceHandlers, resource_routes
 from .http_helpers import (
     create_resource,
     delete_resource,
@@ -21,7 +18,7 @@ from .http_helpers import (
     runtime,
     tenant,
 )
-from .models import Listener, ListenerCreate, ListenerList, ListenerPatch, PageQuery, PathId
+from .models import Listener, ListenerCreate, ListenerList, ListenerPatch
 from .storage import ControlPlaneStore as Store
 
 
@@ -62,77 +59,22 @@ async def delete_listener(request: web.Request) -> web.Response:
     return await delete_resource(request, "listener_id", Store.delete_listener, _missing)
 
 
-_LISTENER = {"listener_id": "id"}
-_CREATED_LINKS = links_from(
-    "created",
-    {"get_listener": _LISTENER, "update_listener": _LISTENER, "delete_listener": _LISTENER},
+LISTENERS = Resource(
+    noun="listener",
+    plural="listeners",
+    base="/v2/listeners",
+    key="listener_id",
+    view=Listener,
+    page=ListenerList,
+    create_body=ListenerCreate,
+    update_body=ListenerPatch,
+    tag=TAG,
+    conflicts=True,
+    summaries={"create": "Create a listener for a compute cluster"},
 )
-_BASE = "/v2/listeners"
-_ONE = _BASE + "/{listener_id}"
-
-ROUTES = (
-    Route(
-        Operation(
-            "post",
-            _BASE,
-            "create_listener",
-            "Create a listener for a compute cluster",
-            {
-                201: Response("The listener", Listener, _CREATED_LINKS),
-                **errors(*AUTHENTICATED, 409, 413, 422),
-            },
-            body=ListenerCreate,
-            tag=TAG,
-        ),
-        create_listener,
-    ),
-    Route(
-        Operation(
-            "get",
-            _BASE,
-            "list_listeners",
-            "List listeners, newest first",
-            {200: Response("A page of listeners", ListenerList), **errors(*AUTHENTICATED, 422)},
-            query=PageQuery,
-            tag=TAG,
-        ),
-        list_listeners,
-    ),
-    Route(
-        Operation(
-            "get",
-            _ONE,
-            "get_listener",
-            "Read a listener",
-            {200: Response("The listener", Listener), **errors(*AUTHENTICATED, 404, 422)},
-            path_parameter=PathId,
-            tag=TAG,
-        ),
-        get_listener,
-    ),
-    Route(
-        Operation(
-            "patch",
-            _ONE,
-            "update_listener",
-            "Update a listener's compute config or version",
-            {200: Response("The listener", Listener), **errors(*AUTHENTICATED, 404, 413, 422)},
-            body=ListenerPatch,
-            path_parameter=PathId,
-            tag=TAG,
-        ),
-        patch_listener,
-    ),
-    Route(
-        Operation(
-            "delete",
-            _ONE,
-            "delete_listener",
-            "Delete a listener",
-            {204: Response("Deleted"), **errors(*AUTHENTICATED, 404, 422)},
-            path_parameter=PathId,
-            tag=TAG,
-        ),
-        delete_listener,
+ROUTES = resource_routes(
+    LISTENERS,
+    ResourceHandlers(
+        create_listener, list_listeners, get_listener, patch_listener, delete_listener
     ),
 )

@@ -18,6 +18,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 from gateway.upstreams.http_api.decoding import adapter
 
 REF_TEMPLATE = "#/components/schemas/{model}"
+Method = Literal["get", "put", "post", "patch", "delete"]
 _PATH_PARAMETER = re.compile(r"\{([^}/]+)\}")
 
 
@@ -36,7 +37,7 @@ class Response:
 class Operation:
     """One method on one path, as documented."""
 
-    method: Literal["get", "put", "post", "patch", "delete"]
+    method: Method
     path: str
     operation_id: str
     summary: str

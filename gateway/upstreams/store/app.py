@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.upstreams.http_api.decoding import ModelReader
-from gateway.upstreams.http_api.openapi import Api, Operation, Response
+from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
 from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
 from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
 from gateway.upstreams.store.config import StoreConfig
@@ -151,17 +151,25 @@ _BUSY = Response(
 _ERRORS = {422: _INVALID, 503: _BUSY}
 _BODY_ERRORS = {413: _TOO_LARGE, **_ERRORS}
 
+
+def _body_route(
+    handler: Handler, method: Method, path: str, summary: str, answer: Response, body: Any
+) -> Route:
+    """An operation that reads a JSON body ``body``, named after its handler: its answer
+    (200, or 204 when it has no model), or 413, 422 or 503."""
+    status = 200 if answer.model is not None else 204
+    answers = {status: answer, **_BODY_ERRORS}
+    return Route(Operation(method, path, handler.__name__, summary, answers, body=body), handler)
+
+
 ROUTES = (
-    Route(
-        Operation(
-            "put",
-            "/store/items",
-            "put_item",
-            "Store or update an item",
-            {204: Response("Stored"), **_BODY_ERRORS},
-            body=StorePutRequest,
-        ),
+    _body_route(
         put_item,
+        "put",
+        "/store/items",
+        "Store or update an item",
+        Response("Stored"),
+        StorePutRequest,
     ),
     Route(
         Operation(
@@ -174,38 +182,29 @@ ROUTES = (
         ),
         get_item,
     ),
-    Route(
-        Operation(
-            "delete",
-            "/store/items",
-            "delete_item",
-            "Delete an item (also when absent)",
-            {204: Response("Deleted"), **_BODY_ERRORS},
-            body=StoreDeleteRequest,
-        ),
+    _body_route(
         delete_item,
+        "delete",
+        "/store/items",
+        "Delete an item (also when absent)",
+        Response("Deleted"),
+        StoreDeleteRequest,
     ),
-    Route(
-        Operation(
-            "post",
-            "/store/items/search",
-            "search_items",
-            "List items under a namespace prefix (newest update first) or search them",
-            {200: Response("Matching items", SearchItemsResponse), **_BODY_ERRORS},
-            body=StoreSearchRequest,
-        ),
+    _body_route(
         search_items,
+        "post",
+        "/store/items/search",
+        "List items under a namespace prefix (newest update first) or search them",
+        Response("Matching items", SearchItemsResponse),
+        StoreSearchRequest,
     ),
-    Route(
-        Operation(
-            "post",
-            "/store/namespaces",
-            "list_namespaces",
-            "List namespaces",
-            {200: Response("Namespaces, sorted", ListNamespaceResponse), **_BODY_ERRORS},
-            body=StoreListNamespacesRequest,
-        ),
+    _body_route(
         list_namespaces,
+        "post",
+        "/store/namespaces",
+        "List namespaces",
+        Response("Namespaces, sorted", ListNamespaceResponse),
+        StoreListNamespacesRequest,
     ),
     Route(
         Operation(
