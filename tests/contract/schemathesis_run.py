@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_FILE = Path(__file__).with_name("schemathesis.toml")
 SEED = 20260613
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = 100
 
 
 @dataclass
@@ -65,6 +66,8 @@ async def run_schemathesis(
         sys.executable,
         "-m",
         "schemathesis.cli",
+        "--config-file",
+        str(CONFIG_FILE),
         "run",
         document_url,
         "--checks",
