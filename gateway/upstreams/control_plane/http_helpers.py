@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
@@ -13,6 +13,7 @@ from aiohttp import web
 
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.problems import InvalidRequest
+from gateway.upstreams.http_api.routes import Handler
 
 from .config import ControlPlaneConfig
 from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
@@ -22,7 +23,6 @@ from .storage import Conflict, ControlPlaneStore, Database, Row
 
 log = logging.getLogger("gateway.control_plane")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Missing = Callable[[str], NoReturn]
 T = TypeVar("T")
 PUBLIC_ROUTE_PREFIX = "public:"

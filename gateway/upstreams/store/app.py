@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
 from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
-from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
+from gateway.upstreams.http_api.routes import Handler, Route, add_routes, document_bytes
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.errors import StoreRequestError
 from gateway.upstreams.store.models import (
@@ -38,7 +38,6 @@ STORAGE_KEY = web.AppKey("store_storage", SQLiteStorage)
 CONFIG_KEY = web.AppKey("store_config", StoreConfig)
 OPENAPI_KEY = web.AppKey("store_openapi", bytes)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 READ = ModelReader(PATTERNS)
 
 
