@@ -7,6 +7,9 @@ and drives it over HTTP with aiohttp, so the numbers include HTTP, JSON and SQLi
     .venv/bin/python benchmarks/store_bench.py --million       # also at 1M items (slow)
     .venv/bin/python benchmarks/store_bench.py --large 200000  # also at another scale
     .venv/bin/python benchmarks/store_bench.py --synchronous normal
+    # another source tree's Store (before/after), the server on core 0, this client on 1:
+    taskset -c 1 .venv/bin/python benchmarks/store_bench.py --store-src /tmp/before \
+        --server-cpus 0 --no-growth
 
 Large stores are preloaded straight into SQLite (same schema, same triggers) because putting
 a million items over HTTP would take most of the run; the measured puts and searches then
@@ -98,21 +101,24 @@ def preload(db_path: Path, count: int, namespaces: int, prefix: str, seed: int) 
 class StoreServer:
     """The Store in a child process."""
 
-    def __init__(self, data_dir: Path, synchronous: str) -> None:
+    def __init__(self, data_dir: Path, args: argparse.Namespace) -> None:
+        source = args.store_src.resolve()
+        pinning = ["taskset", "-c", args.server_cpus] if args.server_cpus else []
         self.process = subprocess.Popen(
             [
+                *pinning,
                 sys.executable,
                 "-m",
                 "gateway.upstreams.store",
                 "--data-dir",
                 str(data_dir),
                 "--synchronous",
-                synchronous,
+                args.synchronous,
             ],
             stdout=subprocess.PIPE,
             text=True,
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            cwd=source,
+            env={**os.environ, "PYTHONPATH": str(source)},
         )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
@@ -184,7 +190,7 @@ async def run_scale(
         preload(data_dir / "store.sqlite3", items, 1000, "bench", args.seed)
         preloaded = items
         print(f"  preloaded {items:,} items in {time.perf_counter() - started:.1f} s", flush=True)
-    server = StoreServer(data_dir, args.synchronous)
+    server = StoreServer(data_dir, args)
     try:
         timeout = aiohttp.ClientTimeout(total=60)
         connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
@@ -262,7 +268,7 @@ async def run_listing_growth(args: argparse.Namespace, work_dir: Path) -> list[d
         preload(data_dir / "store.sqlite3", size, 1, f"grow.s{size}", args.seed)
     print("\n== listing cost as one namespace grows ==", flush=True)
     results: list[dict[str, Any]] = []
-    server = StoreServer(data_dir, args.synchronous)
+    server = StoreServer(data_dir, args)
     try:
         async with aiohttp.ClientSession(server.url) as s:
             for size in sizes:
@@ -317,10 +323,20 @@ def main() -> None:
     parser.add_argument("--synchronous", choices=("full", "normal"), default="full")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument(
+        "--store-src",
+        type=Path,
+        default=REPO_ROOT,
+        help="source tree whose Store is measured (default: this one), e.g. a git worktree "
+        "of an earlier commit",
+    )
+    parser.add_argument("--server-cpus", help="pin the Store process to these CPUs (taskset)")
+    parser.add_argument("--no-growth", action="store_true", help="skip the listing-growth section")
     args = parser.parse_args()
 
     info = machine_info()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    print(f"store source: {args.store_src.resolve()}")
     rng = random.Random(args.seed)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
@@ -330,7 +346,8 @@ def main() -> None:
             results += asyncio.run(run_scale(args.large, args, work_dir, rng))
         if args.million:
             results += asyncio.run(run_scale(1_000_000, args, work_dir, rng))
-        results += asyncio.run(run_listing_growth(args, work_dir))
+        if not args.no_growth:
+            results += asyncio.run(run_listing_growth(args, work_dir))
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "results": results}, indent=2))
 

@@ -238,7 +238,6 @@ async def test_other_tenants_resources_are_404(http):
         lambda b: b["source_revision_config"].update(graph_config_path="other.json"),
         lambda b: b.update(secrets={"A": "b"}),
         lambda b: b.update(secrets=[{"name": "A", "value": 1}]),
-        lambda b: b.update(secrets=[{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
         lambda b: b.update(source_config=[]),
     ],
 )
@@ -248,6 +247,18 @@ async def test_invalid_create_bodies_are_422(http, mutate):
     r = await http.post("/v2/deployments", json=body, headers=H)
     assert r.status == 422, await r.text()
     assert isinstance((await r.json())["detail"], str)
+
+
+async def test_a_secret_named_twice_is_one_secret(http):
+    body = deployment_body()
+    body["secrets"] = [
+        {"name": "A", "value": "1"},
+        {"name": "B", "value": "2"},
+        {"name": "A", "value": "3"},
+    ]
+    r = await http.post("/v2/deployments", json=body, headers=H)
+    assert r.status == 201, await r.text()
+    assert (await r.json())["secrets"] == [{"name": "A"}, {"name": "B"}]
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"null", b"\xff\xfe", b"[" * 50000])

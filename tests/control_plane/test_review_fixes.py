@@ -12,8 +12,10 @@ import aiohttp
 import pytest
 
 from gateway.client import ControlPlaneClient, run_quickstart
-from gateway.upstreams.control_plane import validation
+from gateway.upstreams.control_plane.http_helpers import READ
+from gateway.upstreams.control_plane.models import CallbackRequest
 from gateway.upstreams.control_plane.storage import ControlPlaneStore
+from gateway.upstreams.http_api.problems import InvalidRequest
 
 from .support import (
     KEY_A,
@@ -133,9 +135,9 @@ async def test_lone_surrogate_in_listener_provider_and_auth_fields_is_422(http):
     await assert_422(r, "state")
 
 
-def test_string_helper_refuses_lone_surrogates():
-    with pytest.raises(validation.ValidationFailed, match=r"body\.state"):
-        validation.callback_request({"code": "c", "state": "x\ud800"})
+def test_the_callback_model_refuses_lone_surrogates():
+    with pytest.raises(InvalidRequest, match=r"^state: .*surrogate"):
+        READ.json(CallbackRequest, {"code": "c", "state": "x\ud800"})
 
 
 # ---- 3. non-UTF-8 API keys ---------------------------------------------------------------
@@ -217,7 +219,6 @@ async def test_revision_list_follows_commit_order_across_processes(tmp_path):
                     TENANT_A,
                     dep_id,
                     {"source_revision_config": {"repo_ref": "theirs"}},
-                    validation.check_complete,
                     _Stamp(2000.0),
                 )
                 other._conn.execute("COMMIT")

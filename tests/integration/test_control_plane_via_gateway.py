@@ -54,6 +54,14 @@ async def http(control_plane_url):
         yield session
 
 
+async def test_the_control_plane_document_is_reachable_through_the_gateway(http):
+    async with http.get("/api-host/openapi.json") as r:
+        assert r.status == 200
+        document = await r.json()
+    assert document["openapi"] == "3.1.0"
+    assert document["paths"]["/v2/deployments"]["post"]["operationId"] == "create_deployment"
+
+
 async def test_control_plane_answers_carry_rate_limit_fields(http):
     async with http.get("/v2/deployments", headers=headers()) as r:
         assert r.status == 200

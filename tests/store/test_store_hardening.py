@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 
 from gateway.upstreams.store import StoreConfig
-from gateway.upstreams.store.app import STORAGE_KEY
+from gateway.upstreams.store.app import READ, STORAGE_KEY
 from gateway.upstreams.store.filters import canonical_json, canonical_json_text
-from gateway.upstreams.store.requests import parse_list_namespaces, parse_put
+from gateway.upstreams.store.models import StoreListNamespacesRequest, StorePutRequest
 from gateway.upstreams.store.storage import SQLiteStorage, _put
 
 from .store_support import FakeClock, RunningStore
@@ -128,7 +128,9 @@ async def test_filters_over_a_deeply_nested_stored_value(running_store: RunningS
             _put, params=_put_params("deep", "older", '{"k":' + _deep_array(900) + "}")
         )
     )
-    await storage.put(parse_put({"namespace": ["deep"], "key": "new", "value": {"k": [1]}}))
+    await storage.put(
+        READ.json(StorePutRequest, {"namespace": ["deep"], "key": "new", "value": {"k": [1]}})
+    )
     async with aiohttp.ClientSession(running_store.url) as http:
         for condition, expected in (
             ([1], ["new"]),
@@ -192,7 +194,7 @@ async def test_list_namespaces_matches_a_full_walk(tmp_path: Path) -> None:
             body: dict[str, Any] = {"namespace": labels, "key": f"k{n}", "value": {}}
             if expiring:
                 body["ttl"] = 1
-            await store.put(parse_put(body))
+            await store.put(READ.json(StorePutRequest, body))
             if not expiring:
                 live.add(".".join(labels))
         clock.advance(120)  # the ttl=1 items are expired (not swept)
@@ -208,7 +210,7 @@ async def test_list_namespaces_matches_a_full_walk(tmp_path: Path) -> None:
                     request[field] = pattern
             if rng.random() < 0.6:
                 request["max_depth"] = rng.randint(1, 4)
-            got = await store.list_namespaces(parse_list_namespaces(request))
+            got = await store.list_namespaces(READ.json(StoreListNamespacesRequest, request))
             assert got == _reference_listing(live, request), request
     finally:
         await store.close()
@@ -252,12 +254,12 @@ async def _count_listing_steps(storage: SQLiteStorage) -> None:
         {"prefix": ["org2", "*"], "max_depth": 2, "limit": 3},
     ]
     steps = 0
-    assert await storage.list_namespaces(parse_list_namespaces(full_walk)) == []
+    assert await storage.list_namespaces(READ.json(StoreListNamespacesRequest, full_walk)) == []
     full = steps
     assert full > 100
     for body in cheap:
         steps = 0
-        await storage.list_namespaces(parse_list_namespaces(body))
+        await storage.list_namespaces(READ.json(StoreListNamespacesRequest, body))
         assert steps < full / 20, (body, steps, full)
 
 
@@ -266,11 +268,13 @@ async def test_list_namespaces_limit_one_is_first_in_dotted_order(
 ) -> None:
     """A cut namespace can sort before one walked earlier ('a' < 'a-b', walked after it)."""
     for namespace in (["a-b"], ["a", "x"], ["a", "x", "y"], ["a!"]):
-        await storage.put(parse_put({"namespace": namespace, "key": "k", "value": {}}))
-    listing = parse_list_namespaces({"max_depth": 1, "limit": 1})
+        await storage.put(
+            READ.json(StorePutRequest, {"namespace": namespace, "key": "k", "value": {}})
+        )
+    listing = READ.json(StoreListNamespacesRequest, {"max_depth": 1, "limit": 1})
     assert await storage.list_namespaces(listing) == [["a"]]
-    listing = parse_list_namespaces({"max_depth": 1, "limit": 2, "offset": 1})
+    listing = READ.json(StoreListNamespacesRequest, {"max_depth": 1, "limit": 2, "offset": 1})
     assert await storage.list_namespaces(listing) == [["a!"], ["a-b"]]
-    assert json.dumps(await storage.list_namespaces(parse_list_namespaces({}))) == json.dumps(
-        [["a!"], ["a-b"], ["a", "x"], ["a", "x", "y"]]
-    )
+    assert json.dumps(
+        await storage.list_namespaces(READ.json(StoreListNamespacesRequest, {}))
+    ) == json.dumps([["a!"], ["a-b"], ["a", "x"], ["a", "x", "y"]])

@@ -12,7 +12,8 @@ import pytest
 from langgraph_sdk import get_client
 
 from gateway.upstreams.store import StoreConfig, storage
-from gateway.upstreams.store.requests import parse_put, parse_search
+from gateway.upstreams.store.app import READ
+from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
 from gateway.upstreams.store.schema import SCHEMA_VERSION
 from gateway.upstreams.store.storage import SQLiteStorage
 
@@ -37,7 +38,7 @@ async def filled(tmp_path: Path) -> AsyncIterator[tuple[SQLiteStorage, FakeClock
             }
             if index % 7 == 0:
                 body["ttl"] = 1  # these expire below
-            await store.put(parse_put(body))
+            await store.put(READ.json(StorePutRequest, body))
             clock.advance(0.5)
         clock.advance(120)
         yield store, clock
@@ -62,7 +63,8 @@ async def test_scoped_and_store_wide_plans_return_the_same_results(
     for threshold in (-1, 10**9):  # never scoped, always scoped
         monkeypatch.setattr(storage, "SCOPED_SEARCH_MAX_ITEMS", threshold)
         results[threshold] = [
-            await store.search(parse_search({**body, "refresh_ttl": False})) for body in _SEARCHES
+            await store.search(READ.json(StoreSearchRequest, {**body, "refresh_ttl": False}))
+            for body in _SEARCHES
         ]
     assert results[-1] == results[10**9]
     assert sum(len(found) for found in results[-1]) > 200  # the comparison is not vacuous

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.upstreams.store.errors import StoreRequestError
-from gateway.upstreams.store.filters import FilterClause, canonical_json, parse_filter
+from gateway.upstreams.http_api.problems import InvalidRequest
+from gateway.upstreams.store.app import READ
+from gateway.upstreams.store.filters import FilterClause, canonical_json
+from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
 from gateway.upstreams.store.text_index import (
     match_expression,
-    parse_index_paths,
     searchable_text,
 )
 
@@ -36,13 +37,14 @@ VALUE = {
     ],
 )
 def test_searchable_text(paths: object, expected: str | None) -> None:
-    assert searchable_text(VALUE, parse_index_paths(paths)) == expected
+    put = READ.json(StorePutRequest, {"namespace": ["n"], "key": "k", "value": {}, "index": paths})
+    assert searchable_text(VALUE, put.index_paths()) == expected
 
 
 @pytest.mark.parametrize("path", ["", "a..b", "a.", ".a", "a[x]", "a[*", "a]b", "a[1]b"])
 def test_bad_index_paths(path: str) -> None:
-    with pytest.raises(StoreRequestError) as raised:
-        parse_index_paths([path])
+    with pytest.raises(InvalidRequest) as raised:
+        READ.json(StorePutRequest, {"namespace": ["n"], "key": "k", "value": {}, "index": [path]})
     assert raised.value.status == 422
     assert raised.value.detail.startswith("index[0]")
 
@@ -55,14 +57,17 @@ def test_match_expression_quotes_terms_and_drops_stopwords() -> None:
 
 
 def test_filter_parsing() -> None:
-    assert parse_filter({"a": 1, "b": {"$gt": 2, "$lt": 5}, "c": {"x": 1}}) == (
+    search = READ.json(
+        StoreSearchRequest, {"filter": {"a": 1, "b": {"$gt": 2, "$lt": 5}, "c": {"x": 1}}}
+    )
+    assert search.clauses() == (
         FilterClause("a", "$eq", 1),
         FilterClause("b", "$gt", 2),
         FilterClause("b", "$lt", 5),
         FilterClause("c", "$eq", {"x": 1}),
     )
-    with pytest.raises(StoreRequestError, match=r"filter\.b: unknown operator '\$in'"):
-        parse_filter({"b": {"$in": [1]}})
+    with pytest.raises(InvalidRequest, match=r"filter\.b: unknown operator '\$in'"):
+        READ.json(StoreSearchRequest, {"filter": {"b": {"$in": [1]}}})
 
 
 def test_canonical_json_ignores_key_order_and_integral_floats() -> None:

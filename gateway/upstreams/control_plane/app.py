@@ -7,12 +7,23 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 
+from gateway.upstreams.http_api.openapi import Operation, Response
+from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
+
 from . import auth_service, deployments, integrations, listeners
+from .api_doc import API
 from .config import ControlPlaneConfig
-from .http_helpers import RUNTIME_KEY, Runtime, auth_middleware, error_middleware
+from .http_helpers import (
+    PUBLIC_ROUTE_PREFIX,
+    RUNTIME_KEY,
+    Runtime,
+    auth_middleware,
+    error_middleware,
+)
 from .lifecycle import LifecycleDriver
 from .storage import Database
 
@@ -21,6 +32,36 @@ log = logging.getLogger("gateway.control_plane")
 # The gateway forwards paths unchanged, and self-hosted installs put the control plane
 # under /api-host, so every route exists at both places.
 ROUTE_PREFIXES = ("", "/api-host")
+OPENAPI_KEY = web.AppKey("control_plane_openapi", bytes)
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    """GET /openapi.json: the OpenAPI 3.1 description of the control plane."""
+    return web.Response(body=request.app[OPENAPI_KEY], content_type="application/json")
+
+
+_OPENAPI_ROUTE = Route(
+    Operation(
+        "get",
+        "/openapi.json",
+        "control_plane_openapi",
+        "This document",
+        {200: Response("OpenAPI 3.1 document", dict[str, Any])},
+        public=True,
+    ),
+    openapi_document,
+)
+
+
+def routes(config: ControlPlaneConfig) -> tuple[Route, ...]:
+    """Every route of the control plane, as served and as documented."""
+    return (
+        *deployments.ROUTES,
+        *listeners.ROUTES,
+        *auth_service.routes(config.auth_wait_max_seconds),
+        *integrations.ROUTES,
+        _OPENAPI_ROUTE,
+    )
 
 
 def create_control_plane_app(
@@ -35,11 +76,10 @@ def create_control_plane_app(
         middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
     )
     app[RUNTIME_KEY] = Runtime(config=config, clock=clock or time.time)
+    served = routes(config)
+    app[OPENAPI_KEY] = document_bytes(API, served)
     for prefix in ROUTE_PREFIXES:
-        deployments.add_routes(app.router, prefix)
-        listeners.add_routes(app.router, prefix)
-        auth_service.add_routes(app.router, prefix)
-        integrations.add_routes(app.router, prefix)
+        add_routes(app.router, served, prefix, public_name_prefix=PUBLIC_ROUTE_PREFIX)
     app.cleanup_ctx.append(_lifetime)
     return app
 

@@ -18,21 +18,38 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from . import validation
+from gateway.upstreams.http_api.openapi import Operation, Response
+from gateway.upstreams.http_api.routes import Route
+
+from .api_doc import AUTHENTICATED, Resource, ResourceHandlers, errors, resource_routes
 from .http_helpers import (
-    PUBLIC_ROUTE_PREFIX,
+    READ,
     create_resource,
     delete_resource,
     get_resource,
     list_resources,
     not_found,
     path_id,
-    read_json,
+    read_body,
     runtime,
     tenant,
 )
+from .models import (
+    AuthenticateRequest,
+    AuthenticateResponse,
+    CallbackRequest,
+    CallbackResponse,
+    PathId,
+    Provider,
+    ProviderCreate,
+    ProviderList,
+    ProviderPatch,
+    WaitResponse,
+    wait_query,
+)
 from .storage import ControlPlaneStore as Store
 
+TAG = "Auth Service"  # the group of these operations in the OpenAPI document
 log = logging.getLogger("gateway.control_plane")
 WAIT_POLL_SECONDS = 0.05
 
@@ -45,12 +62,17 @@ def _state_digest(state: str) -> str:
     return hashlib.sha256(state.encode("utf-8")).hexdigest()
 
 
-def _provider_create(raw: object) -> dict[str, Any]:
-    return validation.provider_fields(raw, create=True)
+def _provider_row(given: dict[str, Any]) -> dict[str, Any]:
+    # The client secret is never kept: only whether one was given.
+    if "client_secret" in given:
+        given["has_client_secret"] = bool(given.pop("client_secret"))
+    return given
 
 
 async def create_provider(request: web.Request) -> web.Response:
-    return await create_resource(request, _provider_create, Store.create_provider)
+    body = await read_body(request, ProviderCreate)
+    data = _provider_row(body.model_dump())
+    return await create_resource(request, data, Store.create_provider)
 
 
 async def list_providers(request: web.Request) -> web.Response:
@@ -64,7 +86,7 @@ async def get_provider(request: web.Request) -> web.Response:
 async def patch_provider(request: web.Request) -> web.Response:
     rt = runtime(request)
     provider_id = path_id(request, "provider_id")
-    patch = validation.provider_fields(await read_json(request), create=False)
+    patch = _provider_row((await read_body(request, ProviderPatch)).model_dump(exclude_unset=True))
     db = rt.database()
     provider = await db.run(
         db.store.patch_provider, tenant(request), provider_id, patch, rt.clock()
@@ -85,21 +107,18 @@ def _callback_url(request: web.Request, provider_id: str) -> str:
 
 async def authenticate(request: web.Request) -> web.Response:
     rt = runtime(request)
-    body = validation.authenticate_request(await read_json(request))
+    body = await read_body(request, AuthenticateRequest)
+    scopes = sorted(set(body.scopes))
+    user_id = body.user_id or body.ls_user_id or ""
     tenant_id = tenant(request)
     db = rt.database()
-    provider = await db.run(db.store.get_provider, tenant_id, body["provider"])
+    provider = await db.run(db.store.get_provider, tenant_id, body.provider)
     if provider is None:
-        _missing(body["provider"])
+        _missing(body.provider)
     now = rt.clock()
-    if not body["force_new"]:
+    if not body.force_new:
         done = await db.run(
-            db.store.completed_token,
-            tenant_id,
-            body["provider"],
-            body["user_id"],
-            body["scopes"],
-            now,
+            db.store.completed_token, tenant_id, body.provider, user_id, scopes, now
         )
         if done is not None:
             return web.json_response(
@@ -110,7 +129,7 @@ async def authenticate(request: web.Request) -> web.Response:
                     "token": done["token"],
                 }
             )
-    if body["check_only"]:
+    if body.check_only:
         return web.json_response(
             {"status": "connection_required", "url": None, "auth_id": None, "token": None}
         )
@@ -118,9 +137,9 @@ async def authenticate(request: web.Request) -> web.Response:
     auth_id = await db.run(
         db.store.create_flow,
         tenant_id,
-        body["provider"],
-        body["user_id"],
-        body["scopes"],
+        body.provider,
+        user_id,
+        scopes,
         _state_digest(state),
         now,
         now + rt.config.auth_flow_ttl_seconds,
@@ -128,8 +147,8 @@ async def authenticate(request: web.Request) -> web.Response:
     query: dict[str, str] = {
         "response_type": "code",
         "client_id": provider["client_id"],
-        "redirect_uri": body["redirect_uri"] or _callback_url(request, body["provider"]),
-        "scope": " ".join(body["scopes"]),
+        "redirect_uri": body.redirect_uri or _callback_url(request, body.provider),
+        "scope": " ".join(scopes),
         "state": state,
     }
     if provider["uses_pkce"]:
@@ -145,17 +164,8 @@ async def authenticate(request: web.Request) -> web.Response:
 async def wait_for_auth(request: web.Request) -> web.Response:
     rt = runtime(request)
     auth_id = path_id(request, "auth_id")
-    raw_timeout = request.query.get("timeout")
-    timeout = rt.config.auth_wait_max_seconds
-    if raw_timeout is not None:
-        try:
-            timeout = float(raw_timeout)
-        except ValueError:
-            raise validation.ValidationFailed("timeout: expected a number of seconds") from None
-        if not 0 <= timeout <= rt.config.auth_wait_max_seconds:
-            raise validation.ValidationFailed(
-                f"timeout: must be between 0 and {rt.config.auth_wait_max_seconds:g}"
-            )
+    query = READ.query(wait_query(rt.config.auth_wait_max_seconds), request.query)
+    timeout = rt.config.auth_wait_max_seconds if query.timeout is None else query.timeout
     db = rt.database()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -175,13 +185,10 @@ async def oauth_callback(request: web.Request) -> web.Response:
     rt = runtime(request)
     provider_id = path_id(request, "provider_id")
     if request.method == "GET":
-        params: dict[str, Any] = dict(request.query)
+        callback = READ.query(CallbackRequest, request.query)
     else:
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise validation.ValidationFailed("body: expected a JSON object")
-        params = body
-    _code, state = validation.callback_request(params)
+        callback = await read_body(request, CallbackRequest)
+    state = callback.state
     token = "emulated-" + secrets.token_urlsafe(32)
     db = rt.database()
     auth_id = await db.run(
@@ -193,17 +200,100 @@ async def oauth_callback(request: web.Request) -> web.Response:
     return web.json_response({"status": "completed", "auth_id": auth_id})
 
 
-def add_routes(router: web.UrlDispatcher, prefix: str) -> None:
-    base = f"{prefix}/v2/auth"
-    router.add_post(base + "/providers", create_provider)
-    router.add_get(base + "/providers", list_providers, allow_head=False)
-    router.add_get(base + "/providers/{provider_id}", get_provider, allow_head=False)
-    router.add_patch(base + "/providers/{provider_id}", patch_provider)
-    router.add_delete(base + "/providers/{provider_id}", delete_provider)
-    router.add_post(base + "/authenticate", authenticate)
-    router.add_get(base + "/wait/{auth_id}", wait_for_auth, allow_head=False)
-    name = f"{PUBLIC_ROUTE_PREFIX}oauth-callback{prefix.replace('/', '-')}"
-    router.add_post(base + "/callback/{provider_id}", oauth_callback, name=name + "-post")
-    router.add_get(
-        base + "/callback/{provider_id}", oauth_callback, name=name + "-get", allow_head=False
+_BY_PROVIDER = {"provider_id": "provider_id"}
+PROVIDERS = Resource(
+    noun="provider",
+    plural="providers",
+    base="/v2/auth/providers",
+    key="provider_id",
+    view=Provider,
+    page=ProviderList,
+    create_body=ProviderCreate,
+    update_body=ProviderPatch,
+    tag=TAG,
+    id_field="provider_id",
+    conflicts=True,
+    summaries={
+        "create": "Configure an OAuth provider",
+        "delete": "Delete an OAuth provider and its flows",
+    },
+    created_links={"complete_auth": _BY_PROVIDER, "complete_auth_post": _BY_PROVIDER},
+)
+_CALLBACK = "/v2/auth/callback/{provider_id}"
+
+
+def routes(wait_max_seconds: float) -> tuple[Route, ...]:
+    """The auth service's routes; ``wait_max_seconds`` bounds ``timeout`` of the wait."""
+    callback_answers = {
+        200: Response("The flow is complete", CallbackResponse),
+        **errors(404, 413, 422),
+    }
+    return (
+        *resource_routes(
+            PROVIDERS,
+            ResourceHandlers(
+                create_provider, list_providers, get_provider, patch_provider, delete_provider
+            ),
+        ),
+        Route(
+            Operation(
+                "post",
+                "/v2/auth/authenticate",
+                "authenticate",
+                "Start an OAuth flow, or answer the token of a completed one",
+                {
+                    200: Response(
+                        "Pending (with the URL to visit), or completed", AuthenticateResponse
+                    ),
+                    **errors(*AUTHENTICATED, 404, 413, 422),
+                },
+                body=AuthenticateRequest,
+                tag=TAG,
+            ),
+            authenticate,
+        ),
+        Route(
+            Operation(
+                "get",
+                "/v2/auth/wait/{auth_id}",
+                "wait_for_auth",
+                "Wait for a flow to complete",
+                {
+                    200: Response("The flow's status", WaitResponse),
+                    **errors(*AUTHENTICATED, 404, 422),
+                },
+                query=wait_query(wait_max_seconds),
+                path_parameter=PathId,
+                tag=TAG,
+            ),
+            wait_for_auth,
+        ),
+        Route(
+            Operation(
+                "post",
+                _CALLBACK,
+                "complete_auth_post",
+                "Complete a flow (the provider's redirect; no credentials, the state is one)",
+                callback_answers,
+                body=CallbackRequest,
+                path_parameter=PathId,
+                public=True,
+                tag=TAG,
+            ),
+            oauth_callback,
+        ),
+        Route(
+            Operation(
+                "get",
+                _CALLBACK,
+                "complete_auth",
+                "Complete a flow (the provider's redirect; no credentials, the state is one)",
+                callback_answers,
+                query=CallbackRequest,
+                path_parameter=PathId,
+                public=True,
+                tag=TAG,
+            ),
+            oauth_callback,
+        ),
     )

@@ -3,27 +3,44 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from aiohttp import web
 
-from . import validation
+from gateway.upstreams.http_api.openapi import Operation, Response
+from gateway.upstreams.http_api.routes import Route
+
+from . import rules
+from .api_doc import AUTHENTICATED, Resource, ResourceHandlers, errors, resource_routes
 from .http_helpers import (
-    Runtime,
+    READ,
     delete_resource,
     get_resource,
     not_found,
     page,
     page_response,
     path_id,
-    read_json,
+    read_body,
     runtime,
     tenant,
 )
-from .integrations import integration_visible
+from .models import (
+    Deployment,
+    DeploymentCreate,
+    DeploymentList,
+    DeploymentListQuery,
+    DeploymentPatch,
+    DockerDeploymentCreate,
+    GithubDeploymentCreate,
+    PageQuery,
+    PathId,
+    Revision,
+    RevisionList,
+    secret_pairs,
+)
 from .storage import ControlPlaneStore as Store
 
+TAG = "Deployments"  # the group of these operations in the OpenAPI document
 log = logging.getLogger("gateway.control_plane")
 
 
@@ -31,25 +48,41 @@ def _missing_deployment(deployment_id: str) -> NoReturn:
     not_found(f"Deployment ID {deployment_id} not found.")
 
 
-def _check_integration(rt: Runtime, tenant_id: str, source_config: Mapping[str, Any]) -> None:
-    """A named ``integration_id`` must be one this tenant can see, when integrations are
-    configured at all. Another tenant's integration and a non-existent one get the same
-    422, so the answer reveals nothing about other tenants. With no integrations configured
-    (the default embedded setup) any id is accepted, so the quick-start works as is."""
-    integration_id = source_config.get("integration_id")
-    if integration_id is None or not rt.config.github_integrations:
-        return
-    if not integration_visible(rt.config, tenant_id, str(integration_id)):
-        raise validation.ValidationFailed(
-            f"source_config.integration_id: no integration {integration_id} is available "
-            "to this tenant (see GET /v1/integrations/github/install)"
-        )
+def _create_data(body: GithubDeploymentCreate | DockerDeploymentCreate) -> dict[str, Any]:
+    """A validated create body as the storage keeps it (config path under its stored name,
+    secrets as name/value pairs)."""
+    source_config = {
+        "integration_id": None,
+        "repo_url": None,
+        "deployment_type": "dev",
+        "build_on_push": False,
+        "custom_url": None,
+        "resource_spec": None,
+    }
+    if body.source_config is not None:
+        source_config.update(body.source_config.given())
+    revision_config: dict[str, Any] = {
+        "repo_ref": None,
+        "langgraph_config_path": None,
+        "image_uri": None,
+    }
+    revision_config.update(body.source_revision_config.given())
+    return {
+        "name": body.name.strip(),
+        "source": body.source,
+        "source_config": source_config,
+        "source_revision_config": revision_config,
+        "secrets": secret_pairs(body.secrets),
+    }
 
 
 async def create_deployment(request: web.Request) -> web.Response:
     rt = runtime(request)
-    data = validation.deployment_create(await read_json(request))
-    _check_integration(rt, tenant(request), data["source_config"])
+    body: GithubDeploymentCreate | DockerDeploymentCreate = READ.body(
+        DeploymentCreate, await request.read()
+    )
+    data = _create_data(body)
+    rules.check_integration(rt.config, tenant(request), data["source_config"])
     db = rt.database()
     deployment = await db.run(db.store.create_deployment, tenant(request), data, rt.clock)
     rt.revision_created()
@@ -63,15 +96,16 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    limit, offset = page(request)
-    name_contains = request.query.get("name_contains") or None
-    if name_contains is not None and len(name_contains) > validation.MAX_NAME:
-        raise validation.ValidationFailed(
-            f"name_contains: at most {validation.MAX_NAME} characters"
-        )
+    query = READ.query(DeploymentListQuery, request.query)
     db = runtime(request).database()
-    rows = await db.run(db.store.list_deployments, tenant(request), limit, offset, name_contains)
-    return page_response(rows, offset)
+    rows = await db.run(
+        db.store.list_deployments,
+        tenant(request),
+        query.limit,
+        query.offset,
+        query.name_contains or None,
+    )
+    return page_response(rows, query.offset)
 
 
 async def get_deployment(request: web.Request) -> web.Response:
@@ -81,15 +115,21 @@ async def get_deployment(request: web.Request) -> web.Response:
 async def patch_deployment(request: web.Request) -> web.Response:
     rt = runtime(request)
     deployment_id = path_id(request, "deployment_id")
-    patch = validation.deployment_patch(await read_json(request))
-    _check_integration(rt, tenant(request), patch.get("source_config", {}))
+    body = await read_body(request, DeploymentPatch)
+    patch: dict[str, Any] = {}
+    if "source_config" in body.model_fields_set:
+        patch["source_config"] = body.source_config.given()
+    if "source_revision_config" in body.model_fields_set:
+        patch["source_revision_config"] = body.source_revision_config.given()
+    if "secrets" in body.model_fields_set:
+        patch["secrets"] = secret_pairs(body.secrets)
+    rules.check_integration(rt.config, tenant(request), patch.get("source_config", {}))
     db = rt.database()
     result = await db.run(
         db.store.patch_deployment,
         tenant(request),
         deployment_id,
         patch,
-        validation.check_complete,
         rt.clock,
     )
     if result is None:
@@ -115,12 +155,14 @@ async def delete_deployment(request: web.Request) -> web.Response:
 
 async def list_revisions(request: web.Request) -> web.Response:
     deployment_id = path_id(request, "deployment_id")
-    limit, offset = page(request)
+    query = page(request)
     db = runtime(request).database()
-    rows = await db.run(db.store.list_revisions, tenant(request), deployment_id, limit, offset)
+    rows = await db.run(
+        db.store.list_revisions, tenant(request), deployment_id, query.limit, query.offset
+    )
     if rows is None:
         _missing_deployment(deployment_id)
-    return page_response(rows, offset)
+    return page_response(rows, query.offset)
 
 
 async def get_revision(request: web.Request) -> web.Response:
@@ -157,15 +199,95 @@ async def redeploy_revision(request: web.Request) -> web.Response:
     return web.json_response(deployment)
 
 
-def add_routes(router: web.UrlDispatcher, prefix: str) -> None:
-    base = f"{prefix}/v2/deployments"
-    router.add_post(base, create_deployment)
-    router.add_get(base, list_deployments, allow_head=False)
-    router.add_get(base + "/{deployment_id}", get_deployment, allow_head=False)
-    router.add_patch(base + "/{deployment_id}", patch_deployment)
-    router.add_delete(base + "/{deployment_id}", delete_deployment)
-    router.add_get(base + "/{deployment_id}/revisions", list_revisions, allow_head=False)
-    router.add_get(
-        base + "/{deployment_id}/revisions/{revision_id}", get_revision, allow_head=False
-    )
-    router.add_post(base + "/{deployment_id}/revisions/{revision_id}/redeploy", redeploy_revision)
+_ONE = "/v2/deployments/{deployment_id}"
+_REVISION = _ONE + "/revisions/{revision_id}"
+_LATEST = {"deployment_id": "id", "revision_id": "latest_revision_id"}
+
+DEPLOYMENTS = Resource(
+    noun="deployment",
+    plural="deployments",
+    base="/v2/deployments",
+    key="deployment_id",
+    view=Deployment,
+    page=DeploymentList,
+    create_body=DeploymentCreate,
+    update_body=DeploymentPatch,
+    tag=TAG,
+    list_query=DeploymentListQuery,
+    summaries={
+        "create": "Create a deployment and its first revision",
+        "update": "Update a deployment; a revision config or secrets make a new revision",
+        "delete": "Delete a deployment and its revisions",
+    },
+    descriptions={
+        "create": (
+            "`source` github needs `integration_id`, `repo_url`, `repo_ref` and the config "
+            "path; external_docker needs `image_uri`. When integrations are configured, "
+            "`integration_id` must name one the tenant can see (422 otherwise). Input that "
+            "is well-formed but cannot build is accepted and fails the revision with "
+            "BUILD_FAILED."
+        ),
+        "update": (
+            "Objects are merged field by field into the stored configuration. A named "
+            "`integration_id` is checked as on create."
+        ),
+    },
+    created_links={
+        "list_revisions": {"deployment_id": "id"},
+        "get_revision": _LATEST,
+        "redeploy_revision": _LATEST,
+    },
+)
+
+ROUTES = (
+    *resource_routes(
+        DEPLOYMENTS,
+        ResourceHandlers(
+            create_deployment,
+            list_deployments,
+            get_deployment,
+            patch_deployment,
+            delete_deployment,
+        ),
+    ),
+    Route(
+        Operation(
+            "get",
+            _ONE + "/revisions",
+            "list_revisions",
+            "List a deployment's revisions, latest first",
+            {
+                200: Response("A page of revisions", RevisionList),
+                **errors(*AUTHENTICATED, 404, 422),
+            },
+            query=PageQuery,
+            path_parameter=PathId,
+            tag=TAG,
+        ),
+        list_revisions,
+    ),
+    Route(
+        Operation(
+            "get",
+            _REVISION,
+            "get_revision",
+            "Read a revision (poll it until DEPLOYED, or a status containing FAILED)",
+            {200: Response("The revision", Revision), **errors(*AUTHENTICATED, 404, 422)},
+            path_parameter=PathId,
+            tag=TAG,
+        ),
+        get_revision,
+    ),
+    Route(
+        Operation(
+            "post",
+            _REVISION + "/redeploy",
+            "redeploy_revision",
+            "Start a new revision from a past revision's configuration",
+            {200: Response("The deployment", Deployment), **errors(*AUTHENTICATED, 404, 422)},
+            path_parameter=PathId,
+            tag=TAG,
+        ),
+        redeploy_revision,
+    ),
+)

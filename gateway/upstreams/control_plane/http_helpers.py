@@ -1,30 +1,33 @@
 """Request plumbing shared by the control-plane handlers: app state, JSON errors, auth,
-body and pagination parsing."""
+reading requests into models, and the HTTP shapes of tenant-scoped resources."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from aiohttp import web
+
+from gateway.upstreams.http_api.decoding import ModelReader
+from gateway.upstreams.http_api.problems import InvalidRequest
+from gateway.upstreams.http_api.routes import Handler
 
 from .config import ControlPlaneConfig
 from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
 from .lifecycle import LifecycleDriver
+from .models import PATTERNS, SOURCES, PageQuery, PathId
 from .storage import Conflict, ControlPlaneStore, Database, Row
-from .validation import ValidationFailed, check_json_values, check_text
 
 log = logging.getLogger("gateway.control_plane")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Missing = Callable[[str], NoReturn]
+T = TypeVar("T")
 PUBLIC_ROUTE_PREFIX = "public:"
-MAX_PAGE = 100
-DEFAULT_PAGE = 20
-MAX_OFFSET = 10_000_000
+# The create body is a union tagged by ``source``: its tag is no field of an error's path.
+READ = ModelReader(PATTERNS, tags=SOURCES)
 
 
 @dataclass
@@ -72,8 +75,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     """Every failure becomes ``{"detail": ...}`` JSON; nothing leaks a traceback."""
     try:
         return await handler(request)
-    except ValidationFailed as exc:
-        return json_error(422, exc.detail)
+    except InvalidRequest as exc:
+        return json_error(exc.status, exc.detail)
     except Conflict as exc:
         return json_error(409, str(exc))
     except web.HTTPException as exc:
@@ -118,51 +121,25 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def read_json(request: web.Request) -> object:
-    """The request body as JSON; 422 when absent or malformed (size is bounded by the app),
-    or when it holds a non-finite number or a string that is not encodable UTF-8."""
-    raw = await request.read()
-    if not raw.strip():
-        raise ValidationFailed("body: a JSON body is required")
-    try:
-        document: object = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise ValidationFailed("body: malformed JSON") from None
-    check_json_values(document)
-    return document
+async def read_body(request: web.Request, model: type[T]) -> T:
+    """The JSON body validated into ``model`` (its size is bounded by the app)."""
+    return READ.body(model, await request.read())
 
 
-def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValidationFailed(f"{name}: expected an integer") from None
-    if not low <= value <= high:
-        raise ValidationFailed(f"{name}: must be between {low} and {high}")
-    return value
-
-
-def page(request: web.Request) -> tuple[int, int]:
+def page(request: web.Request) -> PageQuery:
     """``limit`` (1..100, default 20) and ``offset`` (>= 0) from the query string."""
-    return (
-        _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE),
-        _int_param(request, "offset", 0, 0, MAX_OFFSET),
-    )
+    return READ.query(PageQuery, request.query)
 
 
-def page_response(resources: list[dict[str, Any]], offset: int) -> web.Response:
+def page_response(resources: Sequence[Mapping[str, Any]], offset: int) -> web.Response:
     """The list envelope; ``offset`` is where the next page starts."""
     return web.json_response({"resources": resources, "offset": offset + len(resources)})
 
 
 def path_id(request: web.Request, name: str) -> str:
-    value = request.match_info[name]
-    if len(value) > 256:
-        raise ValidationFailed(f"{name}: at most 256 characters")
-    return check_text(value, name)
+    """The path parameter ``name`` (at most 256 characters of UTF-8 text)."""
+    value: str = READ.parameter(PathId, name, request.match_info[name])
+    return value
 
 
 # ---- the HTTP shapes shared by tenant-scoped resources ------------------------------------
@@ -172,31 +149,31 @@ def path_id(request: web.Request, name: str) -> str:
 
 async def create_resource(
     request: web.Request,
-    validate: Callable[[object], Row],
-    create: Callable[[ControlPlaneStore, str, Row, float], Row],
+    data: Row,
+    create: Callable[[ControlPlaneStore, str, Row, float], Mapping[str, Any]],
 ) -> web.Response:
-    """POST: validate the body, create, 201 with the new resource."""
+    """POST: create from validated ``data``, 201 with the new resource."""
     rt = runtime(request)
-    data = validate(await read_json(request))
     db = rt.database()
     resource = await db.run(create, db.store, tenant(request), data, rt.clock())
     return web.json_response(resource, status=201)
 
 
 async def list_resources(
-    request: web.Request, list_rows: Callable[[ControlPlaneStore, str, int, int], list[Row]]
+    request: web.Request,
+    list_rows: Callable[[ControlPlaneStore, str, int, int], Sequence[Mapping[str, Any]]],
 ) -> web.Response:
     """GET of a collection: one page of the tenant's resources."""
-    limit, offset = page(request)
+    query = page(request)
     db = runtime(request).database()
-    rows = await db.run(list_rows, db.store, tenant(request), limit, offset)
-    return page_response(rows, offset)
+    rows = await db.run(list_rows, db.store, tenant(request), query.limit, query.offset)
+    return page_response(rows, query.offset)
 
 
 async def get_resource(
     request: web.Request,
     key: str,
-    get: Callable[[ControlPlaneStore, str, str], Row | None],
+    get: Callable[[ControlPlaneStore, str, str], Mapping[str, Any] | None],
     missing: Missing,
 ) -> web.Response:
     """GET of the resource named by path parameter ``key``; ``missing`` raises the 404."""

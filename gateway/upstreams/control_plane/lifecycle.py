@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from .validation import build_problem
+from .rules import build_problem
 
 log = logging.getLogger("gateway.control_plane.lifecycle")
 

@@ -6,7 +6,7 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from . import validation
+from .api_doc import Resource, ResourceHandlers, resource_routes
 from .http_helpers import (
     create_resource,
     delete_resource,
@@ -14,10 +14,11 @@ from .http_helpers import (
     list_resources,
     not_found,
     path_id,
-    read_json,
+    read_body,
     runtime,
     tenant,
 )
+from .models import Listener, ListenerCreate, ListenerList, ListenerPatch
 from .storage import ControlPlaneStore as Store
 
 
@@ -25,8 +26,12 @@ def _missing(listener_id: str) -> NoReturn:
     not_found(f"Listener ID {listener_id} not found.")
 
 
+TAG = "Listeners"  # the group of these operations in the OpenAPI document
+
+
 async def create_listener(request: web.Request) -> web.Response:
-    return await create_resource(request, validation.listener_create, Store.create_listener)
+    body = await read_body(request, ListenerCreate)
+    return await create_resource(request, body.model_dump(), Store.create_listener)
 
 
 async def list_listeners(request: web.Request) -> web.Response:
@@ -40,14 +45,10 @@ async def get_listener(request: web.Request) -> web.Response:
 async def patch_listener(request: web.Request) -> web.Response:
     rt = runtime(request)
     listener_id = path_id(request, "listener_id")
-    body = await read_json(request)
+    given = (await read_body(request, ListenerPatch)).model_dump(exclude_unset=True)
     db = rt.database()
-    current = await db.run(db.store.get_listener, tenant(request), listener_id)
-    if current is None:
-        _missing(listener_id)
-    patch = validation.listener_patch(body, current)
     listener = await db.run(
-        db.store.patch_listener, tenant(request), listener_id, patch, rt.clock()
+        db.store.patch_listener, tenant(request), listener_id, given, rt.clock()
     )
     if listener is None:
         _missing(listener_id)
@@ -58,10 +59,22 @@ async def delete_listener(request: web.Request) -> web.Response:
     return await delete_resource(request, "listener_id", Store.delete_listener, _missing)
 
 
-def add_routes(router: web.UrlDispatcher, prefix: str) -> None:
-    base = f"{prefix}/v2/listeners"
-    router.add_post(base, create_listener)
-    router.add_get(base, list_listeners, allow_head=False)
-    router.add_get(base + "/{listener_id}", get_listener, allow_head=False)
-    router.add_patch(base + "/{listener_id}", patch_listener)
-    router.add_delete(base + "/{listener_id}", delete_listener)
+LISTENERS = Resource(
+    noun="listener",
+    plural="listeners",
+    base="/v2/listeners",
+    key="listener_id",
+    view=Listener,
+    page=ListenerList,
+    create_body=ListenerCreate,
+    update_body=ListenerPatch,
+    tag=TAG,
+    conflicts=True,
+    summaries={"create": "Create a listener for a compute cluster"},
+)
+ROUTES = resource_routes(
+    LISTENERS,
+    ResourceHandlers(
+        create_listener, list_listeners, get_listener, patch_listener, delete_listener
+    ),
+)

@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .lifecycle import IN_FLIGHT, next_step
+from .models import Deployment, Listener, Provider, Revision, RevisionConfigView
 
 T = TypeVar("T")
+R = TypeVar("R")
 Row = dict[str, Any]
 Clock = Callable[[], float]
 
@@ -121,14 +123,17 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
-def _revision_config_out(config: Row) -> Row:
-    out = dict(config)
+def _revision_config_out(config: Row) -> RevisionConfigView:
     # Both names of the field are shown so clients written against either spelling work.
-    out["graph_config_path"] = out.get("langgraph_config_path")
-    return out
+    return {
+        "repo_ref": config.get("repo_ref"),
+        "langgraph_config_path": config.get("langgraph_config_path"),
+        "graph_config_path": config.get("langgraph_config_path"),
+        "image_uri": config.get("image_uri"),
+    }
 
 
-def _deployment_out(row: sqlite3.Row) -> Row:
+def _deployment_out(row: sqlite3.Row) -> Deployment:
     return {
         "id": row["id"],
         "tenant_id": row["tenant_id"],
@@ -145,7 +150,7 @@ def _deployment_out(row: sqlite3.Row) -> Row:
     }
 
 
-def _revision_out(row: sqlite3.Row) -> Row:
+def _revision_out(row: sqlite3.Row) -> Revision:
     return {
         "id": row["id"],
         "deployment_id": row["deployment_id"],
@@ -160,7 +165,7 @@ def _revision_out(row: sqlite3.Row) -> Row:
     }
 
 
-def _listener_out(row: sqlite3.Row) -> Row:
+def _listener_out(row: sqlite3.Row) -> Listener:
     return {
         "id": row["id"],
         "tenant_id": row["tenant_id"],
@@ -173,7 +178,7 @@ def _listener_out(row: sqlite3.Row) -> Row:
     }
 
 
-def _provider_out(row: sqlite3.Row) -> Row:
+def _provider_out(row: sqlite3.Row) -> Provider:
     return {
         "id": row["id"],
         "organization_id": row["tenant_id"],
@@ -197,13 +202,13 @@ def _same(value: object) -> object:
 
 
 @dataclass(frozen=True)
-class _Table:
+class _Table(Generic[R]):
     """A tenant-scoped table: its name, the column a request names a row by and how a row is
     shown. Table and column names come from the fixed instances below, never from a request."""
 
     name: str
     key: str
-    out: Callable[[sqlite3.Row], Row]
+    out: Callable[[sqlite3.Row], R]
 
 
 _DEPLOYMENTS = _Table("deployments", "id", _deployment_out)
@@ -254,26 +259,26 @@ class ControlPlaneStore:
 
     # ---- tenant-scoped rows: every statement names the tenant --------------------------
 
-    def _row(self, table: _Table, tenant_id: str, key: str) -> sqlite3.Row | None:
+    def _row(self, table: _Table[Any], tenant_id: str, key: str) -> sqlite3.Row | None:
         row: sqlite3.Row | None = self._conn.execute(
             f"SELECT * FROM {table.name} WHERE {table.key} = ? AND tenant_id = ?",
             (key, tenant_id),
         ).fetchone()
         return row
 
-    def _get(self, table: _Table, tenant_id: str, key: str) -> Row | None:
+    def _get(self, table: _Table[R], tenant_id: str, key: str) -> R | None:
         row = self._row(table, tenant_id, key)
         return None if row is None else table.out(row)
 
     def _list(
         self,
-        table: _Table,
+        table: _Table[R],
         tenant_id: str,
         limit: int,
         offset: int,
         where: str = "",
         args: Sequence[object] = (),
-    ) -> list[Row]:
+    ) -> list[R]:
         """Newest first; ``where`` is a fixed ``" AND …"`` filter whose parameters are ``args``."""
         rows = self._conn.execute(
             f"SELECT * FROM {table.name} WHERE tenant_id = ?{where} "
@@ -282,7 +287,7 @@ class ControlPlaneStore:
         )
         return [table.out(row) for row in rows]
 
-    def _insert(self, table: _Table, values: Row, conflict: str) -> Row:
+    def _insert(self, table: _Table[R], values: Row, conflict: str) -> R:
         """Insert ``values`` (fixed column names → values); a violated unique constraint
         becomes :class:`Conflict` with the message ``conflict``. Returns the new row."""
         columns = ", ".join(values)
@@ -301,13 +306,13 @@ class ControlPlaneStore:
 
     def _patch(
         self,
-        table: _Table,
+        table: _Table[R],
         tenant_id: str,
         key: str,
         patch: Row,
         columns: Mapping[str, Callable[[Any], object]],
         now: float,
-    ) -> Row | None:
+    ) -> R | None:
         """Set each of ``columns`` (fixed names → conversion) present in ``patch``, and
         ``updated_at``, on this tenant's row; None when there is no such row."""
         with self._tx():
@@ -326,7 +331,7 @@ class ControlPlaneStore:
             )
         return self._get(table, tenant_id, key)
 
-    def _delete(self, table: _Table, tenant_id: str, key: str) -> bool:
+    def _delete(self, table: _Table[Any], tenant_id: str, key: str) -> bool:
         with self._tx():
             cursor = self._conn.execute(
                 f"DELETE FROM {table.name} WHERE {table.key} = ? AND tenant_id = ?",
@@ -368,7 +373,7 @@ class ControlPlaneStore:
         )
         return revision_id
 
-    def create_deployment(self, tenant_id: str, data: Row, clock: Clock) -> Row:
+    def create_deployment(self, tenant_id: str, data: Row, clock: Clock) -> Deployment:
         """Insert a deployment and its first revision; returns the deployment."""
         deployment: Row = {
             "id": str(uuid.uuid4()),
@@ -403,12 +408,12 @@ class ControlPlaneStore:
         assert out is not None
         return out
 
-    def get_deployment(self, tenant_id: str, deployment_id: str) -> Row | None:
+    def get_deployment(self, tenant_id: str, deployment_id: str) -> Deployment | None:
         return self._get(_DEPLOYMENTS, tenant_id, deployment_id)
 
     def list_deployments(
         self, tenant_id: str, limit: int, offset: int, name_contains: str | None
-    ) -> list[Row]:
+    ) -> list[Deployment]:
         if name_contains:
             return self._list(
                 _DEPLOYMENTS,
@@ -425,14 +430,9 @@ class ControlPlaneStore:
         tenant_id: str,
         deployment_id: str,
         patch: Row,
-        check: Callable[[str, Row, Row], None],
         clock: Clock,
-    ) -> tuple[Row, bool] | None:
-        """Apply a validated PATCH; returns (deployment, whether a revision was created).
-
-        ``check(source, source_config, revision_config)`` vets the merged result (it may
-        raise) before anything is written.
-        """
+    ) -> tuple[Deployment, bool] | None:
+        """Apply a validated PATCH; returns (deployment, whether a revision was created)."""
         with self._tx():
             row = self._row(_DEPLOYMENTS, tenant_id, deployment_id)
             if row is None:
@@ -444,7 +444,6 @@ class ControlPlaneStore:
             secret_names = json.loads(row["secret_names"])
             if "secrets" in patch:
                 secret_names = [name for name, _ in patch["secrets"]]
-            check(row["source"], source_config, revision_config)
             now = self._revision_stamp(clock, deployment_id)
             updated = dict(row)
             updated.update(
@@ -475,7 +474,7 @@ class ControlPlaneStore:
 
     def list_revisions(
         self, tenant_id: str, deployment_id: str, limit: int, offset: int
-    ) -> list[Row] | None:
+    ) -> list[Revision] | None:
         if self._row(_DEPLOYMENTS, tenant_id, deployment_id) is None:
             return None
         rows = self._conn.execute(
@@ -485,7 +484,7 @@ class ControlPlaneStore:
         )
         return [_revision_out(row) for row in rows]
 
-    def get_revision(self, tenant_id: str, deployment_id: str, revision_id: str) -> Row | None:
+    def get_revision(self, tenant_id: str, deployment_id: str, revision_id: str) -> Revision | None:
         row = self._conn.execute(
             "SELECT * FROM revisions WHERE id = ? AND deployment_id = ? AND tenant_id = ?",
             (revision_id, deployment_id, tenant_id),
@@ -494,7 +493,7 @@ class ControlPlaneStore:
 
     def redeploy(
         self, tenant_id: str, deployment_id: str, revision_id: str, clock: Clock
-    ) -> Row | None:
+    ) -> Deployment | None:
         """Start a new revision from a past revision's configuration; returns the deployment.
 
         The deployment takes that configuration too (``source_config``,
@@ -581,7 +580,7 @@ class ControlPlaneStore:
 
     # ---- listeners -----------------------------------------------------------------------
 
-    def create_listener(self, tenant_id: str, data: Row, now: float) -> Row:
+    def create_listener(self, tenant_id: str, data: Row, now: float) -> Listener:
         return self._insert(
             _LISTENERS,
             {
@@ -597,15 +596,15 @@ class ControlPlaneStore:
             f"A listener with compute_id {data['compute_id']} already exists.",
         )
 
-    def list_listeners(self, tenant_id: str, limit: int, offset: int) -> list[Row]:
+    def list_listeners(self, tenant_id: str, limit: int, offset: int) -> list[Listener]:
         return self._list(_LISTENERS, tenant_id, limit, offset)
 
-    def get_listener(self, tenant_id: str, listener_id: str) -> Row | None:
+    def get_listener(self, tenant_id: str, listener_id: str) -> Listener | None:
         return self._get(_LISTENERS, tenant_id, listener_id)
 
     def patch_listener(
         self, tenant_id: str, listener_id: str, patch: Row, now: float
-    ) -> Row | None:
+    ) -> Listener | None:
         columns: dict[str, Callable[[Any], object]] = {
             "compute_config": json.dumps,
             "version": _same,
@@ -617,7 +616,7 @@ class ControlPlaneStore:
 
     # ---- auth service --------------------------------------------------------------------
 
-    def create_provider(self, tenant_id: str, data: Row, now: float) -> Row:
+    def create_provider(self, tenant_id: str, data: Row, now: float) -> Provider:
         return self._insert(
             _PROVIDERS,
             {
@@ -638,15 +637,15 @@ class ControlPlaneStore:
             f"OAuth provider {data['provider_id']} already exists.",
         )
 
-    def list_providers(self, tenant_id: str, limit: int, offset: int) -> list[Row]:
+    def list_providers(self, tenant_id: str, limit: int, offset: int) -> list[Provider]:
         return self._list(_PROVIDERS, tenant_id, limit, offset)
 
-    def get_provider(self, tenant_id: str, provider_id: str) -> Row | None:
+    def get_provider(self, tenant_id: str, provider_id: str) -> Provider | None:
         return self._get(_PROVIDERS, tenant_id, provider_id)
 
     def patch_provider(
         self, tenant_id: str, provider_id: str, patch: Row, now: float
-    ) -> Row | None:
+    ) -> Provider | None:
         columns = {
             "name": str,
             "client_id": str,

@@ -7,21 +7,27 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from importlib import resources
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
+from gateway.upstreams.http_api.decoding import ModelReader
+from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
+from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
+from gateway.upstreams.http_api.routes import Handler, Route, add_routes, document_bytes
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.errors import StoreRequestError
-from gateway.upstreams.store.requests import (
-    decode_json_body,
-    parse_delete,
-    parse_get,
-    parse_list_namespaces,
-    parse_put,
-    parse_search,
+from gateway.upstreams.store.models import (
+    PATTERNS,
+    Item,
+    ListNamespaceResponse,
+    SearchItemsResponse,
+    StoreDeleteRequest,
+    StoreGetQuery,
+    StoreListNamespacesRequest,
+    StorePutRequest,
+    StoreSearchRequest,
 )
 from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.sweeper import sweep_forever
@@ -32,7 +38,7 @@ STORAGE_KEY = web.AppKey("store_storage", SQLiteStorage)
 CONFIG_KEY = web.AppKey("store_config", StoreConfig)
 OPENAPI_KEY = web.AppKey("store_openapi", bytes)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+READ = ModelReader(PATTERNS)
 
 
 def _json(data: Any, status: int = 200, *, ascii_only: bool = False) -> web.Response:
@@ -56,7 +62,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     """Every failure becomes ``{"detail": ...}`` JSON; no plain text, no traceback."""
     try:
         return await handler(request)
-    except StoreRequestError as exc:
+    except (StoreRequestError, InvalidRequest) as exc:
         return _detail(exc.status, exc.detail)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -81,43 +87,44 @@ def _http_detail(request: web.Request, exc: web.HTTPException) -> str:
     return exc.reason
 
 
-async def _read_object(request: web.Request) -> dict[str, Any]:
+async def _body(request: web.Request) -> bytes:
     limit = request.app[CONFIG_KEY].max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise StoreRequestError(413, f"body: request body exceeds {limit} bytes")
     # request.read() enforces client_max_size (the same limit) on chunked bodies too.
-    return decode_json_body(await request.read())
+    return await request.read()
 
 
 async def put_item(request: web.Request) -> web.Response:
     """PUT /store/items: insert or replace an item."""
-    item = parse_put(await _read_object(request))
+    item = READ.body(StorePutRequest, await _body(request))
     await request.app[STORAGE_KEY].put(item)
     return web.Response(status=204)
 
 
 async def get_item(request: web.Request) -> web.Response:
     """GET /store/items?namespace=a.b&key=k: the item, or JSON null when absent."""
-    ref, refresh = parse_get(request.query)
-    return _json(await request.app[STORAGE_KEY].get(ref, refresh))
+    query = READ.query(StoreGetQuery, request.query)
+    storage = request.app[STORAGE_KEY]
+    return _json(await storage.get(query.labels(), query.key, query.refresh_ttl))
 
 
 async def delete_item(request: web.Request) -> web.Response:
     """DELETE /store/items with a JSON body: 204 whether or not the item existed."""
-    ref = parse_delete(await _read_object(request))
-    await request.app[STORAGE_KEY].delete(ref)
+    ref = READ.body(StoreDeleteRequest, await _body(request))
+    await request.app[STORAGE_KEY].delete(tuple(ref.namespace), ref.key)
     return web.Response(status=204)
 
 
 async def search_items(request: web.Request) -> web.Response:
     """POST /store/items/search: listing mode, or ranked search when ``query`` is given."""
-    search = parse_search(await _read_object(request))
+    search = READ.body(StoreSearchRequest, await _body(request))
     return _json({"items": await request.app[STORAGE_KEY].search(search)})
 
 
 async def list_namespaces(request: web.Request) -> web.Response:
     """POST /store/namespaces: distinct namespaces by prefix, suffix and depth."""
-    listing = parse_list_namespaces(await _read_object(request))
+    listing = READ.body(StoreListNamespacesRequest, await _body(request))
     return _json({"namespaces": await request.app[STORAGE_KEY].list_namespaces(listing)})
 
 
@@ -126,9 +133,89 @@ async def openapi_document(request: web.Request) -> web.Response:
     return web.Response(body=request.app[OPENAPI_KEY], content_type="application/json")
 
 
-def load_openapi_document() -> bytes:
-    """The packaged OpenAPI 3.1 document of the Store API."""
-    return resources.files(__package__).joinpath("openapi.json").read_bytes()
+API = Api(
+    title="Store API",
+    version="1.0.0",
+    description=(
+        "Namespaced JSON document store with listing and full-text search, compatible with "
+        "langgraph-sdk's StoreClient. Generated from the models the Store validates with."
+    ),
+    tag="Store",
+)
+_INVALID = Response("Validation error: the detail names the field", ErrorResponse)
+_TOO_LARGE = Response("Request body too large", ErrorResponse)
+_BUSY = Response(
+    "Store busy (database locked by other writers beyond the busy timeout)", ErrorResponse
+)
+_ERRORS = {422: _INVALID, 503: _BUSY}
+_BODY_ERRORS = {413: _TOO_LARGE, **_ERRORS}
+
+
+def _body_route(
+    handler: Handler, method: Method, path: str, summary: str, answer: Response, body: Any
+) -> Route:
+    """An operation that reads a JSON body ``body``, named after its handler: its answer
+    (200, or 204 when it has no model), or 413, 422 or 503."""
+    status = 200 if answer.model is not None else 204
+    answers = {status: answer, **_BODY_ERRORS}
+    return Route(Operation(method, path, handler.__name__, summary, answers, body=body), handler)
+
+
+ROUTES = (
+    _body_route(
+        put_item,
+        "put",
+        "/store/items",
+        "Store or update an item",
+        Response("Stored"),
+        StorePutRequest,
+    ),
+    Route(
+        Operation(
+            "get",
+            "/store/items",
+            "get_item",
+            "Retrieve a single item",
+            {200: Response("The item, or null when absent or expired", Item | None), **_ERRORS},
+            query=StoreGetQuery,
+        ),
+        get_item,
+    ),
+    _body_route(
+        delete_item,
+        "delete",
+        "/store/items",
+        "Delete an item (also when absent)",
+        Response("Deleted"),
+        StoreDeleteRequest,
+    ),
+    _body_route(
+        search_items,
+        "post",
+        "/store/items/search",
+        "List items under a namespace prefix (newest update first) or search them",
+        Response("Matching items", SearchItemsResponse),
+        StoreSearchRequest,
+    ),
+    _body_route(
+        list_namespaces,
+        "post",
+        "/store/namespaces",
+        "List namespaces",
+        Response("Namespaces, sorted", ListNamespaceResponse),
+        StoreListNamespacesRequest,
+    ),
+    Route(
+        Operation(
+            "get",
+            "/store/openapi.json",
+            "store_openapi",
+            "This document",
+            {200: Response("OpenAPI 3.1 document", dict[str, Any])},
+        ),
+        openapi_document,
+    ),
+)
 
 
 def create_store_app(
@@ -138,14 +225,9 @@ def create_store_app(
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
     app[STORAGE_KEY] = SQLiteStorage(config, clock or time.time)
-    app[OPENAPI_KEY] = load_openapi_document()
+    app[OPENAPI_KEY] = document_bytes(API, ROUTES)
     app.cleanup_ctx.append(_storage_lifetime)
-    app.router.add_put("/store/items", put_item)
-    app.router.add_get("/store/items", get_item)
-    app.router.add_delete("/store/items", delete_item)
-    app.router.add_post("/store/items/search", search_items)
-    app.router.add_post("/store/namespaces", list_namespaces)
-    app.router.add_get("/store/openapi.json", openapi_document)
+    add_routes(app.router, ROUTES)
     return app
 
 

@@ -1,4 +1,6 @@
-"""Errors a Store request can end in; each becomes a JSON ``{"detail": ...}`` response."""
+"""Errors a Store request can end in besides an invalid request (``InvalidRequest``, 422):
+a body over the size limit (413) and a busy database (503). Each becomes a JSON
+``{"detail": ...}`` response."""
 
 from __future__ import annotations
 
@@ -11,7 +13,3 @@ class StoreRequestError(Exception):
         self.status = status
         self.detail = detail
 
-
-def invalid(field: str, why: str) -> StoreRequestError:
-    """A 422 for one field of the request."""
-    return StoreRequestError(422, f"{field}: {why}")

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from gateway.upstreams.store.errors import invalid
+from pydantic import AfterValidator, Field
+
+from gateway.upstreams.http_api.json_values import check_json_tree, invalid_at
 
 Operator = Literal["$eq", "$ne", "$gt", "$gte", "$lt", "$lte"]
 OPERATORS: tuple[Operator, ...] = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte")
 _SQL_COMPARISON = {"$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
-MAX_FILTER_CLAUSES = 64
+# A filter names at most this many keys (each with at most the six operators).
+MAX_FILTER_KEYS = 64
 
 # Name of the SQLite function (registered on every connection) that canonicalises JSON
 # text, so object equality does not depend on key order.
@@ -36,27 +38,66 @@ class FilterClause:
     operand: Any
 
 
-def parse_filter(raw: object, field: str = "filter") -> tuple[FilterClause, ...]:
-    """Validate a request's filter object into clauses; a bad operator is a 422."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, Mapping):
-        raise invalid(field, "must be an object mapping top-level value keys to conditions")
-    clauses: list[FilterClause] = []
+def check_operators(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` when every condition that names an operator names only known ones."""
     for key, condition in raw.items():
-        if isinstance(condition, Mapping) and any(str(k).startswith("$") for k in condition):
-            for op, operand in condition.items():
+        if _is_operator_object(condition):
+            for op in condition:
                 if op not in OPERATORS:
-                    raise invalid(
-                        f"{field}.{key}",
-                        f"unknown operator {op!r}; supported: {', '.join(OPERATORS)}",
+                    raise invalid_at(
+                        [key], f"unknown operator {op!r}; supported: {', '.join(OPERATORS)}"
                     )
-                clauses.append(FilterClause(key, op, operand))
+    return raw
+
+
+def filter_clauses(raw: dict[str, Any] | None) -> tuple[FilterClause, ...]:
+    """The clauses of a validated filter, in order."""
+    clauses: list[FilterClause] = []
+    for key, condition in (raw or {}).items():
+        if _is_operator_object(condition):
+            clauses.extend(FilterClause(key, op, operand) for op, operand in condition.items())
         else:
             clauses.append(FilterClause(key, "$eq", condition))
-    if len(clauses) > MAX_FILTER_CLAUSES:
-        raise invalid(field, f"at most {MAX_FILTER_CLAUSES} conditions are allowed")
     return tuple(clauses)
+
+
+def _is_operator_object(condition: object) -> bool:
+    return isinstance(condition, dict) and any(key.startswith("$") for key in condition)
+
+
+# What a condition is, for the OpenAPI document: an object of operators, an object with no
+# key starting with "$" (compared whole), or any other JSON value.
+CONDITION_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"enum": list(OPERATORS)},
+            "minProperties": 1,
+            "description": "Operators, ANDed",
+        },
+        {
+            "type": "object",
+            "propertyNames": {"not": {"pattern": "^\\$"}},
+            "description": "An object, equal as a whole",
+        },
+        {"type": ["array", "string", "number", "boolean", "null"]},
+    ]
+}
+
+Filter = Annotated[
+    dict[str, Any],
+    Field(
+        max_length=MAX_FILTER_KEYS,
+        json_schema_extra={"additionalProperties": CONDITION_SCHEMA},
+        description=(
+            "Top-level keys of the value, ANDed: a plain value is exact JSON equality; an "
+            "object of operators ($eq $ne $gt $gte $lt $lte) compares"
+        ),
+    ),
+    AfterValidator(check_json_tree),
+    AfterValidator(check_operators),
+]
+"""A search filter: at most ``MAX_FILTER_KEYS`` keys, known operators, storable JSON."""
 
 
 def canonical_json(value: Any) -> str:

@@ -32,12 +32,13 @@ from gateway.upstreams.store.filters import (
     canonical_json_text,
     compile_filter,
 )
-from gateway.upstreams.store.requests import (
-    ItemRef,
-    ListNamespaces,
+from gateway.upstreams.store.models import (
+    Item,
     Namespace,
-    PutItem,
-    SearchItems,
+    SearchItem,
+    StoreListNamespacesRequest,
+    StorePutRequest,
+    StoreSearchRequest,
 )
 from gateway.upstreams.store.schema import SCHEMA_VERSION, upgrade_script
 from gateway.upstreams.store.text_index import match_expression, searchable_text
@@ -69,15 +70,17 @@ class _Row:
     id: int
     ttl_minutes: float | None
 
-    def as_item(self) -> dict[str, Any]:
-        item: dict[str, Any] = {
+    def as_item(self) -> Item:
+        return {
             "namespace": self.namespace.split("."),
             "key": self.key,
             "value": json.loads(self.value),
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
         }
-        return item
+
+    def as_search_item(self, score: float | None) -> SearchItem:
+        return {**self.as_item(), "score": score}
 
 
 def _iso(epoch_seconds: float) -> str:
@@ -191,7 +194,7 @@ def _walk_is_done(last_wanted: str, walked: str, depth: int | None, seen: set[st
     return True
 
 
-def _namespace_matches(labels: list[str], request: ListNamespaces) -> bool:
+def _namespace_matches(labels: list[str], request: StoreListNamespacesRequest) -> bool:
     for pattern, from_end in ((request.prefix, False), (request.suffix, True)):
         if pattern is None:
             continue
@@ -357,18 +360,22 @@ class SQLiteStorage:
 
     # -- operations ---------------------------------------------------------------
 
-    async def put(self, request: PutItem) -> None:
+    async def put(self, request: StorePutRequest) -> None:
         """Insert or replace an item; ``created_at`` survives replacement."""
         now = self._clock()
-        ttl = request.ttl_minutes
+        ttl = request.ttl
         if ttl is None:
             ttl = self._config.default_ttl_minutes
         expires_at = None if ttl is None else now + ttl * 60.0
-        text = searchable_text(request.value, request.index_paths)
+        text = searchable_text(request.value, request.index_paths())
+        # The model refused non-finite numbers; allow_nan=False is the backstop.
+        value_json = json.dumps(
+            request.value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        )
         params = (
-            _dotted(request.namespace),
+            _dotted(tuple(request.namespace)),
             request.key,
-            request.value_json,
+            value_json,
             text,
             now,
             now,
@@ -377,11 +384,11 @@ class SQLiteStorage:
         )
         await self._write(functools.partial(_put, params=params))
 
-    async def get(self, ref: ItemRef, refresh_ttl: bool | None) -> dict[str, Any] | None:
+    async def get(self, namespace: Namespace, key: str, refresh_ttl: bool | None) -> Item | None:
         """The live item, or None; optionally pushes its expiry forward."""
         now = self._clock()
         row = await self._run(
-            self._readers, functools.partial(self._get, _dotted(ref.namespace), ref.key, now)
+            self._readers, functools.partial(self._get, _dotted(namespace), key, now)
         )
         if row is None:
             return None
@@ -404,11 +411,11 @@ class SQLiteStorage:
     def _refresh(self, requested: bool | None) -> bool:
         return self._config.refresh_ttl_on_read if requested is None else requested
 
-    async def delete(self, ref: ItemRef) -> None:
+    async def delete(self, namespace: Namespace, key: str) -> None:
         """Remove an item; removing an absent item is not an error."""
-        await self._write(functools.partial(_delete, namespace=_dotted(ref.namespace), key=ref.key))
+        await self._write(functools.partial(_delete, namespace=_dotted(namespace), key=key))
 
-    async def search(self, request: SearchItems) -> list[dict[str, Any]]:
+    async def search(self, request: StoreSearchRequest) -> list[SearchItem]:
         """Listing (newest update first) or, with a query, BM25-ranked matches (best first)."""
         now = self._clock()
         rows = await self._run(self._readers, functools.partial(self._search, request, now))
@@ -417,15 +424,16 @@ class SQLiteStorage:
             if expiring:
                 await self._write(functools.partial(_refresh_rows, ids=expiring, now=now))
         # Listing mode reports score null, as the API schema has it.
-        return [{**row.as_item(), "score": score} for row, score in rows]
+        return [row.as_search_item(score) for row, score in rows]
 
-    def _search(self, request: SearchItems, now: float) -> list[tuple[_Row, float | None]]:
+    def _search(self, request: StoreSearchRequest, now: float) -> list[tuple[_Row, float | None]]:
         with _snapshot(self._connection()) as connection:
-            bounds = _prefix_bounds(connection, request.namespace_prefix)
+            bounds = _prefix_bounds(connection, request.prefix())
             prefix_sql = _prefix_sql("i.namespace", bounds)
             prefix_params = bounds or []
-            filter_sql, filter_params = compile_filter(request.filter, "i.value")
-            if request.query is None:
+            filter_sql, filter_params = compile_filter(request.clauses(), "i.value")
+            query = request.search_query()
+            if query is None:
                 cursor = connection.execute(
                     f"SELECT {_ITEM_COLUMNS} FROM items AS i "
                     f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
@@ -433,7 +441,7 @@ class SQLiteStorage:
                     (*prefix_params, now, *filter_params, request.limit, request.offset),
                 )
                 return [(_Row(*found), None) for found in cursor]
-            expression = match_expression(request.query)
+            expression = match_expression(query)
             if expression is None:
                 return []
             if bounds is not None and _holds_at_most(
@@ -475,7 +483,7 @@ class SQLiteStorage:
             # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
             return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
 
-    async def list_namespaces(self, request: ListNamespaces) -> list[list[str]]:
+    async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
         now = self._clock()
         shown = await self._run(
@@ -484,7 +492,7 @@ class SQLiteStorage:
         page = shown[request.offset : request.offset + request.limit]
         return [namespace.split(".") for namespace in page]
 
-    def _list_namespaces(self, request: ListNamespaces, now: float) -> list[str]:
+    def _list_namespaces(self, request: StoreListNamespacesRequest, now: float) -> list[str]:
         """The sorted dotted namespaces to show, at least the first offset + limit of them.
 
         Walks the distinct live namespaces under the literal part of the prefix in index

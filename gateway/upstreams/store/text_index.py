@@ -6,8 +6,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.upstreams.store.errors import invalid
-
 MAX_QUERY_TERMS = 32
 MAX_INDEX_PATHS = 64
 MAX_INDEX_PATH_LENGTH = 512
@@ -15,7 +13,6 @@ MAX_INDEX_PATH_LENGTH = 512
 # unicode61 splits on everything that is not a letter or a digit; match it so a query
 # term is one FTS token, not an accidental phrase.
 _TERM = re.compile(r"[^\W_]+", re.UNICODE)
-_PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\*|-?\d+)\]|(\.)")
 
 # Words so common that matching them alone says nothing; dropped from a query unless the
 # query has nothing else.
@@ -29,56 +26,30 @@ _STOPWORDS = frozenset(_STOPWORDS_TEXT.split())
 PathStep = str | int | None  # key, index, or None for "every element"
 
 
-def parse_index_paths(raw: object, field: str = "index") -> tuple[tuple[PathStep, ...], ...] | None:
-    """Validate the ``index`` field of a put: None (whole value), False (no text) or paths.
+# A field path of the ``index`` argument: ``$`` (the whole value), or keys and indexes as in
+# ``a.b``, ``items[*].text``, ``list[-1]``. This expression is the rule (the model checks it
+# and the OpenAPI document carries it); ``index_steps`` only splits what it accepted.
+_KEY = r"[^.\[\]]+"
+_INDEX = r"\[(?:\*|-?[0-9]+)\]"
+INDEX_PATH_PATTERN = rf"^(?:\$|(?:{_KEY}|{_INDEX})(?:{_INDEX}|\.(?:{_KEY}|{_INDEX}))*)$"
+_PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\*|-?[0-9]+)\]")
 
-    Returns None for "index the whole value" and ``()`` for "not searchable".
-    """
-    if raw is None:
+
+def index_steps(paths: list[str] | None) -> tuple[tuple[PathStep, ...], ...] | None:
+    """The steps of each validated field path; None (whole value) stays None, and an empty
+    list (``index: false`` or ``[]``) means no searchable text."""
+    if paths is None:
         return None
-    if raw is False:
-        return ()
-    if not isinstance(raw, list):
-        raise invalid(field, "must be false, null or a list of field paths")
-    if len(raw) > MAX_INDEX_PATHS:
-        raise invalid(field, f"at most {MAX_INDEX_PATHS} paths are allowed")
-    paths: list[tuple[PathStep, ...]] = []
-    for position, path in enumerate(raw):
-        if not isinstance(path, str) or not path or len(path) > MAX_INDEX_PATH_LENGTH:
-            raise invalid(
-                f"{field}[{position}]",
-                f"must be a non-empty field path of at most {MAX_INDEX_PATH_LENGTH} characters",
-            )
-        paths.append(_parse_path(path, f"{field}[{position}]"))
-    return tuple(paths)
+    return tuple(() if path == "$" else _steps(path) for path in paths)
 
 
-def _parse_path(path: str, field: str) -> tuple[PathStep, ...]:
-    if path == "$":
-        return ()
+def _steps(path: str) -> tuple[PathStep, ...]:
     steps: list[PathStep] = []
-    position = 0
-    expect_key = True
-    while position < len(path):
-        match = _PATH_TOKEN.match(path, position)
-        if match is None:
-            raise invalid(field, f"cannot parse field path {path!r}")
-        key, index, dot = match.groups()
-        if dot is not None:
-            if expect_key:
-                raise invalid(field, f"empty segment in field path {path!r}")
-            expect_key = True
-        elif key is not None:
-            if not expect_key:
-                raise invalid(field, f"missing '.' before {key!r} in field path {path!r}")
+    for key, index in _PATH_TOKEN.findall(path):
+        if key:
             steps.append(key)
-            expect_key = False
         else:
             steps.append(None if index == "*" else int(index))
-            expect_key = False
-        position = match.end()
-    if expect_key:
-        raise invalid(field, f"field path {path!r} ends with '.'")
     return tuple(steps)
 
 
