@@ -4,7 +4,6 @@ error), which the public port does not show."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -27,7 +26,7 @@ def create_admin_app(
 
     async def info_handler(request: web.Request) -> web.Response:
         assert info is not None
-        return web.json_response(await info(), dumps=json.dumps)
+        return web.json_response(await info())
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)

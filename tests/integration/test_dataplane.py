@@ -453,6 +453,14 @@ async def test_a_body_sent_after_a_head_answer_never_reaches_the_next_response(u
     assert data.count(b"HTTP/1.1 200") == 2 and data.endswith(b"abc")
 
 
+async def _until(condition, seconds: float = 2.0) -> None:
+    """Wait for ``condition()`` (the gateway's state after bytes sent on other sockets)."""
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def _start_upload(port: int, n: int, forwarded_for: str | None = None):
     """Send a 200,000-byte upload's head and its first 70,000 bytes (past the 64 KiB read
     before forwarding, so it streams), then stall: it holds an upstream connection."""
@@ -474,10 +482,7 @@ async def test_one_client_cannot_hold_more_than_its_share_of_upstream_connection
         plane = gw.proxy.plane
         assert plane is not None
         held = [await _start_upload(_port(gw), n) for n in range(2)]
-        for _ in range(100):
-            if plane.uploads_open == 2:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: plane.uploads_open == 2)
         assert plane.uploads == {"127.0.0.1": 2}
         reader, writer = await _start_upload(_port(gw), 3)
         [(status, body)] = await _read_responses(reader, 1)
@@ -501,10 +506,7 @@ async def test_one_client_cannot_hold_more_than_its_share_of_upstream_connection
         assert (status, json.loads(body)) == (200, {"received": 200_000})
         for _, w in [*held, (reader, writer)]:
             w.close()
-        for _ in range(100):  # a client gone mid-upload gives its slot back too
-            if plane.uploads_open == 0:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: plane.uploads_open == 0)  # a client gone mid-upload too
         assert plane.uploads == {} and plane.uploads_open == 0
 
 
@@ -517,10 +519,7 @@ async def test_uploads_of_all_clients_together_leave_half_the_pool_free(upstream
         plane = gw.proxy.plane
         assert plane is not None
         held = [await _start_upload(_port(gw), n, f"10.0.0.{n}") for n in range(2)]
-        for _ in range(100):
-            if plane.uploads_open == 2:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: plane.uploads_open == 2)
         assert plane.uploads == {"10.0.0.0": 1, "10.0.0.1": 1}
         refused = []
         for n in range(2, 6):
