@@ -401,6 +401,8 @@ class Gateway:
         if upstream is None:
             return Answer.error(404, f"no upstream serves {path}", headers)
         record.upstream = upstream.name
+        if headers:
+            req.rate_lines = "".join([f"{n}: {t}\r\n" for n, t in headers]).encode("latin-1")
         self.metrics.child(self.metrics.overhead, req.region).observe(
             time.perf_counter() - req.started
         )

@@ -117,6 +117,26 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
 _RESPONSE_SPECIAL = HOP_BY_HOP | {
     b"via", b"content-length", b"date", b"x-request-id", b"ratelimit", b"ratelimit-policy",
 }  # fmt: skip
+# Of those, dropped outright (the gateway writes its own framing and X-Request-Id).
+_DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-id"}
+# Connection tokens that need no filtering pass: names never written, or no name at all.
+_ALREADY_DROPPED = (_RESPONSE_SPECIAL - {b"date", b"ratelimit", b"ratelimit-policy"}) | {b"close"}
+VIA_LINE = b"Via: " + VIA + CRLF
+_STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
+
+
+def _status_line(status: int, reason: bytes) -> bytes:
+    """The status line, built once per (status, reason) an upstream uses."""
+    found = _STATUS_LINES.get((status, reason))
+    if found is None:
+        found = status_line(status, reason or None)
+        if len(_STATUS_LINES) < 256 and len(reason) <= 64:  # bounded: reasons are free text
+            _STATUS_LINES[(status, reason)] = found
+    return found
+
+
+def _line_name(line: bytes) -> bytes:
+    return line.split(b":", 1)[0].lower()
 
 
 class Relay:
@@ -183,61 +203,72 @@ class Relay:
         req = self.req
         conn = self.conn
         self.status = status
-        kept: list[tuple[bytes, bytes, bytes]] = []
+        # One pass: every header the gateway does not own is written as it came (one
+        # concatenation each); only the few special names take a branch.
+        lines = [_status_line(status, reason)]
+        append = lines.append
         tokens: set[bytes] | None = None
-        via: list[bytes] = []
+        via: list[bytes] | None = None
         length: bytes | None = None
         chunked_in = has_date = False
-        limited = bool(req.rate_headers)
+        rate_lines = req.rate_lines
+        special = _RESPONSE_SPECIAL
         for name, value in headers:
             lower = name.lower()
-            if lower in _RESPONSE_SPECIAL:
+            if lower in special:
                 if lower == b"connection":
                     names = {t.strip().lower() for t in value.split(b",")}
                     tokens = names if tokens is None else tokens | names
-                elif lower == b"transfer-encoding":
+                    continue
+                if lower == b"transfer-encoding":
                     chunked_in = True
-                elif lower == b"via":
+                    continue
+                if lower == b"via":
+                    if via is None:
+                        via = []
                     via.append(value)
-                elif lower == b"content-length":
+                    continue
+                if lower == b"content-length":
                     length = value
-                elif lower == b"date":
+                    continue
+                if lower == b"date":
                     has_date = True
-                    kept.append((name, value, lower))
-                elif lower in _RATE_NAMES and not limited:
-                    kept.append((name, value, lower))  # exempt: the upstream's own pass
-                continue
-            kept.append((name, value, lower))
-        lines = [status_line(status, reason or None)]
-        if tokens:
-            lines += [n + b": " + v + CRLF for n, v, lower in kept if lower not in tokens]
+                elif lower in _DROPPED:
+                    continue
+                elif lower in _RATE_NAMES and rate_lines:
+                    continue  # the gateway's own fields replace the upstream's
+            append(name + b": " + value + CRLF)
+        if tokens and not tokens <= _ALREADY_DROPPED:
+            # Rare: names listed in Connection are hop-by-hop for this response (nginx's
+            # "Connection: keep-alive" names only what is dropped anyway).
+            lines = [lines[0], *(ln for ln in lines[1:] if _line_name(ln) not in tokens)]
+            append = lines.append
+        if via is None:
+            append(VIA_LINE)
         else:
-            lines += [n + b": " + v + CRLF for n, v, _ in kept]
-        via.append(VIA)
-        lines.append(b"Via: " + b", ".join(via) + CRLF)
-        if limited:
-            lines.append(
-                "".join(f"{n}: {t}\r\n" for n, t in req.rate_headers).encode("latin-1")
-            )
-        lines.append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
-        bodiless = req.head_only or status in (204, 304)
+            via.append(VIA)
+            append(b"Via: " + b", ".join(via) + CRLF)
+        if rate_lines:
+            append(rate_lines)
+        append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
+        bodiless = req.head_only or status == 204 or status == 304
         if length is not None and not chunked_in:
-            lines.append(b"Content-Length: " + length + CRLF)
+            append(b"Content-Length: " + length + CRLF)
         elif bodiless:
             pass
         elif req.version == "1.1":
             self.chunked_out = True
-            lines.append(b"Transfer-Encoding: chunked\r\n")
+            append(b"Transfer-Encoding: chunked\r\n")
         else:
             self.close_after = True  # an HTTP/1.0 client reads to the end of the connection
         # No length and not chunked: the response ends when the upstream closes.
         self.until_close = length is None and not chunked_in and not bodiless
         if self.close_after or not conn.keep_alive_after(req):
             self.close_after = True
-            lines.append(CLOSE)
+            append(CLOSE)
         if not has_date:
-            lines.append(date_line())
-        lines.append(CRLF)
+            append(date_line())
+        append(CRLF)
         self.out.append(b"".join(lines))
         if self.phase == WAITING:
             self.phase = STREAMING

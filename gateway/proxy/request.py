@@ -52,6 +52,7 @@ class Incoming:
     selection: Selection | None = None
     decision: Decision | None = None
     rate_headers: list[tuple[str, str]] = []
+    rate_lines = b""  # rate_headers as header lines, for a forwarded request's response
     record: AccessRecord | None = None
     upstream_head: bytes | None = None  # built once, kept for a retry
 

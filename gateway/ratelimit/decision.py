@@ -56,13 +56,24 @@ class Decision:
     @property
     def near_limit(self) -> bool:
         """Admitted with under 20 % of an enforced limit left."""
-        return self.outcome is Outcome.ALLOWED and any(
-            not r.shadow and r.remaining < r.count * 0.2 for r in self.reports
-        )
+        if self.outcome is not Outcome.ALLOWED:
+            return False
+        reports = self.reports
+        if len(reports) == 1:  # the common case, without a generator
+            r = reports[0]
+            return not r.shadow and r.remaining < r.count * 0.2
+        return any(not r.shadow and r.remaining < r.count * 0.2 for r in reports)
 
     def header_fields(self) -> list[tuple[str, str]]:
         """``RateLimit-Policy`` and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11)."""
-        if not self.reports:
+        reports = self.reports
+        if len(reports) == 1:  # the common case, without generators and joins
+            r = reports[0]
+            return [
+                ("RateLimit-Policy", f'"{r.name}";q={r.count};w={r.seconds}'),
+                ("RateLimit", f'"{r.name}";r={r.remaining};t={r.reset_seconds}'),
+            ]
+        if not reports:
             return []
         policy = ", ".join(f'"{r.name}";q={r.count};w={r.seconds}' for r in self.reports)
         state = ", ".join(f'"{r.name}";r={r.remaining};t={r.reset_seconds}' for r in self.reports)
