@@ -121,7 +121,7 @@ class Gateway:
     max_headers: int = 100
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
-    _paths: dict[str, str] = field(default_factory=dict)  # raw path -> normalised
+    _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
     _refusals_table: object = None
 
     # --- the synchronous part: everything up to the rate-limit decision
@@ -142,11 +142,7 @@ class Gateway:
         goes on: to ``decide`` (``req.decision`` is None) or to ``after_decision``.
         """
         record = req.record = AccessRecord(
-            method=req.method,
-            path="-",
-            status=0,
-            region=self.regions.default,
-            client=peer.address or "-",
+            req.method, "-", 0, self.regions.default, peer.address or "-"
         )
         problem = self._read_headers(req)
         record.request_id = req.request_id
@@ -157,32 +153,40 @@ class Gateway:
             return Answer.error(505, f"HTTP/{req.version} is not supported; use HTTP/1.1")
         if method in REFUSED_METHODS:
             return REFUSED_METHOD_ANSWERS[method]
-        target = req.target.decode("latin-1")
-        raw_path, _, _ = target.partition("?")
-        qmark = req.target.find(b"?")
-        req.query = b"" if qmark < 0 else req.target[qmark:]  # with the "?", byte for byte
-        if not raw_path.startswith("/") and "://" in raw_path:
-            return Answer.error(400, "absolute-form request targets are refused")
-        path = self._paths.get(raw_path)
+        target = req.target
+        qmark = target.find(b"?")
+        if qmark < 0:
+            raw = target
+        else:
+            raw = target[:qmark]
+            req.query = target[qmark:]  # with the "?", byte for byte
+        # Keyed by the raw bytes: a path seen before costs one lookup, no decoding.
+        path = self._paths.get(raw)
         if path is None:
+            raw_path = raw.decode("latin-1")
+            if not raw_path.startswith("/") and "://" in raw_path:
+                return Answer.error(400, "absolute-form request targets are refused")
             try:
                 path = normalise_path(raw_path)
             except PathError as exc:
                 record.path = raw_path[:200]
                 return Answer.error(400, str(exc))
-            if len(raw_path) <= 256:  # the paths a service sees again and again
+            if len(raw) <= 256:  # the paths a service sees again and again
                 if len(self._paths) >= MAX_CACHED_PATHS:
                     self._paths.clear()
-                self._paths[raw_path] = path
+                self._paths[raw] = path
         req.path = record.path = path
         if path == HEALTH_PATH and (method == "GET" or method == "HEAD"):
             return OK_ANSWER
 
-        host = req.host
-        region = req.region = self.regions.region_for(
-            None if host is None else host.decode("latin-1")
-        )
-        record.region = region
+        regions = self.regions
+        if regions.by_host:
+            host = req.host
+            region = regions.region_for(None if host is None else host.decode("latin-1"))
+            record.region = region
+        else:
+            region = regions.default
+        req.region = region
         client = peer.client
         if client is None:  # a trusted proxy: the client is named in X-Forwarded-For
             chain = req.forwarded_for
@@ -271,6 +275,9 @@ class Gateway:
             req.request_id = new_request_id()
             return Answer.error(431, f"too many request headers (at most {self.max_headers})")
         limit = self.max_header_bytes
+        # A head that arrived in fewer bytes than the limit holds no header over it: the
+        # per-header check is skipped (the common case).
+        sized = req.head_size > limit
         identity: dict[bytes, list[bytes]] | None = None
         tokens: set[bytes] | None = None
         given_id: bytes | None = None
@@ -280,7 +287,7 @@ class Gateway:
         singles: set[bytes] | None = None
         roles = _ROLES
         for name, value in headers:
-            if len(name) + len(value) > limit and too_big is None:
+            if sized and len(name) + len(value) > limit and too_big is None:
                 too_big = name
             lower = name.lower()
             role = roles.get(lower)

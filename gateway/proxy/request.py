@@ -26,6 +26,9 @@ class Incoming:
     head_only = False
     upgrade = False
     started = 0.0
+    # bytes read while this request's head arrived (at least the head's size): when
+    # under max_header_bytes, no single header can be over it
+    head_size = 1 << 30
     # framing, from the headers llhttp validated
     content_length: int | None = None
     chunked = False

@@ -33,6 +33,7 @@ class RegionMap:
     def __init__(self, default: str, hosts: Mapping[str, str]) -> None:
         self.default = default
         self._hosts = dict(hosts)
+        self.by_host = bool(self._hosts)  # False: every request is in the default region
 
     def region_for(self, host: str | None) -> str:
         if not host or not self._hosts:

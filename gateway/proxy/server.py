@@ -88,6 +88,7 @@ class ClientConnection(asyncio.Protocol):
         self.body_deadline = 0.0
         self.in_head = False
         self.head_bytes = 0
+        self.read_size = 0  # bytes of the read being parsed
         self.url: list[bytes] = []
         self.dead_parser = False  # after an upgrade or a parse error nothing more is read
         self.lost = False
@@ -128,6 +129,7 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.dead_parser or self.lost:
             return
+        self.read_size = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -208,6 +210,7 @@ class ClientConnection(asyncio.Protocol):
         assert req is not None
         parser = self.parser
         self.in_head = False
+        req.head_size = self.head_bytes + self.read_size
         self.head_bytes = 0
         req.method = parser.get_method().decode("ascii")
         req.version = parser.get_http_version()

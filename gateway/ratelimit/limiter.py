@@ -86,6 +86,8 @@ class Limiter:
 
     def __init__(self, backends: Mapping[str, CounterBackend]) -> None:
         self._backends = dict(backends)
+        # Each region's synchronous ``hit_now``, looked up once (None: it has none).
+        self._hit_now = {name: getattr(b, "hit_now", None) for name, b in self._backends.items()}
         self._check_cache: dict[tuple[str, str, str], tuple[Rule, list[LimitCheck]]] = {}
 
     def backend(self, region: str) -> CounterBackend:
@@ -100,13 +102,22 @@ class Limiter:
         rule = selection.rule
         if (rule is None or rule.unlimited) and not selection.shadows:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
+        hit_now = self._hit_now[region]
+        if hit_now is None:
+            return None
+        identity = selection.identity
+        if not selection.shadows and rule is not None and identity is not None:
+            # The common case: one enforced rule, no shadow rules.
+            result: HitResult | None = hit_now(self._checks(region, rule, identity))
+            if result is None:
+                return None
+            if len(result.states) == 1:
+                return _one_limit(region, identity, rule, result)
+            return self._decision(region, selection, self._groups(region, selection), [result])
         groups = self._groups(region, selection)
         if len(groups) != 1:
             return None
-        hit_now = getattr(self._backends[region], "hit_now", None)
-        if hit_now is None:
-            return None
-        result: HitResult | None = hit_now(groups[0][2])
+        result = hit_now(groups[0][2])
         if result is None:
             return None
         return self._decision(region, selection, groups, [result])
