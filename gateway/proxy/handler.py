@@ -77,6 +77,8 @@ REFUSED_METHOD_ANSWERS = {
 MAX_KNOWN_REFUSALS = 100_000
 MAX_CACHED_PATHS = 10_000
 _STATUS_CLASSES = {n: f"{n}xx" for n in range(1, 6)}
+# Outcome.value through the enum's descriptor costs more than a dict lookup.
+_OUTCOME_LABELS = {outcome: outcome.value for outcome in Outcome}
 
 
 @dataclass(slots=True)
@@ -429,10 +431,15 @@ class Gateway:
     def _observe(self, region: str, decision: Decision, record: AccessRecord) -> None:
         rule = decision.rule_id or "-"
         kind = decision.identity_kind or "-"
-        label = decision.outcome.value
+        label = _OUTCOME_LABELS[decision.outcome]
         if decision.source == "fallback" and decision.outcome is Outcome.ALLOWED:
             label = "fallback"
-        self._count(region, rule, kind, label)
+        metrics = self.metrics
+        requests = metrics.requests
+        counted = requests.children.get((region, rule, kind, label))
+        if counted is None:
+            counted = requests.labels(region, rule, kind, label)
+        counted.inc()
         for shadow_rule, shadow_kind in decision.shadow_exceeded:
             self._count(region, shadow_rule, shadow_kind, "shadow_limited")
             log.info("shadow rule %s would have limited this request", shadow_rule)

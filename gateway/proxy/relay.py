@@ -174,7 +174,12 @@ class Relay:
         chunked = req.chunked and not req.body_done
         self.body_chunked_up = chunked
         body = req.body
-        data = head + b"".join(chunk(c) for c in body if c) if chunked else head + b"".join(body)
+        if not body:
+            data = head
+        elif chunked:
+            data = head + b"".join(chunk(c) for c in body if c)
+        else:
+            data = head + b"".join(body)
         if not req.body_done:
             req.body = []  # from now on the body streams; a complete one is kept for a retry
         uconn.start(self, data, req.head_only)

@@ -51,6 +51,9 @@ IDLE, HEAD, UPSTREAM, RESPONSE = 1, 2, 3, 4
 MAX_PIPELINED = 32  # queued requests after which reading pauses
 LINGER_SECONDS = 2.0  # reading (and dropping) after a final answer, before closing
 NO_PEER = Peer(None, False, "unknown")
+# The methods llhttp knows, as str, without a decode per request.
+_METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")}
+perf_counter = time.perf_counter
 
 
 class StopParsingError(Exception):
@@ -78,6 +81,7 @@ class ClientConnection(asyncio.Protocol):
         self.pipeline: deque[Incoming] = deque()
         self.relay: Relay | None = None
         self.upstream: Upstream | None = None  # where the active request is forwarded
+        self.upstream_address: tuple[str, int, bool, str] = ("", 0, False, "")  # its address
         self.attempt = 0
         self.forward_started = 0.0
         self.waiting_body = False  # a small body is read whole before forwarding
@@ -191,7 +195,7 @@ class ClientConnection(asyncio.Protocol):
             self.dead_parser = True
             raise StopParsingError
         req = Incoming()
-        req.started = time.perf_counter()
+        req.started = perf_counter()
         self.current = req
         self.url = []
         self.in_head = True
@@ -212,7 +216,8 @@ class ClientConnection(asyncio.Protocol):
         self.in_head = False
         req.head_size = self.head_bytes + self.read_size
         self.head_bytes = 0
-        req.method = parser.get_method().decode("ascii")
+        method = parser.get_method()
+        req.method = _METHODS.get(method) or method.decode("ascii")
         req.version = parser.get_http_version()
         req.keep_alive = parser.should_keep_alive()
         req.upgrade = parser.should_upgrade()
@@ -488,9 +493,10 @@ class ClientConnection(asyncio.Protocol):
             return
         self.attempt += 1
         if self.attempt == 1:
-            self.forward_started = time.perf_counter()
+            self.forward_started = perf_counter()
             self._set_deadline(UPSTREAM, self.limits.upstream_timeout)
-        host, port, tls, _ = self.plane.address(upstream)
+        address = self.upstream_address = self.plane.address(upstream)
+        host, port, tls, _ = address
         uconn = self.plane.pool.take_idle(host, port, tls)
         if uconn is not None:
             self._send(req, uconn)
@@ -516,7 +522,7 @@ class ClientConnection(asyncio.Protocol):
     def _send(self, req: Incoming, uconn: UpstreamConnection) -> None:
         upstream = self.upstream
         assert upstream is not None
-        host, port, _, prefix = self.plane.address(upstream)
+        host, port, _, prefix = self.upstream_address
         head = req.upstream_head
         if head is None:
             head = req.upstream_head = request_head(
@@ -557,7 +563,7 @@ class ClientConnection(asyncio.Protocol):
 
     def forward_head(self, relay: Relay) -> None:
         """The response head is on its way to the client."""
-        latency = time.perf_counter() - self.forward_started
+        latency = perf_counter() - self.forward_started
         metrics = self.gateway.metrics
         metrics.child(metrics.upstream_latency, relay.upstream.name).observe(latency)
         record = relay.req.record

@@ -37,6 +37,10 @@ def valid_identity_header(value: str | bytes | None) -> str | None:
     return text
 
 
+# What each kind's hashed input starts with ("<kind>\0"), encoded once.
+_KIND_PREFIXES = {kind: kind.value.encode() + b"\0" for kind in IdentityKind}
+
+
 class IdentityHasher:
     """Keyed hashing of identity values; the secret makes hashes useless to outsiders."""
 
@@ -50,7 +54,7 @@ class IdentityHasher:
 
     def digest(self, kind: IdentityKind, value: str) -> str:
         mac = self._keyed.copy()
-        mac.update(kind.value.encode() + b"\0" + value.encode())
+        mac.update(_KIND_PREFIXES[kind] + value.encode())
         return mac.hexdigest()[:HASH_HEX_CHARS]
 
 
