@@ -44,8 +44,9 @@ HEALTH_PATH = "/ok"
 INFO_PATH = "/info"
 # What the gateway reads in a request header (by lower-case name); every other header is
 # only relayed. One dict lookup per header decides.
-_HOST, _IDENTITY, _CONNECTION, _FORWARDED_FOR, _REQUEST_ID = 1, 2, 3, 4, 5
+_HOST, _API_KEY, _CONNECTION, _FORWARDED_FOR, _REQUEST_ID = 1, 2, 3, 4, 5
 _FORWARDED_PROTO, _CONTENT_LENGTH, _TRANSFER_ENCODING, _EXPECT, _SINGLE = 6, 7, 8, 9, 10
+_USER_ID = 11
 # Headers a message may carry once: upstreams disagree about which of two copies counts
 # (the same list as aiohttp's parser, so the gateway refuses what its upstreams would).
 SINGLETONS = frozenset(
@@ -55,14 +56,13 @@ SINGLETONS = frozenset(
     }
 )  # fmt: skip
 _ROLES = {
-    b"host": _HOST, b"x-api-key": _IDENTITY, b"x-user-id": _IDENTITY,
+    b"host": _HOST, b"x-api-key": _API_KEY, b"x-user-id": _USER_ID,
     b"connection": _CONNECTION, b"x-forwarded-for": _FORWARDED_FOR,
     b"x-request-id": _REQUEST_ID, b"x-forwarded-proto": _FORWARDED_PROTO,
     b"content-length": _CONTENT_LENGTH, b"transfer-encoding": _TRANSFER_ENCODING,
     b"expect": _EXPECT,
     **{name: _SINGLE for name in SINGLETONS - {b"host", b"content-length", b"transfer-encoding"}},
 }  # fmt: skip
-_IDENTITY_NAMES = {b"x-api-key": "x-api-key", b"x-user-id": "x-user-id"}
 OK_ANSWER = Answer.json(200, b'{"ok": true}')
 # RFC 9110 15.5.6: a 405 names the methods that are allowed.
 REFUSED_METHOD_ANSWERS = {
@@ -280,7 +280,8 @@ class Gateway:
         # A head that arrived in fewer bytes than the limit holds no header over it: the
         # per-header check is skipped (the common case).
         sized = req.head_size > limit
-        identity: dict[bytes, list[bytes]] | None = None
+        api_key = user_id = None  # the identity headers' raw values, and how many came
+        api_keys = user_ids = 0
         tokens: set[bytes] | None = None
         given_id: bytes | None = None
         too_big: bytes | None = None
@@ -295,6 +296,14 @@ class Gateway:
             role = roles.get(lower)
             if role is None:
                 continue  # the common case: a header the gateway only relays
+            if role == _API_KEY:
+                api_key = value
+                api_keys += 1
+                continue
+            if role == _USER_ID:
+                user_id = value
+                user_ids += 1
+                continue
             if lower in SINGLETONS:
                 if singles is None:
                     singles = set()
@@ -305,10 +314,6 @@ class Gateway:
                 singles.add(lower)
             if role == _HOST:
                 req.host = value
-            elif role == _IDENTITY:
-                if identity is None:
-                    identity = {}
-                identity.setdefault(lower, []).append(value)
             elif role == _CONNECTION:
                 if tokens is None:
                     tokens = set()
@@ -349,24 +354,24 @@ class Gateway:
             return Answer.error(431, f"request header {shown!r} is over {limit} bytes")
         if tokens:
             req.connection_tokens = frozenset(tokens)
-        if identity is None:
-            return None
-        for wire_name, label in _IDENTITY_NAMES.items():
-            values = identity.get(wire_name)
-            if not values:
-                continue
-            if len(values) > 1:
-                return Answer.error(400, f"send one {label} header, not {len(values)}")
-            if tokens and wire_name in tokens:
-                continue  # hop-by-hop for this request: the upstream never sees it
-            try:
-                text = valid_identity_header(values[0])
-            except ValueError as exc:
-                return Answer.error(400, f"the {label} header {exc}")
-            if wire_name == b"x-api-key":
-                req.api_key = text
-            else:
-                req.user_id = text
+        if api_key is not None:
+            if api_keys > 1:
+                return Answer.error(400, f"send one x-api-key header, not {api_keys}")
+            # Named in Connection it is hop-by-hop for this request: the upstream never
+            # sees it, so it identifies nobody.
+            if not tokens or b"x-api-key" not in tokens:
+                try:
+                    req.api_key = valid_identity_header(api_key)
+                except ValueError as exc:
+                    return Answer.error(400, f"the x-api-key header {exc}")
+        if user_id is not None:
+            if user_ids > 1:
+                return Answer.error(400, f"send one x-user-id header, not {user_ids}")
+            if not tokens or b"x-user-id" not in tokens:
+                try:
+                    req.user_id = valid_identity_header(user_id)
+                except ValueError as exc:
+                    return Answer.error(400, f"the x-user-id header {exc}")
         return None
 
     # --- after the decision
