@@ -154,6 +154,8 @@ class ClientConnection(asyncio.Protocol):
                 self._protocol_error(exc)
             return
         if self.in_head:
+            if self.active is None and self.deadline_kind != HEAD:
+                self._set_deadline(HEAD, self.limits.header_timeout)
             # Still inside a request head: llhttp keeps what it has not reported, so
             # the head's size is bounded here (a head never completes otherwise), also
             # for a pipelined head behind a request still being answered.
@@ -199,8 +201,8 @@ class ClientConnection(asyncio.Protocol):
         self.current = req
         self.url = []
         self.in_head = True
-        if self.active is None:
-            self._set_deadline(HEAD, self.limits.header_timeout)
+        # The header-read deadline (HEAD) is set by data_received only if this head is
+        # still incomplete when the read is parsed: most heads arrive in one read.
 
     def on_url(self, url: bytes) -> None:
         self.url.append(url)
