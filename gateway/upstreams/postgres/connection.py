@@ -52,9 +52,7 @@ def check_url(url: str) -> str:
     """``url`` when it is a PostgreSQL URL; a ``ValueError`` (without the password) if not."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
-        raise ValueError(
-            f"database_url must start with postgresql://, not {redact(url)!r}"
-        )
+        raise ValueError(f"database_url must start with postgresql://, not {redact(url)!r}")
     if not parts.hostname and "host=" not in parts.query:
         raise ValueError(f"database_url names no host: {redact(url)!r}")
     return url
