@@ -9,12 +9,13 @@ one statement (``statement_timeout``) and silence on an established connection
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
-
 import psycopg
 import psycopg_pool
 
-SCHEMES = ("postgresql", "postgres")
+from gateway.upstreams.postgres.url import check_url, is_postgres_url, redact
+
+__all__ = ["check_url", "is_postgres_url", "redact"]
+
 # Seconds: how long a request may wait for the database in total before it is answered 503.
 DEFAULT_TIMEOUT_SECONDS = 5.0
 
@@ -42,37 +43,6 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 
 def unavailable(service: str) -> DatabaseUnavailable:
     return DatabaseUnavailable(f"the {service} database is unavailable; retry the request")
-
-
-def is_postgres_url(url: str) -> bool:
-    return urlsplit(url).scheme in SCHEMES
-
-
-def check_url(url: str) -> str:
-    """``url`` when it is a PostgreSQL URL; a ``ValueError`` (without the password) if not."""
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"database_url must start with postgresql://, not {redact(url)!r}")
-    if not parts.hostname and "host=" not in parts.query:
-        raise ValueError(f"database_url names no host: {redact(url)!r}")
-    return url
-
-
-def redact(url: str) -> str:
-    """The URL with its password (if any) replaced by ``***``: safe to log."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    query = "&".join(
-        "password=***" if piece.startswith("password=") else piece
-        for piece in parts.query.split("&")
-        if piece
-    )
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, query, parts.fragment))
 
 
 def connection_kwargs(timeout_seconds: float, application_name: str) -> dict[str, object]:
