@@ -7,6 +7,7 @@ pool, as a gateway on another host would have.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -159,7 +160,7 @@ async def test_lifecycle_on_two_instances_advances_each_revision_once_in_order(
     steps: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for revision, old, new in rows:
         steps[revision].append((old, new))
-    expected = list(zip(REVISION_FLOW, REVISION_FLOW[1:], strict=False))
+    expected = list(itertools.pairwise(REVISION_FLOW))
     assert len(steps) == 6
     assert all(history == expected for history in steps.values())
 
