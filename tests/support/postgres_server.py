@@ -60,6 +60,7 @@ class PostgresServer:
     root: Path
     port: int = 0
     user: str | None = None  # the OS user running the server (None: the current one)
+    durable: bool = False  # fsync on (benchmarks); tests run with fsync off
     created: list[str] = field(default_factory=list)
 
     @property
@@ -94,10 +95,11 @@ class PostgresServer:
         # fsync off: a test cluster need not survive power loss, and it is much faster.
         # (The crash tests kill the server process, which fsync=off survives: the OS keeps
         # what was written.)
+        durable = "on" if self.durable else "off"
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-            f"-c unix_socket_directories='{self.root}' -c fsync=off "
-            "-c synchronous_commit=on -c full_page_writes=off -c max_connections=200"
+            f"-c unix_socket_directories='{self.root}' -c fsync={durable} "
+            f"-c full_page_writes={durable} -c synchronous_commit=on -c max_connections=200"
         )
         self._run("pg_ctl", "-D", str(self.data_dir), "-o", options, "-w", "-t", "60",
                   "-l", str(self.root / "server.log"), "start")  # fmt: skip
@@ -151,14 +153,14 @@ def _children_of(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def postgres_server() -> Iterator[PostgresServer]:
+def postgres_server(*, durable: bool = False) -> Iterator[PostgresServer]:
     """Start a cluster in a temporary directory; stop it and remove the directory after."""
     bin_dir = find_bin_dir()
     if bin_dir is None:
         raise RuntimeError(INSTALL_HINT)
     user = "nobody" if os.geteuid() == 0 else None
     root = Path(tempfile.mkdtemp(prefix="gateway-pg-"))
-    server = PostgresServer(bin_dir, root / "cluster", user=user)
+    server = PostgresServer(bin_dir, root / "cluster", user=user, durable=durable)
     if user is not None:
         os.chmod(root, 0o755)
     try:
