@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register(commands)
+    from gateway.data_cli import register as register_data
+
+    register_data(commands)
     return parser
 
 
