@@ -243,12 +243,36 @@ class PostgresStorage:
                 return []
             # Terms are letters and digits only (text_index._TERM): no tsquery syntax.
             tsquery = " | ".join(terms)
+            config = pg_schema.TEXT_SEARCH_CONFIG
+            # BM25's inverse document frequency, which ts_rank lacks: each term's ts_rank
+            # is weighted by FTS5's idf, max(ln((N - df + 0.5) / (df + 0.5)), 1e-6), df
+            # counted on the GIN index and N the planner's row estimate (no table scan).
             found = await self._fetch(
-                f"SELECT {_COLUMNS}, ts_rank(i.search_tsv, q, {_RANK_NORMALIZATION}) AS rank "
-                f"FROM store_items AS i, to_tsquery('{pg_schema.TEXT_SEARCH_CONFIG}', %s) AS q "
-                f"WHERE i.search_tsv @@ q AND {prefix_sql} AND {_LIVE} AND {filter_sql} "
-                "ORDER BY rank DESC, i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s",
+                f"""
+                WITH term AS (
+                    SELECT to_tsquery('{config}', t) AS q FROM unnest(%s::text[]) AS t
+                ), total AS (
+                    -- The planner's estimate once (auto)analyze has run; a count before.
+                    SELECT CASE WHEN reltuples > 0 THEN reltuples
+                                ELSE (SELECT count(*) FROM store_items) END AS n
+                    FROM pg_class WHERE oid = 'store_items'::regclass
+                ), weight AS (
+                    SELECT term.q, greatest(
+                        ln((greatest(total.n, d.df) - d.df + 0.5) / (d.df + 0.5)), 1e-6
+                    ) AS idf
+                    FROM term, total, LATERAL (
+                        SELECT count(*) AS df FROM store_items s WHERE s.search_tsv @@ term.q
+                    ) AS d
+                )
+                SELECT {_COLUMNS},
+                       (SELECT sum(w.idf * ts_rank(i.search_tsv, w.q, {_RANK_NORMALIZATION}))
+                        FROM weight AS w) AS rank
+                FROM store_items AS i, to_tsquery('{config}', %s) AS q
+                WHERE i.search_tsv @@ q AND {prefix_sql} AND {_LIVE} AND {filter_sql}
+                ORDER BY rank DESC, i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s
+                """,
                 (
+                    terms,
                     tsquery,
                     *prefix_params,
                     now,
