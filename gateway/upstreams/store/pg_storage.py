@@ -247,6 +247,7 @@ class PostgresStorage:
             # BM25's inverse document frequency, which ts_rank lacks: each term's ts_rank
             # is weighted by FTS5's idf, max(ln((N - df + 0.5) / (df + 0.5)), 1e-6), df
             # counted on the GIN index and N the planner's row estimate (no table scan).
+            # MATERIALIZED: computed once per query, not once per matching row.
             found = await self._fetch(
                 f"""
                 WITH term AS (
@@ -256,7 +257,7 @@ class PostgresStorage:
                     SELECT CASE WHEN reltuples > 0 THEN reltuples
                                 ELSE (SELECT count(*) FROM store_items) END AS n
                     FROM pg_class WHERE oid = 'store_items'::regclass
-                ), weight AS (
+                ), weight AS MATERIALIZED (
                     SELECT term.q, greatest(
                         ln((greatest(total.n, d.df) - d.df + 0.5) / (d.df + 0.5)), 1e-6
                     ) AS idf
