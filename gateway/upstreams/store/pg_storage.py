@@ -121,8 +121,6 @@ class PostgresStorage:
             min_size=1,
             max_size=self._config.database_pool_size,
             timeout=self._timeout,
-            # A connection that broke (database restarted) is replaced, not handed out.
-            check=AsyncConnectionPool.check_connection,
             reconnect_timeout=0,  # keep trying to reconnect for as long as it takes
             name="store",
             open=False,
@@ -139,8 +137,17 @@ class PostgresStorage:
             raise RuntimeError("the store is not open")
         try:
             async with asyncio.timeout(self._timeout * 2):
-                async with self._pool.connection() as conn:
-                    return await call(conn)
+                for attempt in (1, 2):
+                    async with self._pool.connection() as conn:
+                        try:
+                            return await call(conn)
+                        except psycopg.OperationalError:
+                            # A pooled connection the database closed (it restarted): the
+                            # pool drops it; try once more on a fresh one. Every Store
+                            # statement is idempotent (upsert, delete, refresh, sweep).
+                            if not conn.broken or attempt == 2:
+                                raise
+                raise AssertionError("unreachable")
         except UNAVAILABLE_ERRORS as exc:
             log.warning("store database unavailable: %s", type(exc).__name__)
             raise unavailable("store") from exc
