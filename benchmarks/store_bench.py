@@ -7,19 +7,23 @@ and drives it over HTTP with aiohttp, so the numbers include HTTP, JSON and SQLi
     .venv/bin/python benchmarks/store_bench.py --million       # also at 1M items (slow)
     .venv/bin/python benchmarks/store_bench.py --large 200000  # also at another scale
     .venv/bin/python benchmarks/store_bench.py --synchronous normal
+    # SQLite and PostgreSQL side by side (PostgreSQL started here: initdb in a temp dir)
+    .venv/bin/python benchmarks/store_bench.py --backends sqlite,postgresql --no-growth
     # another source tree's Store (before/after), the server on core 0, this client on 1:
     taskset -c 1 .venv/bin/python benchmarks/store_bench.py --store-src /tmp/before \
         --server-cpus 0 --no-growth
 
-Large stores are preloaded straight into SQLite (same schema, same triggers) because putting
-a million items over HTTP would take most of the run; the measured puts and searches then
-run against that store over HTTP.
+Large stores are preloaded straight into SQLite (same schema, same triggers) or PostgreSQL
+(COPY into the migrated table; the database computes the tsvector) because putting a million
+items over HTTP would take most of the run; the measured puts and searches then run against
+that store over HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -31,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +105,11 @@ def preload(db_path: Path, count: int, namespaces: int, prefix: str, seed: int) 
 class StoreServer:
     """The Store in a child process."""
 
-    def __init__(self, data_dir: Path, args: argparse.Namespace) -> None:
+    def __init__(
+        self, data_dir: Path, args: argparse.Namespace, database_url: str | None = None
+    ) -> None:
         source = args.store_src.resolve()
+        database = ["--database-url", database_url] if database_url else []
         pinning = ["taskset", "-c", args.server_cpus] if args.server_cpus else []
         self.process = subprocess.Popen(
             [
@@ -114,6 +121,7 @@ class StoreServer:
                 str(data_dir),
                 "--synchronous",
                 args.synchronous,
+                *database,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -176,21 +184,62 @@ async def _post(session: aiohttp.ClientSession, path: str, body: dict[str, Any])
         return await response.json()
 
 
+def preload_postgres(url: str, count: int, namespaces: int, prefix: str, seed: int) -> None:
+    """COPY ``count`` items into the migrated PostgreSQL table."""
+    import psycopg
+
+    from gateway.upstreams.postgres.migrations import migrate
+    from gateway.upstreams.store import pg_schema
+
+    migrate(url, pg_schema.COMPONENT, pg_schema.STEPS)
+    rng = random.Random(seed)
+    now = time.time()
+    columns = "namespace, key, value, search_text, created_at, updated_at"
+    with psycopg.connect(url) as conn, conn.cursor() as cursor:
+        with cursor.copy(f"COPY store_items ({columns}) FROM STDIN") as copy:
+            for index in range(count):
+                value = make_value(rng, index)
+                stamp = now - count + index
+                copy.write_row(
+                    (
+                        f"{prefix}.u{index % namespaces}",
+                        f"k{index}",
+                        json.dumps(value, separators=(",", ":")),
+                        searchable_text(value, None),
+                        stamp,
+                        stamp,
+                    )
+                )
+        conn.commit()
+        conn.execute("ANALYZE store_items")
+
+
 async def run_scale(
-    items: int, args: argparse.Namespace, work_dir: Path, rng: random.Random
+    items: int,
+    args: argparse.Namespace,
+    work_dir: Path,
+    rng: random.Random,
+    database_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """Fill a store to ``items`` items, then measure puts, gets, searches, listings."""
-    data_dir = work_dir / f"store-{items}"
+    backend = "postgresql" if database_url else "sqlite"
+    data_dir = work_dir / f"store-{backend}-{items}"
     data_dir.mkdir()
     results: list[dict[str, Any]] = []
-    print(f"\n== store with {items:,} items (synchronous={args.synchronous}) ==", flush=True)
+    print(
+        f"\n== {backend} store with {items:,} items (synchronous={args.synchronous}) ==",
+        flush=True,
+    )
     preloaded = 0
     if items > args.http_fill_limit:
         started = time.perf_counter()
-        preload(data_dir / "store.sqlite3", items, 1000, "bench", args.seed)
+        if database_url:
+            preload_postgres(database_url, items, 1000, "bench", args.seed)
+        else:
+            preload(data_dir / "store.sqlite3", items, 1000, "bench", args.seed)
         preloaded = items
         print(f"  preloaded {items:,} items in {time.perf_counter() - started:.1f} s", flush=True)
-    server = StoreServer(data_dir, args)
+    server = StoreServer(data_dir, args, database_url)
     try:
         timeout = aiohttp.ClientTimeout(total=60)
         connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
@@ -256,7 +305,26 @@ async def run_scale(
         server.stop()
     for result in results:
         result["items"] = items
+        result["backend"] = backend
     return results
+
+
+def side_by_side(results: list[dict[str, Any]]) -> str:
+    """A markdown table: one row per operation and size, one column pair per backend."""
+    backends = sorted({r["backend"] for r in results if "backend" in r}, reverse=True)
+    rows: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if "backend" in r:
+            rows.setdefault((r["items"], r["name"]), {})[r["backend"]] = r
+    head = "| items | operation | " + " | ".join(f"{b} ops/s (p50 ms)" for b in backends)
+    lines = [head + " |", "|---:|---|" + "---:|" * len(backends)]
+    for (items, name), by_backend in rows.items():
+        cells = []
+        for b in backends:
+            r = by_backend.get(b)
+            cells.append("" if r is None else f"{r['ops_per_s']:,.0f} ({r['p50_ms']:.2f})")
+        lines.append(f"| {items:,} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 async def run_listing_growth(args: argparse.Namespace, work_dir: Path) -> list[dict[str, Any]]:
@@ -332,6 +400,11 @@ def main() -> None:
     )
     parser.add_argument("--server-cpus", help="pin the Store process to these CPUs (taskset)")
     parser.add_argument("--no-growth", action="store_true", help="skip the listing-growth section")
+    parser.add_argument(
+        "--backends",
+        default="sqlite",
+        help="comma-separated: sqlite, postgresql (a throwaway server started by the bench)",
+    )
     args = parser.parse_args()
 
     info = machine_info()
@@ -339,17 +412,35 @@ def main() -> None:
     print(f"store source: {args.store_src.resolve()}")
     rng = random.Random(args.seed)
     results: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="store-bench-") as tmp:
+    backends = args.backends.split(",")
+    with tempfile.TemporaryDirectory(prefix="store-bench-") as tmp, _postgres(backends) as pg:
         work_dir = Path(tmp)
-        results += asyncio.run(run_scale(args.items, args, work_dir, rng))
-        if args.large:
-            results += asyncio.run(run_scale(args.large, args, work_dir, rng))
-        if args.million:
-            results += asyncio.run(run_scale(1_000_000, args, work_dir, rng))
+        sizes = [args.items, *([args.large] if args.large else [])]
+        sizes += [1_000_000] if args.million else []
+        for items in sizes:
+            for backend in backends:
+                url = pg.create_database() if backend == "postgresql" else None
+                # The same items and queries on each backend.
+                rng = random.Random(args.seed)
+                results += asyncio.run(run_scale(items, args, work_dir, rng, url))
         if not args.no_growth:
             results += asyncio.run(run_listing_growth(args, work_dir))
+    if len(backends) > 1:
+        print("\n" + side_by_side(results))
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "results": results}, indent=2))
+
+
+@contextlib.contextmanager
+def _postgres(backends: list[str]) -> Iterator[Any]:
+    if "postgresql" not in backends:
+        yield None
+        return
+    from tests.support.postgres_server import postgres_server
+
+    # fsync on, like the SQLite store's synchronous=full: durable commits on both sides.
+    with postgres_server(durable=True) as server:
+        yield server
 
 
 if __name__ == "__main__":

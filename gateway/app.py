@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -237,6 +238,9 @@ def build_embedded(settings: Settings) -> Embedded:
     try:
         store_config = StoreConfig.from_mapping(settings.store, data_dir)
         cp_config = ControlPlaneConfig.from_mapping(settings.control_plane, data_dir, os.environ)
+        if settings.database_url is not None:
+            store_config = dataclasses.replace(store_config, database_url=settings.database_url)
+            cp_config = dataclasses.replace(cp_config, database_url=settings.database_url)
         cp_config, message = bootstrap_credentials(cp_config)
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc

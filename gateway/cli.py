@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the built-in upstreams and secrets live (default: ./data)",
     )
+    add(
+        "--database-url",
+        metavar="URL",
+        help="postgresql://user@host:port/db: the built-in Store and control plane in "
+        "PostgreSQL, shared by every gateway using it (default: SQLite files in --data-dir)",
+    )
     add("--host", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, help="port to listen on (default: 8080)")
     add("--admin-host", help="address of the metrics endpoint (default: 127.0.0.1)")
@@ -165,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register(commands)
+    from gateway.data_cli import register as register_data
+
+    register_data(commands)
     return parser
 
 

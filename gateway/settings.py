@@ -47,6 +47,9 @@ class Settings:
     upstream: str | None = None
     embedded: bool | None = None  # None: on when no --upstream is given
     data_dir: str = "data"
+    # PostgreSQL for the built-in Store and control plane (several gateways, one Store);
+    # None keeps them in SQLite files under data_dir.
+    database_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
     admin_host: str = "127.0.0.1"
@@ -272,6 +275,13 @@ def _validate(s: Settings) -> None:
     if s.regions and s.redis_url:
         bad("redis_url (--redis-url) and a 'regions' section were both given: with regions, "
             "give each region its redis_url in the config file")  # fmt: skip
+    if s.database_url is not None:
+        from gateway.upstreams.postgres.url import check_url
+
+        try:
+            check_url(s.database_url)
+        except ValueError as exc:
+            bad(str(exc))
     if s.identity_secret is not None and len(s.identity_secret.encode()) < 16:
         bad("identity_secret must be at least 16 bytes (use a long random string)")
     from gateway.counters.factory import parse_counter_url

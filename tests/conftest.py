@@ -16,3 +16,27 @@ async def upstream_app():
 @pytest.fixture
 async def upstream(upstream_app):
     return upstream_app[1]
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One throwaway PostgreSQL server for the session (started on first use)."""
+    from tests.support.postgres_server import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_database_url(postgres):
+    """A fresh, empty database on the session's server; dropped afterwards."""
+    url = postgres.create_database()
+    yield url
+    postgres.drop_database(url)
+
+
+@pytest.fixture
+def store_database_url():
+    """Where the Store under test keeps its items: None is SQLite. tests/store runs every
+    Store test on both backends by overriding this fixture."""
+    return None

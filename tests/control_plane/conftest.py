@@ -9,7 +9,18 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from . import support
 from .support import RunningControlPlane, make_config, running_control_plane
+
+
+@pytest.fixture(autouse=True, params=["sqlite", "postgresql"])
+def control_plane_backend(request):
+    """Every control-plane test runs on both backends: SQLite in its data dir, and a fresh
+    database on the session's throwaway PostgreSQL server."""
+    url = request.getfixturevalue("pg_database_url") if request.param == "postgresql" else None
+    support.DATABASE["url"] = url
+    yield request.param
+    support.DATABASE["url"] = None
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +111,16 @@ class RunningControlPlane:
         driver.wake()
 
 
+# The database every control plane a test starts uses: None is the SQLite file in its data
+# dir; conftest.py sets a fresh PostgreSQL database for the "postgresql" run of each test.
+DATABASE = {"url": None}
+
+
 @asynccontextmanager
 async def running_control_plane(config: ControlPlaneConfig, clock: Any = None):
     """Serve the control plane on 127.0.0.1 on a free port until the block ends."""
+    if config.database_url is None and DATABASE["url"] is not None:
+        config = replace(config, database_url=DATABASE["url"])
     app = create_control_plane_app(config, clock=clock)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -80,6 +80,8 @@ def test_bootstrap_is_noop_when_configured(tmp_path):
     assert not config.credential_file.exists()
 
 
+# SQLite only: it reads the database file for the raw key.
+@pytest.mark.parametrize("control_plane_backend", ["sqlite"])
 async def test_bootstrap_generates_keeps_and_reloads(tmp_path):
     data_dir = tmp_path / "data"
     config = ControlPlaneConfig.from_mapping({"revision_step_seconds": 0.05}, data_dir, {})

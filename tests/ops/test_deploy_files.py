@@ -43,7 +43,7 @@ def _compose_gateway_env() -> dict[str, str]:
     gateway = read_compose()["services"]["gateway"]
     env = gateway["environment"]
     assert isinstance(env, dict)
-    values = {"GATEWAY_IDENTITY_SECRET": PLACEHOLDER_SECRET}
+    values = {"GATEWAY_IDENTITY_SECRET": PLACEHOLDER_SECRET, "POSTGRES_PASSWORD": "pw"}
     return {k: substitute_compose(str(v), values) for k, v in env.items()}
 
 
@@ -196,3 +196,16 @@ def test_sidecar_runs_unprivileged_with_a_writable_data_dir():
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     data_dir = read_dockerfile().env["GATEWAY_DATA_DIR"]
     assert data_dir in {m["mountPath"] for m in container["volumeMounts"]}
+
+
+def test_compose_puts_the_built_in_upstreams_on_its_postgres():
+    from urllib.parse import urlsplit
+
+    services = read_compose()["services"]
+    settings = load_settings({}, env=_compose_gateway_env())
+    assert settings.database_url is not None
+    parts = urlsplit(settings.database_url)
+    assert parts.hostname in services, "the database URL names a compose service"
+    assert parts.password is None, "the password comes from PGPASSWORD, not the URL"
+    assert services["gateway"]["depends_on"][parts.hostname]["condition"] == "service_healthy"
+    assert "healthcheck" in services[parts.hostname]

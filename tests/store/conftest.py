@@ -20,9 +20,19 @@ from gateway.upstreams.store import StoreConfig
 from .store_support import RunningStore, StoreProcess, start_store
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_database_url(request: pytest.FixtureRequest) -> str | None:
+    """Every Store test runs on both backends: the SQLite file and a fresh PostgreSQL
+    database on the session's throwaway server."""
+    if request.param == "sqlite":
+        return None
+    url: str = request.getfixturevalue("pg_database_url")
+    return url
+
+
 @pytest.fixture
-def store_config(tmp_path: Path) -> StoreConfig:
-    return StoreConfig(data_dir=tmp_path / "store-data")
+def store_config(tmp_path: Path, store_database_url: str | None) -> StoreConfig:
+    return StoreConfig(data_dir=tmp_path / "store-data", database_url=store_database_url)
 
 
 @pytest.fixture

@@ -24,10 +24,11 @@ async def _all_items(sdk: Any, namespace: list[str]) -> dict[str, Any]:
 
 
 async def test_acknowledged_writes_survive_kill_9(
-    tmp_path: Path, store_processes: list[StoreProcess]
+    tmp_path: Path, store_processes: list[StoreProcess], store_database_url: str | None
 ) -> None:
     data_dir = tmp_path / "data"
-    first = await spawn_store_process(data_dir)
+    database = ("--database-url", store_database_url) if store_database_url else ()
+    first = await spawn_store_process(data_dir, *database)
     store_processes.append(first)
     acknowledged: dict[str, int] = {}
     deleted: set[str] = set()
@@ -64,7 +65,7 @@ async def test_acknowledged_writes_survive_kill_9(
         await asyncio.gather(*writers, return_exceptions=True)
 
     assert first.process.returncode == -9
-    second = await spawn_store_process(data_dir)
+    second = await spawn_store_process(data_dir, *database)
     store_processes.append(second)
     async with get_client(url=second.url, api_key=None) as client:
         stored = await _all_items(client.store, ["durable"])
@@ -76,11 +77,14 @@ async def test_acknowledged_writes_survive_kill_9(
 
 
 async def test_two_processes_writing_one_data_dir_lose_nothing(
-    tmp_path: Path, store_processes: list[StoreProcess]
+    tmp_path: Path, store_processes: list[StoreProcess], store_database_url: str | None
 ) -> None:
+    database = ("--database-url", store_database_url) if store_database_url else ()
     data_dir = tmp_path / "shared"
     # Started together, so they also race to create the schema.
-    processes = await asyncio.gather(spawn_store_process(data_dir), spawn_store_process(data_dir))
+    processes = await asyncio.gather(
+        spawn_store_process(data_dir, *database), spawn_store_process(data_dir, *database)
+    )
     store_processes.extend(processes)
     clients = [get_client(url=p.url, api_key=None) for p in processes]
     per_process = 250

@@ -19,14 +19,16 @@ StoreFactory = Callable[..., Any]
 
 
 @pytest.fixture
-async def ttl_store(tmp_path: Path) -> AsyncIterator[StoreFactory]:
+async def ttl_store(tmp_path: Path, store_database_url: str | None) -> AsyncIterator[StoreFactory]:
     """Starts Stores with a fake clock and the given config; yields (store, sdk)."""
     started: list[tuple[RunningStore, Any]] = []
 
     async def start(**config: Any) -> tuple[RunningStore, Any, FakeClock]:
         clock = FakeClock()
         data_dir = tmp_path / f"store-{len(started)}"
-        store = await start_store(StoreConfig(data_dir=data_dir, **config), clock)
+        store = await start_store(
+            StoreConfig(data_dir=data_dir, database_url=store_database_url, **config), clock
+        )
         client = get_client(url=store.url, api_key=None)
         started.append((store, client))
         return store, client.store, clock

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from gateway.upstreams.http_api.openapi import Operation, Response
 from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
+from gateway.upstreams.postgres.connection import redact
 
 from . import auth_service, deployments, integrations, listeners
 from .api_doc import API
@@ -86,7 +87,15 @@ def create_control_plane_app(
 
 async def _lifetime(app: web.Application) -> AsyncIterator[None]:
     rt = app[RUNTIME_KEY]
-    db = Database(rt.config.database_path)
+    db: Database
+    if rt.config.database_url is not None:
+        from .pg_storage import PostgresDatabase
+
+        db = PostgresDatabase(rt.config.database_url, rt.config.database_timeout_seconds)
+        where = f"PostgreSQL {redact(rt.config.database_url)}"
+    else:
+        db = Database(rt.config.database_path)
+        where = f"SQLite {rt.config.database_path}"
     await db.open()
     rt.db = db
     driver = LifecycleDriver(
@@ -98,7 +107,7 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(driver.run(), name="control-plane-lifecycle")
     log.info(
         "control plane started: database=%s revision_step_seconds=%g",
-        rt.config.database_path,
+        where,
         rt.config.revision_step_seconds,
     )
     try:

@@ -71,6 +71,10 @@ class ControlPlaneConfig:
     max_body_bytes: int = 1024 * 1024
     auth_wait_max_seconds: float = 30.0
     auth_flow_ttl_seconds: float = 600.0
+    # PostgreSQL instead of the SQLite file (set from --database-url, not from the
+    # control_plane: section), and the longest a request waits for it.
+    database_url: str | None = None
+    database_timeout_seconds: float = 5.0
 
     @property
     def database_path(self) -> Path:

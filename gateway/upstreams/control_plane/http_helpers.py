@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.problems import InvalidRequest
 from gateway.upstreams.http_api.routes import Handler
+from gateway.upstreams.postgres.connection import DatabaseUnavailable
 
 from .config import ControlPlaneConfig
 from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
@@ -79,6 +80,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(exc.status, exc.detail)
     except Conflict as exc:
         return json_error(409, str(exc))
+    except DatabaseUnavailable as exc:
+        return json_error(503, exc.detail)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise

@@ -20,11 +20,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+import psycopg
+
 from .lifecycle import IN_FLIGHT, next_step
 from .models import Deployment, Listener, Provider, Revision, RevisionConfigView
 
 T = TypeVar("T")
 R = TypeVar("R")
+# A violated unique constraint, as SQLite and PostgreSQL (pg_storage.py) report it.
+INTEGRITY_ERRORS: tuple[type[Exception], ...] = (sqlite3.IntegrityError, psycopg.IntegrityError)
 Row = dict[str, Any]
 Clock = Callable[[], float]
 
@@ -298,7 +302,7 @@ class ControlPlaneStore:
                     f"INSERT INTO {table.name} ({columns}) VALUES ({marks})",
                     tuple(values.values()),
                 )
-        except sqlite3.IntegrityError:
+        except INTEGRITY_ERRORS:
             raise Conflict(conflict) from None
         out = self._get(table, values["tenant_id"], values[table.key])
         assert out is not None

@@ -27,6 +27,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--default-ttl-minutes", type=float, default=None)
     parser.add_argument("--sweep-interval-seconds", type=float, default=60.0)
     parser.add_argument("--synchronous", choices=("full", "normal"), default="full")
+    parser.add_argument("--database-url", default=None, help="PostgreSQL instead of SQLite")
     return parser.parse_args(argv)
 
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             default_ttl_minutes=args.default_ttl_minutes,
             sweep_interval_seconds=args.sweep_interval_seconds,
             sqlite_synchronous=args.synchronous,
+            database_url=args.database_url,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,6 +16,8 @@ from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
 from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
 from gateway.upstreams.http_api.routes import Handler, Route, add_routes, document_bytes
+from gateway.upstreams.postgres.connection import DatabaseUnavailable
+from gateway.upstreams.store.backend import StoreStorage, create_storage, describe
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.errors import StoreRequestError
 from gateway.upstreams.store.models import (
@@ -29,12 +31,11 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
-from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.sweeper import sweep_forever
 
 log = logging.getLogger("gateway.store")
 
-STORAGE_KEY = web.AppKey("store_storage", SQLiteStorage)
+STORAGE_KEY = web.AppKey("store_storage", StoreStorage)
 CONFIG_KEY = web.AppKey("store_config", StoreConfig)
 OPENAPI_KEY = web.AppKey("store_openapi", bytes)
 
@@ -64,6 +65,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     except (StoreRequestError, InvalidRequest) as exc:
         return _detail(exc.status, exc.detail)
+    except DatabaseUnavailable as exc:
+        return _detail(503, exc.detail)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -145,7 +148,9 @@ API = Api(
 _INVALID = Response("Validation error: the detail names the field", ErrorResponse)
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
 _BUSY = Response(
-    "Store busy (database locked by other writers beyond the busy timeout)", ErrorResponse
+    "Store busy or its database unavailable (locked beyond the busy timeout, or "
+    "PostgreSQL not answering in time)",
+    ErrorResponse,
 )
 _ERRORS = {422: _INVALID, 503: _BUSY}
 _BODY_ERRORS = {413: _TOO_LARGE, **_ERRORS}
@@ -224,7 +229,7 @@ def create_store_app(
     """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``."""
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
-    app[STORAGE_KEY] = SQLiteStorage(config, clock or time.time)
+    app[STORAGE_KEY] = create_storage(config, clock or time.time)
     app[OPENAPI_KEY] = document_bytes(API, ROUTES)
     app.cleanup_ctx.append(_storage_lifetime)
     add_routes(app.router, ROUTES)
@@ -234,6 +239,7 @@ def create_store_app(
 async def _storage_lifetime(app: web.Application) -> AsyncIterator[None]:
     storage = app[STORAGE_KEY]
     await storage.open()
+    log.info("store items in %s", describe(app[CONFIG_KEY]))
     sweeper = asyncio.create_task(
         sweep_forever(storage, app[CONFIG_KEY].sweep_interval_seconds), name="store-ttl-sweeper"
     )

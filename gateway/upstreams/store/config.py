@@ -30,6 +30,11 @@ class StoreConfig:
     sqlite_synchronous: SynchronousMode = "full"
     busy_timeout_seconds: float = 5.0
     read_threads: int = 4
+    # PostgreSQL instead of the SQLite file (set from --database-url, not from the store:
+    # section); its pool size and the longest a request waits for the database.
+    database_url: str | None = None
+    database_pool_size: int = 10
+    database_timeout_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         _check_ttl("default_ttl_minutes", self.default_ttl_minutes)

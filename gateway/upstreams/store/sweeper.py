@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.upstreams.store.storage import SQLiteStorage
+from gateway.upstreams.store.backend import StoreStorage
 
 log = logging.getLogger("gateway.store.sweeper")
 
 
-async def sweep_forever(storage: SQLiteStorage, interval_seconds: float) -> None:
+async def sweep_forever(storage: StoreStorage, interval_seconds: float) -> None:
     """Sweep every ``interval_seconds`` until cancelled; a failed sweep is logged and retried."""
     while True:
         await asyncio.sleep(interval_seconds)

@@ -98,13 +98,19 @@ def match_expression(query: str) -> str | None:
 
     None when the query has no searchable term (it then matches nothing).
     """
+    chosen = query_terms(query)
+    if not chosen:
+        return None
+    # Quoted, each term is a plain string to FTS5: no operator or column syntax gets through.
+    return " OR ".join('"' + term.replace('"', '""') + '"' for term in chosen)
+
+
+def query_terms(query: str) -> list[str]:
+    """The distinct lower-cased terms a query searches for (stopwords dropped unless the
+    query has nothing else), at most ``MAX_QUERY_TERMS``; both storages use these."""
     terms: list[str] = []
     for term in _TERM.findall(query.lower()):
         if term not in terms:
             terms.append(term)
     meaningful = [t for t in terms if t not in _STOPWORDS]
-    chosen = (meaningful or terms)[:MAX_QUERY_TERMS]
-    if not chosen:
-        return None
-    # Quoted, each term is a plain string to FTS5: no operator or column syntax gets through.
-    return " OR ".join('"' + term.replace('"', '""') + '"' for term in chosen)
+    return (meaningful or terms)[:MAX_QUERY_TERMS]

@@ -1,0 +1,61 @@
+"""The database URL, connection options that bound every wait, and the 503 error.
+
+Every wait on PostgreSQL is bounded, so a request never hangs on a database that is gone:
+connecting (``connect_timeout``), waiting for a pooled connection (the pool's ``timeout``),
+one statement (``statement_timeout``) and silence on an established connection
+(``tcp_user_timeout`` and keepalives). A request that hits any of them is answered
+``503 {"detail": ...}``; the pool reconnects by itself once the database is back.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import psycopg_pool
+
+from gateway.upstreams.postgres.url import check_url, is_postgres_url, redact
+
+__all__ = ["check_url", "is_postgres_url", "redact"]
+
+# Seconds: how long a request may wait for the database in total before it is answered 503.
+DEFAULT_TIMEOUT_SECONDS = 5.0
+
+
+class DatabaseUnavailable(Exception):
+    """PostgreSQL did not answer in time or the connection broke (answered with 503)."""
+
+    status = 503
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+# What a lost, refused or timed-out database looks like to psycopg and its pool.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.OperationalError,
+    psycopg.errors.QueryCanceled,
+    psycopg.errors.AdminShutdown,
+    psycopg.errors.CannotConnectNow,
+    psycopg_pool.PoolTimeout,
+    psycopg_pool.TooManyRequests,
+)
+
+
+def unavailable(service: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(f"the {service} database is unavailable; retry the request")
+
+
+def connection_kwargs(timeout_seconds: float, application_name: str) -> dict[str, object]:
+    """Options for every connection: bounded connect, statement and network waits."""
+    millis = int(timeout_seconds * 1000)
+    return {
+        "connect_timeout": max(1, int(timeout_seconds)),
+        "application_name": application_name,
+        "options": f"-c statement_timeout={millis} -c lock_timeout={millis}",
+        "tcp_user_timeout": millis,
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 2,
+        "autocommit": True,
+    }

@@ -1,0 +1,67 @@
+"""The one interface every Store storage implements, and the choice between them.
+
+``SQLiteStorage`` (``storage.py``) keeps items in a file under ``--data-dir``;
+``PostgresStorage`` (``pg_storage.py``) keeps them in PostgreSQL when ``--database-url`` is
+given, so several gateways share one Store. The app, the sweeper and the benchmarks see
+only this Protocol. (A vector index would be one more method here, implemented by both.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from gateway.upstreams.store.config import StoreConfig
+from gateway.upstreams.store.models import (
+    Item,
+    Namespace,
+    SearchItem,
+    StoreListNamespacesRequest,
+    StorePutRequest,
+    StoreSearchRequest,
+)
+
+
+class StoreStorage(Protocol):
+    """Items in namespaces: put, get, delete, listing and search, namespaces, TTL sweep."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def put(self, request: StorePutRequest) -> None: ...
+
+    async def get(
+        self, namespace: Namespace, key: str, refresh_ttl: bool | None
+    ) -> Item | None: ...
+
+    async def delete(self, namespace: Namespace, key: str) -> None: ...
+
+    async def search(self, request: StoreSearchRequest) -> list[SearchItem]: ...
+
+    async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]: ...
+
+    async def sweep_expired(self) -> int: ...
+
+    async def count_items(self) -> int: ...
+
+
+def create_storage(config: StoreConfig, clock: Callable[[], float] = time.time) -> StoreStorage:
+    """PostgreSQL when the config names a database URL, else the SQLite file."""
+    if config.database_url is not None:
+        from gateway.upstreams.store.pg_storage import PostgresStorage
+
+        return PostgresStorage(config, clock)
+    from gateway.upstreams.store.storage import SQLiteStorage
+
+    return SQLiteStorage(config, clock)
+
+
+def describe(config: StoreConfig) -> str:
+    """Where the items live, for the start-up log (never a password)."""
+    if config.database_url is not None:
+        from gateway.upstreams.postgres.connection import redact
+
+        return f"PostgreSQL {redact(config.database_url)}"
+    return f"SQLite {config.database_path}"

@@ -1,0 +1,363 @@
+"""PostgreSQL storage of Store items: several gateways on one database see one Store.
+
+Every operation is one statement (or one short transaction) on a pooled connection of
+psycopg 3's async driver, committed before it is acknowledged, so a write acknowledged by
+one gateway is read by every other at once. Concurrent puts of one key are one
+``INSERT … ON CONFLICT DO UPDATE`` each: the last to commit wins, none fails. The TTL sweep
+runs on every instance; it deletes in batches chosen ``FOR UPDATE SKIP LOCKED``, so two
+sweepers never wait on (or both count) the same row.
+
+Answers are built by the same code as SQLite's (``_Row``), from the value's JSON text as
+written. What differs is listed in docs/store.md: the search score (``ts_rank``, not BM25),
+and that U+0000 cannot be stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from gateway.upstreams.postgres.connection import (
+    UNAVAILABLE_ERRORS,
+    DatabaseUnavailable,
+    check_url,
+    connection_kwargs,
+    unavailable,
+)
+from gateway.upstreams.postgres.migrations import migrate
+from gateway.upstreams.store import pg_schema
+from gateway.upstreams.store.config import StoreConfig
+from gateway.upstreams.store.errors import StoreRequestError
+from gateway.upstreams.store.models import (
+    Item,
+    Namespace,
+    SearchItem,
+    StoreListNamespacesRequest,
+    StorePutRequest,
+    StoreSearchRequest,
+)
+from gateway.upstreams.store.pg_filters import compile_pg_filter, has_nul
+from gateway.upstreams.store.storage import (
+    _UPDATED_AT_STEP,
+    SWEEP_BATCH,
+    _dotted,
+    _namespace_matches,
+    _Row,
+)
+from gateway.upstreams.store.text_index import query_terms, searchable_text
+
+log = logging.getLogger("gateway.store.postgres")
+T = TypeVar("T")
+
+_COLUMNS = "i.namespace, i.key, i.value::text, i.created_at, i.updated_at, i.id, i.ttl_minutes"
+_LIVE = "(i.expires_at IS NULL OR i.expires_at > %s)"
+_DOC = "(i.value::jsonb)"
+# ts_rank normalisation 0 (no length penalty): with 1 (divide by 1 + log(length)) a short
+# document mentioning a term once outranks a longer one mentioning it three times, which
+# BM25 (SQLite) ranks the other way.
+_RANK_NORMALIZATION = 0
+
+_PUT = f"""
+INSERT INTO store_items AS items (namespace, key, value, search_text, created_at, updated_at,
+                                  ttl_minutes, expires_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (namespace, key) DO UPDATE SET
+    value = excluded.value,
+    search_text = excluded.search_text,
+    created_at = CASE
+        WHEN items.expires_at IS NOT NULL AND items.expires_at <= excluded.created_at
+        THEN excluded.created_at ELSE items.created_at END,
+    updated_at = CASE
+        WHEN items.updated_at >= excluded.updated_at
+        THEN items.updated_at + {_UPDATED_AT_STEP} ELSE excluded.updated_at END,
+    ttl_minutes = excluded.ttl_minutes,
+    expires_at = excluded.expires_at
+"""
+
+
+def _prefix_sql(prefix: Namespace) -> tuple[str, list[Any]]:
+    if not prefix:
+        return "TRUE", []
+    dotted = _dotted(prefix)
+    # '/' is the character after '.': [p + '.', p + '/') is every namespace below p.
+    return (
+        "(i.namespace = %s OR (i.namespace >= %s AND i.namespace < %s))",
+        [dotted, dotted + ".", dotted + "/"],
+    )
+
+
+class PostgresStorage:
+    """Store items in PostgreSQL; the same async interface as ``SQLiteStorage``."""
+
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
+        if config.database_url is None:
+            raise ValueError("PostgresStorage needs config.database_url")
+        self._config = config
+        self._url = check_url(config.database_url)
+        self._clock = clock
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._timeout = config.database_timeout_seconds
+
+    # -- lifetime -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Migrate the schema (once, under an advisory lock) and open the pool."""
+        kwargs = connection_kwargs(self._timeout, "gateway-store")
+        # Migrations wait as long as another instance holds the lock (no statement timeout).
+        migrate_kwargs = {**kwargs, "options": ""}
+        await asyncio.to_thread(
+            migrate, self._url, pg_schema.COMPONENT, pg_schema.STEPS, **migrate_kwargs
+        )
+        self._pool = AsyncConnectionPool(
+            self._url,
+            kwargs=kwargs,
+            min_size=1,
+            max_size=self._config.database_pool_size,
+            timeout=self._timeout,
+            reconnect_timeout=0,  # keep trying to reconnect for as long as it takes
+            name="store",
+            open=False,
+        )
+        await self._pool.open(wait=False)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    async def _run(self, call: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
+        if self._pool is None:
+            raise RuntimeError("the store is not open")
+        try:
+            async with asyncio.timeout(self._timeout * 2):
+                for attempt in (1, 2):
+                    async with self._pool.connection() as conn:
+                        try:
+                            return await call(conn)
+                        except psycopg.OperationalError:
+                            # A pooled connection the database closed (it restarted): the
+                            # pool drops it; try once more on a fresh one. Every Store
+                            # statement is idempotent (upsert, delete, refresh, sweep).
+                            if not conn.broken or attempt == 2:
+                                raise
+                raise AssertionError("unreachable")
+        except UNAVAILABLE_ERRORS as exc:
+            log.warning("store database unavailable: %s", type(exc).__name__)
+            raise unavailable("store") from exc
+        except TimeoutError as exc:
+            raise unavailable("store") from exc
+
+    async def _execute(self, sql: str, params: list[Any] | tuple[Any, ...]) -> int:
+        async def call(conn: psycopg.AsyncConnection[Any]) -> int:
+            cursor = await conn.execute(sql, params)
+            return cursor.rowcount
+
+        return await self._run(call)
+
+    async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        async def call(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+            cursor = await conn.execute(sql, params)
+            return await cursor.fetchall()
+
+        return await self._run(call)
+
+    # -- operations ---------------------------------------------------------------
+
+    async def put(self, request: StorePutRequest) -> None:
+        """Insert or replace an item; ``created_at`` survives replacement."""
+        namespace = _dotted(tuple(request.namespace))
+        if "\x00" in namespace or "\x00" in request.key or has_nul(request.value):
+            raise StoreRequestError(
+                422, "value: the character U+0000 cannot be stored in the PostgreSQL store"
+            )
+        now = self._clock()
+        ttl = request.ttl
+        if ttl is None:
+            ttl = self._config.default_ttl_minutes
+        expires_at = None if ttl is None else now + ttl * 60.0
+        text = searchable_text(request.value, request.index_paths())
+        value_json = json.dumps(
+            request.value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        )
+        params = (namespace, request.key, value_json, text, now, now, ttl, expires_at)
+        await self._execute(_PUT, params)
+
+    async def get(self, namespace: Namespace, key: str, refresh_ttl: bool | None) -> Item | None:
+        """The live item, or None; optionally pushes its expiry forward."""
+        dotted = _dotted(namespace)
+        if "\x00" in dotted or "\x00" in key:
+            return None  # nothing stored can have it
+        now = self._clock()
+        rows = await self._fetch(
+            f"SELECT {_COLUMNS} FROM store_items AS i "
+            f"WHERE i.namespace = %s AND i.key = %s AND {_LIVE}",
+            (dotted, key, now),
+        )
+        if not rows:
+            return None
+        row = _Row(*rows[0])
+        if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
+            await self._refresh_rows([row.id], now)
+        return row.as_item()
+
+    def _refresh(self, requested: bool | None) -> bool:
+        return self._config.refresh_ttl_on_read if requested is None else requested
+
+    async def _refresh_rows(self, ids: list[int], now: float) -> None:
+        await self._execute(
+            "UPDATE store_items SET expires_at = %s + ttl_minutes * 60.0 "
+            "WHERE id = ANY(%s) AND ttl_minutes IS NOT NULL AND expires_at > %s",
+            (now, ids, now),
+        )
+
+    async def delete(self, namespace: Namespace, key: str) -> None:
+        """Remove an item; removing an absent item is not an error."""
+        dotted = _dotted(namespace)
+        if "\x00" in dotted or "\x00" in key:
+            return
+        await self._execute(
+            "DELETE FROM store_items WHERE namespace = %s AND key = %s", (dotted, key)
+        )
+
+    async def search(self, request: StoreSearchRequest) -> list[SearchItem]:
+        """Listing (newest update first) or, with a query, ranked matches (best first)."""
+        now = self._clock()
+        prefix = request.prefix()
+        if any("\x00" in label for label in prefix):
+            return []
+        prefix_sql, prefix_params = _prefix_sql(prefix)
+        filter_sql, filter_params = compile_pg_filter(request.clauses(), _DOC)
+        query = request.search_query()
+        rows: list[tuple[_Row, float | None]]
+        if query is None:
+            found = await self._fetch(
+                f"SELECT {_COLUMNS} FROM store_items AS i "
+                f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
+                "ORDER BY i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s",
+                (*prefix_params, now, *filter_params, request.limit, request.offset),
+            )
+            rows = [(_Row(*r), None) for r in found]
+        else:
+            terms = query_terms(query)
+            if not terms:
+                return []
+            # Terms are letters and digits only (text_index._TERM): no tsquery syntax.
+            tsquery = " | ".join(terms)
+            config = pg_schema.TEXT_SEARCH_CONFIG
+            # BM25's inverse document frequency, which ts_rank lacks: each term's ts_rank
+            # is weighted by FTS5's idf, max(ln((N - df + 0.5) / (df + 0.5)), 1e-6), df
+            # counted on the GIN index and N the planner's row estimate (no table scan).
+            # MATERIALIZED: computed once per query, not once per matching row.
+            found = await self._fetch(
+                f"""
+                WITH term AS (
+                    SELECT to_tsquery('{config}', t) AS q FROM unnest(%s::text[]) AS t
+                ), total AS (
+                    -- The planner's estimate once (auto)analyze has run; a count before.
+                    SELECT CASE WHEN reltuples > 0 THEN reltuples
+                                ELSE (SELECT count(*) FROM store_items) END AS n
+                    FROM pg_class WHERE oid = 'store_items'::regclass
+                ), weight AS MATERIALIZED (
+                    SELECT term.q, greatest(
+                        ln((greatest(total.n, d.df) - d.df + 0.5) / (d.df + 0.5)), 1e-6
+                    ) AS idf
+                    FROM term, total, LATERAL (
+                        SELECT count(*) AS df FROM store_items s WHERE s.search_tsv @@ term.q
+                    ) AS d
+                )
+                SELECT {_COLUMNS},
+                       (SELECT sum(w.idf * ts_rank(i.search_tsv, w.q, {_RANK_NORMALIZATION}))
+                        FROM weight AS w) AS rank
+                FROM store_items AS i, to_tsquery('{config}', %s) AS q
+                WHERE i.search_tsv @@ q AND {prefix_sql} AND {_LIVE} AND {filter_sql}
+                ORDER BY rank DESC, i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s
+                """,
+                (
+                    terms,
+                    tsquery,
+                    *prefix_params,
+                    now,
+                    *filter_params,
+                    request.limit,
+                    request.offset,
+                ),
+            )
+            rows = [(_Row(*r[:-1]), float(r[-1])) for r in found]
+        if self._refresh(request.refresh_ttl):
+            expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
+            if expiring:
+                await self._refresh_rows(expiring, now)
+        return [row.as_search_item(score) for row, score in rows]
+
+    async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
+        """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
+        now = self._clock()
+        literal: list[str] = []
+        for label in request.prefix or ():
+            if label == "*":
+                break
+            literal.append(label)
+        low = _dotted(tuple(literal))
+        if "\x00" in low:
+            return []
+        high = low + "/" if literal else None
+        upper = "" if high is None else "AND namespace < %(high)s"
+        # A loose index scan: one seek per distinct namespace, not a scan of every item.
+        found = await self._fetch(
+            f"""
+            WITH RECURSIVE walk(namespace) AS (
+                SELECT (SELECT namespace FROM store_items
+                        WHERE namespace >= %(start)s {upper}
+                          AND (expires_at IS NULL OR expires_at > %(now)s)
+                        ORDER BY namespace LIMIT 1)
+                UNION ALL
+                SELECT (SELECT namespace FROM store_items
+                        WHERE namespace > walk.namespace {upper}
+                          AND (expires_at IS NULL OR expires_at > %(now)s)
+                        ORDER BY namespace LIMIT 1)
+                FROM walk WHERE walk.namespace IS NOT NULL
+            )
+            SELECT namespace FROM walk WHERE namespace IS NOT NULL
+            """,
+            {"start": low, "high": high, "now": now},  # type: ignore[arg-type]
+        )
+        depth = request.max_depth
+        shown: set[str] = set()
+        for (namespace,) in found:
+            labels = namespace.split(".")
+            if not _namespace_matches(labels, request):
+                continue
+            cut = depth is not None and len(labels) > depth
+            shown.add(".".join(labels[:depth]) if cut else namespace)
+        # Python's str order is code point order, as the "C" collation's byte order is.
+        page = sorted(shown)[request.offset : request.offset + request.limit]
+        return [namespace.split(".") for namespace in page]
+
+    async def sweep_expired(self) -> int:
+        """Delete expired items in batches; returns how many this instance removed."""
+        now = self._clock()
+        removed = 0
+        while True:
+            batch = await self._execute(
+                "DELETE FROM store_items WHERE id IN (SELECT id FROM store_items "
+                "WHERE expires_at IS NOT NULL AND expires_at <= %s "
+                "LIMIT %s FOR UPDATE SKIP LOCKED)",
+                (now, SWEEP_BATCH),
+            )
+            removed += batch
+            if batch < SWEEP_BATCH:
+                return removed
+
+    async def count_items(self) -> int:
+        rows = await self._fetch("SELECT count(*) FROM store_items", ())
+        return int(rows[0][0])
+
+
+__all__ = ["DatabaseUnavailable", "PostgresStorage"]
