@@ -415,7 +415,10 @@ class Gateway:
         if upstream is None:
             return Answer.error(404, f"no upstream serves {path}", headers)
         record.upstream = upstream.name
-        if headers:
+        if len(headers) == 2:  # RateLimit-Policy and RateLimit: the common case
+            (n0, t0), (n1, t1) = headers
+            req.rate_lines = f"{n0}: {t0}\r\n{n1}: {t1}\r\n".encode("latin-1")
+        elif headers:
             req.rate_lines = "".join([f"{n}: {t}\r\n" for n, t in headers]).encode("latin-1")
         self.metrics.child(self.metrics.overhead, req.region).observe(
             time.perf_counter() - req.started

@@ -122,6 +122,8 @@ _DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-i
 # Connection tokens that need no filtering pass: names never written, or no name at all.
 _ALREADY_DROPPED = (_RESPONSE_SPECIAL - {b"date", b"ratelimit", b"ratelimit-policy"}) | {b"close"}
 VIA_LINE = b"Via: " + VIA + CRLF
+# The Connection values nearly every upstream sends, which need no token parsing.
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"Keep-Alive", b"close", b"Close"})
 _STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
 
 
@@ -140,7 +142,19 @@ def _line_name(line: bytes) -> bytes:
 
 
 class Relay:
-    """The response side of one forwarded request (a ``ResponseSink``)."""
+    """The response side of one forwarded request (a ``ResponseSink``).
+
+    Defaults live on the class (one Relay is built per forwarded request; as with
+    ``Incoming``, setting every field in ``__init__`` costs more than it needs to)."""
+
+    uconn: UpstreamConnection | None = None
+    phase = WAITING
+    body_whole_at_send = False
+    status = 0
+    chunked_out = False
+    close_after = False
+    until_close = False
+    body_chunked_up = False
 
     def __init__(
         self,
@@ -153,16 +167,7 @@ class Relay:
         self.req = req
         self.upstream = upstream
         self.metrics = metrics
-        self.uconn: UpstreamConnection | None = None
-        self.phase = WAITING
-        self.body_whole_at_send = False
-        self.status = 0
         self.out: list[bytes] = []
-        self.chunked_out = False
-        self.close_after = False
-        self.until_close = False
-        self.body_chunked_up = False
-        self.client_paused_upstream = False
 
     # --- request side
 
@@ -222,6 +227,8 @@ class Relay:
             lower = name.lower()
             if lower in special:
                 if lower == b"connection":
+                    if value in _PLAIN_CONNECTION:
+                        continue  # names nothing that is written anyway
                     names = {t.strip().lower() for t in value.split(b",")}
                     tokens = names if tokens is None else tokens | names
                     continue

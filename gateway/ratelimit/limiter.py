@@ -132,8 +132,15 @@ class Limiter:
         if (rule is None or rule.unlimited) and not selection.shadows:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         backend = self._backends[region]
+        identity = selection.identity
+        if not selection.shadows and rule is not None and identity is not None:
+            # The common case: one enforced rule, no shadow rules, one call.
+            result = await backend.hit(self._checks(region, rule, identity))
+            if len(result.states) == 1:
+                return _one_limit(region, identity, rule, result)
+            return self._decision(region, selection, self._groups(region, selection), [result])
         groups = self._groups(region, selection)
-        if len(groups) == 1:  # the common case: no task scheduling for one call
+        if len(groups) == 1:  # no task scheduling for one call
             results: Sequence[HitResult] = [await backend.hit(groups[0][2])]
         else:
             results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
