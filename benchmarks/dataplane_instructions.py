@@ -1,0 +1,274 @@
+"""The data plane's own cost per request, without sockets: instructions (callgrind) or CPU.
+
+    .venv/bin/python benchmarks/dataplane_instructions.py [--kinds proxied,flood]
+        [--gateway-src before=/tmp/old-checkout ...] [--cpu]
+
+Why this exists: on a 2-core VM shared with other work, wrk figures move by 15 % and more
+between runs, which hides the 2-5 % steps that speed work on the request path is made of.
+This drives the real data plane (``gateway.proxy.server.ClientConnection`` and an
+``UpstreamConnection`` from the real pool, the real rule table, limiter, metrics and JSON
+access log) through in-memory transports: the client transport records what is written,
+and the upstream transport answers every request at once with a fixed 104-byte nginx-like
+response. So it measures the Python work per request and nothing of the kernel or of the
+load generator.
+
+By default each checkout is run twice under ``valgrind --tool=callgrind`` (N1 and N2
+requests after the same warm-up) and the difference of the two instruction totals over
+N2 - N1 is reported: start-up cancels out, and the count is the same whatever else the
+machine is doing (callgrind counts instructions, not time). ``--cpu`` instead reports
+process CPU time per request (quick, but as noisy as the machine). Kinds:
+
+* ``proxied``: ``GET /x`` with one of 10,000 API keys, counted in memory and forwarded
+  (the in-process proxied row of ``dataplane_bench.py``);
+* ``flood``: ``GET /flood`` with one key already over its limit (the flood rows).
+
+Needs valgrind (Debian: ``apt-get install valgrind``) unless ``--cpu`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = """\
+rules:
+  - id: flood
+    match: {prefix: /flood}
+    identity: api_key
+    limits: {default: 1/600}
+  - id: bench
+    identity: api_key
+    limits: {default: 1000000000/60}
+"""
+RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 23 Nov 2026 15:00:00 GMT\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 104\r\nConnection: keep-alive\r\n\r\n"
+    + b"x" * 104
+)
+KEYS = 10_000
+WARM = 500
+
+
+class ClientTransport:
+    """What the data plane writes to a client, dropped; enough of a transport for it."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.last = b""
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.written += 1
+        self.last = data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def close(self) -> None:
+        self.closing = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        pass
+
+
+class UpstreamTransport(ClientTransport):
+    """An upstream that answers each request the moment it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.protocol: Any = None
+
+    def write(self, data: bytes) -> None:
+        self.written += 1
+        self.protocol.data_received(RESPONSE)
+
+
+def requests(kind: str, count: int) -> list[bytes]:
+    if kind == "flood":
+        one = b"GET /flood HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nx-api-key: flood-0\r\n\r\n"
+        return [one] * count
+    return [
+        b"GET /x HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nx-api-key: bench-%d\r\n\r\n" % (i % KEYS)
+        for i in range(count)
+    ]
+
+
+async def drive(kind: str, count: int) -> dict[str, float]:
+    """Warm up, then feed ``count`` requests; returns CPU seconds and responses written."""
+    from gateway.app import Proxy, Upstreams
+    from gateway.metrics import Metrics
+    from gateway.proxy.reload import RuleSource
+    from gateway.proxy.server import ClientConnection
+    from gateway.proxy.upstream_pool import UpstreamConnection
+    from gateway.settings import load_settings
+
+    access = logging.getLogger("gateway.access")
+    access.setLevel(logging.INFO)
+    access.addHandler(logging.NullHandler())  # formatted and batched as in production
+    access.propagate = False
+    with tempfile.TemporaryDirectory() as tmp:
+        rules = Path(tmp) / "rules.yaml"
+        rules.write_text(RULES)
+        flags = {
+            "rules": [str(rules)],
+            "upstream": "http://127.0.0.1:9",
+            "embedded": False,
+            "watch_rules": False,
+            "access_log": "json",
+            "data_dir": tmp,
+        }
+        settings = load_settings(flags, env={}, config_file=None)
+        metrics = Metrics()
+        source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
+        proxy = Proxy(settings, Upstreams({}), metrics, source, b"instructions-bench-secret-0123")
+        await proxy.start("127.0.0.1", 0)
+        try:
+            plane = proxy.plane
+            assert plane is not None
+            pool = plane.pool
+            key = ("127.0.0.1", 9, False)
+            upstream = UpstreamConnection(pool, key)
+            utransport = UpstreamTransport()
+            utransport.protocol = upstream
+            upstream.connection_made(utransport)  # type: ignore[arg-type]
+            upstream.idle_since = time.monotonic()
+            pool._all.add(upstream)
+            pool.open += 1
+            pool._idle[key] = deque([upstream])
+            conn = ClientConnection(plane)
+            transport = ClientTransport()
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            for data in requests(kind, WARM):
+                conn.data_received(data)
+            await asyncio.sleep(0)
+            batch = requests(kind, count)
+            before = transport.written
+            started = time.process_time()
+            for i, data in enumerate(batch):
+                conn.data_received(data)
+                if i % 64 == 63:
+                    await asyncio.sleep(0)  # a loop turn: the access log's batch is written
+            await asyncio.sleep(0)
+            cpu = time.process_time() - started
+            answered = transport.written - before
+            want = b"HTTP/1.1 429" if kind == "flood" else b"HTTP/1.1 200"
+            if answered != count or not transport.last.startswith(want):
+                raise SystemExit(f"{kind}: {answered} of {count} answered, last {transport.last!r}")
+            return {"cpu_s": cpu, "answered": answered}
+        finally:
+            await proxy.stop(1)
+
+
+def child(kind: str, count: int) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        pass
+    result = asyncio.run(drive(kind, count))
+    print(json.dumps(result))
+
+
+def run_child(src: Path, kind: str, count: int, callgrind: bool) -> tuple[float, int]:
+    """(CPU seconds, instructions or 0) of one child run on checkout ``src``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env["PYTHONPATH"] = str(src)
+    env["PYTHONHASHSEED"] = "0"  # the same dict layouts in both runs
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(count)]
+    with tempfile.TemporaryDirectory() as tmp:
+        if callgrind:
+            out = Path(tmp) / "callgrind.out"
+            cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *cmd]
+        proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{src} {kind}: the run failed:\n{proc.stdout}\n{proc.stderr}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    instructions = 0
+    if callgrind:
+        found = re.search(r"Collected : (\d+)", proc.stderr)
+        if found is None:
+            raise SystemExit(f"no instruction count in valgrind's output:\n{proc.stderr[-2000:]}")
+        instructions = int(found.group(1))
+    return float(result["cpu_s"]), instructions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kinds", default="proxied,flood", help="proxied, flood")
+    parser.add_argument(
+        "--gateway-src",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="also measure the gateway of this checkout (repeatable)",
+    )
+    parser.add_argument("--cpu", action="store_true", help="CPU time per request, no valgrind")
+    parser.add_argument("--requests", type=int, default=0, help="N2 (default 3000, --cpu 30000)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    callgrind = not args.cpu
+    if callgrind and shutil.which("valgrind") is None:
+        raise SystemExit("valgrind not found (Debian: apt-get install valgrind), or use --cpu")
+    sources = [("current", ROOT)]
+    for item in args.gateway_src:
+        label, sep, directory = item.partition("=")
+        if not sep or not Path(directory, "gateway").is_dir():
+            raise SystemExit(f"--gateway-src wants LABEL=DIR with DIR/gateway, not {item!r}")
+        sources.append((label, Path(directory).resolve()))
+    n2 = args.requests or (3000 if callgrind else 30000)
+    n1 = n2 // 3
+    kinds = [k for k in args.kinds.split(",") if k]
+    unit = "instructions/request" if callgrind else "CPU µs/request"
+    print(f"| kind | {' | '.join(label for label, _ in sources)} |  ({unit})")
+    print("|---|" + "---:|" * len(sources))
+    for kind in kinds:
+        if kind not in ("proxied", "flood"):
+            raise SystemExit(f"unknown kind {kind!r} (proxied, flood)")
+        cells = []
+        for label, src in sources:
+            print(f"  {kind} / {label} ...", file=sys.stderr, flush=True)
+            _, ins1 = run_child(src, kind, n1, callgrind)
+            cpu2, ins2 = run_child(src, kind, n2, callgrind)
+            if callgrind:
+                cells.append(f"{(ins2 - ins1) / (n2 - n1):,.0f}")
+            else:
+                cells.append(f"{cpu2 / n2 * 1e6:.1f}")
+        print(f"| {kind} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
