@@ -1,5 +1,14 @@
 """One access-log line per request, plain or JSON. Never a raw key, user id or query.
 
+Besides what happened (rule, decision, status), a line carries every identity component a
+rule could use, so ``gateway rules simulate`` can replay it through another table: the
+keyed hashes (first 12 hex, as ``identity`` shows them) of the request's ``api_key``,
+``user_ip`` and ``ip`` identities, the client address (an IPv6 client as its prefix), the
+region, the method, the normalised path, and ``start_ms``, when the request began (epoch
+milliseconds). The hashes are taken from the request's ``RequestIdentity`` when the line is
+formatted: the ones rule matching computed are reused, the others come from the
+connection's memo (HMAC once per connection and key), and none is computed with the log off.
+
 Lines are formatted with one f-string each and written in batches: ``emit`` appends to a
 buffer, and the buffer goes out as ONE record of the ``gateway.access`` logger (its message
 is the lines joined by newlines) at the end of the event loop's current turn, when it
@@ -16,6 +25,9 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
+
+from gateway.policy.model import IdentityKind
+from gateway.ratelimit.identity import RequestIdentity
 
 log = logging.getLogger("gateway.access")
 
@@ -39,6 +51,14 @@ class AccessRecord:
     # When the request ended, UTC with milliseconds ("2026-11-23T13:04:38.037Z"); set by
     # ``AccessLogger.emit``: in a batch only the first line carries the logger's own time.
     time: str | None = None
+    # Identity components for replays (see the module's docstring); None when the request
+    # was answered before its identity was formed (a 400, /ok). Set by ``emit``.
+    key: str | None = None  # the api_key identity's hash, 12 hex
+    user: str | None = None  # the user_ip identity's hash (user id with client), 12 hex
+    ip: str | None = None  # the ip identity's hash, 12 hex
+    start_ms: int | None = None  # when the request began, epoch milliseconds
+    # Where ``emit`` takes the hashes from (never written itself).
+    identities: RequestIdentity | None = None
 
 
 _second = -1
@@ -69,8 +89,8 @@ _q = encode_basestring_ascii
 
 
 def json_line(r: AccessRecord) -> str:
-    """The record as one JSON object: the fields in declaration order, as
-    ``json.dumps(asdict(r), separators=(",", ":"))`` would write them."""
+    """The record as one JSON object: the fields in declaration order (but
+    ``identities``), as ``json.dumps(..., separators=(",", ":"))`` would write them."""
     return (
         f'{{"method":{_q(r.method)},"path":{_q(r.path)},"status":{r.status!r},'
         f'"region":{_q(r.region)},"client":{_q(r.client)},'
@@ -81,7 +101,11 @@ def json_line(r: AccessRecord) -> str:
         f'"duration_ms":{r.duration_ms!r},'
         f'"upstream_ms":{"null" if r.upstream_ms is None else repr(r.upstream_ms)},'
         f'"request_id":{"null" if r.request_id is None else _q(r.request_id)},'
-        f'"time":{"null" if r.time is None else _q(r.time)}}}'
+        f'"time":{"null" if r.time is None else _q(r.time)},'
+        f'"key":{"null" if r.key is None else _q(r.key)},'
+        f'"user":{"null" if r.user is None else _q(r.user)},'
+        f'"ip":{"null" if r.ip is None else _q(r.ip)},'
+        f'"start_ms":{"null" if r.start_ms is None else r.start_ms}}}'
     )
 
 
@@ -97,6 +121,8 @@ def plain_line(r: AccessRecord) -> str:
     )
     if r.time is not None:
         line = f"{line} time={r.time}"
+    if r.ip is not None:  # the identity components (see the module's docstring)
+        line = f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} start_ms={r.start_ms}"
     if line.isprintable():  # one C scan of the whole line: the common case stops here
         return line
     return plain_line(_escaped(r))
@@ -123,6 +149,10 @@ def _escaped(r: AccessRecord) -> AccessRecord:
         upstream_ms=r.upstream_ms,
         request_id=opt(r.request_id),
         time=opt(r.time),
+        key=r.key,
+        user=r.user,
+        ip=r.ip,
+        start_ms=r.start_ms,
     )
 
 
@@ -141,8 +171,20 @@ class AccessLogger:
         """Format the record now; write it at the end of this loop turn at the latest."""
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
+        now = utc_now_ms()  # also sets _milli, used below
         if record.time is None:
-            record.time = utc_now_ms()
+            record.time = now
+        ids = record.identities
+        if ids is not None:
+            key, user, ip = (
+                ids.key_for(IdentityKind.API_KEY),
+                ids.key_for(IdentityKind.USER_IP),
+                ids.key_for(IdentityKind.IP),
+            )
+            record.key = None if key is None else key[:12]
+            record.user = None if user is None else user[:12]
+            record.ip = None if ip is None else ip[:12]
+            record.start_ms = _milli - int(record.duration_ms + 0.5)
         lines = self._lines
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:
