@@ -84,10 +84,10 @@ def _diff(new: TableReplay, old: TableReplay, top: int) -> Document:
         entry["newly_freed"] = sorted(was - now)[:top]
         rules.append(entry)
     newly_limited = newly_allowed = 0
-    for was, now in zip(old.limited_flags, new.limited_flags, strict=True):
-        if now and not was:
+    for before_flag, after_flag in zip(old.limited_flags, new.limited_flags, strict=True):
+        if after_flag and not before_flag:
             newly_limited += 1
-        elif was and not now:
+        elif before_flag and not after_flag:
             newly_allowed += 1
     before, after = _limited_identities(old), _limited_identities(new)
     gained = sorted((i for i in after if i not in before), key=lambda i: (-after[i], i))
