@@ -5,9 +5,10 @@ rule could use, so ``gateway rules simulate`` can replay it through another tabl
 keyed hashes (first 12 hex, as ``identity`` shows them) of the request's ``api_key``,
 ``user_ip`` and ``ip`` identities, the client address (an IPv6 client as its prefix), the
 region, the method, the normalised path, and ``start_ms``, when the request began (epoch
-milliseconds). The hashes are taken from the request's ``RequestIdentity`` when the line is
-formatted: the ones rule matching computed are reused, the others come from the
-connection's memo (HMAC once per connection and key), and none is computed with the log off.
+milliseconds, to the microsecond). The hashes are taken from the request's
+``RequestIdentity`` when the line is formatted: the ones rule matching computed are
+reused, the others come from the connection's memo (HMAC once per connection and key),
+and none is computed with the log off.
 
 Lines are formatted with one f-string each and written in batches: ``emit`` appends to a
 buffer, and the buffer goes out as ONE record of the ``gateway.access`` logger (its message
@@ -56,7 +57,9 @@ class AccessRecord:
     key: str | None = None  # the api_key identity's hash, 12 hex
     user: str | None = None  # the user_ip identity's hash (user id with client), 12 hex
     ip: str | None = None  # the ip identity's hash, 12 hex
-    start_ms: int | None = None  # when the request began, epoch milliseconds
+    # When the request began, epoch milliseconds to the microsecond: a replay takes
+    # requests in this order, which is the order the gateway began deciding them in.
+    start_ms: float | None = None
     # Where ``emit`` takes the hashes from (never written itself).
     identities: RequestIdentity | None = None
 
@@ -105,7 +108,7 @@ def json_line(r: AccessRecord) -> str:
         f'"key":{"null" if r.key is None else _q(r.key)},'
         f'"user":{"null" if r.user is None else _q(r.user)},'
         f'"ip":{"null" if r.ip is None else _q(r.ip)},'
-        f'"start_ms":{"null" if r.start_ms is None else r.start_ms}}}'
+        f'"start_ms":{"null" if r.start_ms is None else f"{r.start_ms:.3f}"}}}'
     )
 
 
@@ -122,7 +125,10 @@ def plain_line(r: AccessRecord) -> str:
     if r.time is not None:
         line = f"{line} time={r.time}"
     if r.ip is not None:  # the identity components (see the module's docstring)
-        line = f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} start_ms={r.start_ms}"
+        line = (
+            f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} "
+            f"start_ms={r.start_ms or 0:.3f}"
+        )
     if line.isprintable():  # one C scan of the whole line: the common case stops here
         return line
     return plain_line(_escaped(r))
@@ -171,9 +177,8 @@ class AccessLogger:
         """Format the record now; write it at the end of this loop turn at the latest."""
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
-        now = utc_now_ms()  # also sets _milli, used below
         if record.time is None:
-            record.time = now
+            record.time = utc_now_ms()
         ids = record.identities
         if ids is not None:
             key, user, ip = (
@@ -184,7 +189,7 @@ class AccessLogger:
             record.key = None if key is None else key[:12]
             record.user = None if user is None else user[:12]
             record.ip = None if ip is None else ip[:12]
-            record.start_ms = _milli - int(record.duration_ms + 0.5)
+            record.start_ms = time.time() * 1000 - record.duration_ms
         lines = self._lines
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:

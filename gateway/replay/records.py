@@ -31,7 +31,7 @@ _PLAIN = re.compile(r'(\S+) "(\S+) (\S*)" (-?\d+) (.*)')
 class Request(NamedTuple):
     """One recorded request (a tuple: a million of them must stay small)."""
 
-    start_ms: int
+    start_ms: float  # when the request began (epoch ms, to the microsecond)
     method: str
     path: str
     region: str
@@ -90,7 +90,7 @@ def _from_json(line: str, strings: dict[str, str]) -> Request | str:
     try:
         s = strings
         start = data["start_ms"]
-        if not isinstance(start, int) or isinstance(start, bool):
+        if not isinstance(start, int | float) or isinstance(start, bool):
             return MALFORMED
         return Request(
             start,
@@ -117,7 +117,7 @@ def _from_plain(line: str, strings: dict[str, str]) -> Request | str:
     if "region" not in fields:
         return MALFORMED
     try:
-        start = int(fields["start_ms"])
+        start = float(fields["start_ms"])
     except ValueError:
         return MALFORMED
     s = strings
@@ -158,7 +158,7 @@ def read_logs(
     return reading
 
 
-def _start(request: Request) -> int:
+def _start(request: Request) -> float:
     return request.start_ms
 
 
@@ -188,8 +188,9 @@ def _read(
     return done
 
 
-def iso_ms(epoch_ms: int) -> str:
+def iso_ms(epoch_ms: float) -> str:
     """Epoch milliseconds as the access log writes times (UTC, milliseconds)."""
+    epoch_ms = int(epoch_ms)
     moment = datetime.fromtimestamp(epoch_ms // 1000, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{epoch_ms % 1000:03d}Z"
 

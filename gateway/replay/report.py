@@ -23,7 +23,7 @@ def _rule(counts: RuleCounts, top: int) -> Document:
         "limited": counts.limited,
         "identities_limited": len(counts.identities),
         "top_limited": [
-            {"identity": ident, "limited": n, "first_limited": iso_ms(first)}
+            {"identity": ident, "limited": int(n), "first_limited": iso_ms(first)}
             for ident, (n, first) in ranked[:top]
         ],
     }
@@ -57,7 +57,7 @@ def _limited_identities(result: TableReplay) -> dict[str, int]:
         if counts.rule.shadow:
             continue
         for ident, (n, _) in counts.identities.items():
-            found[ident] = found.get(ident, 0) + n
+            found[ident] = found.get(ident, 0) + int(n)
     return found
 
 

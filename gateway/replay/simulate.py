@@ -35,9 +35,9 @@ class RuleCounts:
     matched: int = 0  # requests it applied to (a shadow rule: that it was evaluated for)
     limited: int = 0  # requests it limited (a shadow rule: would have limited)
     # identity ("<kind>:<hash>") -> [requests limited, first limited at (epoch ms)]
-    identities: dict[str, list[int]] = field(default_factory=dict)
+    identities: dict[str, list[float]] = field(default_factory=dict)
 
-    def limit(self, identity: str, at_ms: int) -> None:
+    def limit(self, identity: str, at_ms: float) -> None:
         self.limited += 1
         seen = self.identities.get(identity)
         if seen is None:
@@ -49,7 +49,7 @@ class RuleCounts:
 @dataclass
 class Disagreement:
     request_id: str | None
-    start_ms: int
+    start_ms: float
     method: str
     path: str
     logged: str
@@ -92,7 +92,7 @@ class Replayer:
 
     def step(self, request: Request) -> str:
         """Decide ``request`` at its recorded time; the decision as the log writes it."""
-        self.now_ms = request.start_ms
+        self.now_ms = int(request.start_ms)  # the counters' clock ticks in whole ms
         ids = {IdentityKind.API_KEY: request.key, IdentityKind.USER_IP: request.user,
                IdentityKind.IP: request.ip}  # fmt: skip
         result = self.result
