@@ -85,6 +85,7 @@ class Replayer:
             clock=self._clock, max_keys=REPLAY_MAX_KEYS, sweep_every=100_000, label="replay"
         )
         self.limiter = Limiter({region: backend for region in regions})
+        self._hit = backend.hit_now
         self.result = TableReplay(table, {r.id: RuleCounts(r) for r in table.rules})
 
     def _clock(self) -> int:
@@ -97,8 +98,7 @@ class Replayer:
                IdentityKind.IP: request.ip}  # fmt: skip
         result = self.result
         selection = select(result.table, request.region, request.method, request.path, ids.get)
-        decision = self.limiter.decide_now(request.region, selection)
-        assert decision is not None  # in-process counters always answer at once
+        decision = self.limiter.decide_with(request.region, selection, self._hit)
         rules = result.rules
         for shadow_rule, _ in selection.shadows:
             rules[shadow_rule.id].matched += 1
