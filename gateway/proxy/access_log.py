@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
@@ -33,6 +34,7 @@ from gateway.ratelimit.identity import RequestIdentity
 log = logging.getLogger("gateway.access")
 
 MAX_BATCH = 256
+RECENT_LIMITED = 200  # refusals the operator console lists, newest last
 
 
 @dataclass(slots=True)
@@ -172,9 +174,16 @@ class AccessLogger:
         self._format = json_line if mode == "json" else plain_line
         self._lines: list[str] = []
         self._flush_scheduled = False
+        # (epoch seconds, region, rule, identity as logged) of the latest refusals, for the
+        # operator console; kept whatever the log mode (one append per refusal).
+        self.recent_limited: deque[tuple[float, str, str | None, str | None]] = deque(
+            maxlen=RECENT_LIMITED
+        )
 
     def emit(self, record: AccessRecord) -> None:
         """Format the record now; write it at the end of this loop turn at the latest."""
+        if record.decision == "limited":
+            self.recent_limited.append((time.time(), record.region, record.rule, record.identity))
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
         if record.time is None:
