@@ -162,14 +162,14 @@ def _rule_row(rule: Rule, region: str) -> str:
     )
 
 
-def _rules_section(table: RuleTable, error: str | None) -> str:
+def _rules_section(table: RuleTable, error: str | None, default_region: str) -> str:
     parts = [
         f"<p>table <code>{e(table.digest[:12])}</code>, {len(table.rules)} rules from "
         f"{e(', '.join(table.sources))}; first match in this order.</p>"
     ]
     if error:
         parts.append(f'<p class="error">last reload refused: <pre>{e(error)}</pre></p>')
-    for region in sorted(table.regions):
+    for region in sorted(table.regions, key=lambda r: (r != default_region, r)):
         rows = "".join(_rule_row(r, region) for r in table.for_region(region))
         parts.append(
             f'<h3>region {e(region)}</h3><table class="rules" data-region="{e(region)}">'
@@ -185,7 +185,7 @@ def _regions_section(regions: list[dict[str, object]], breakers: dict[str, list[
     for region in regions:
         name = str(region["name"])
         states = breakers.get(name, [])
-        shown = ", ".join(BREAKER_NAMES.get(int(s), "?") for s in states) or "-"
+        shown = ", ".join(BREAKER_NAMES.get(int(s), "?") for s in states) or "none (in-process)"
         health = "healthy" if region["healthy"] else "NOT ANSWERING"
         rows.append(
             f"<tr><td>{e(name)}</td><td>{e(str(region['counter_backend']))}</td>"
@@ -198,15 +198,32 @@ def _regions_section(regions: list[dict[str, object]], breakers: dict[str, list[
     )
 
 
+def recent_identities(recent: list[Recent], limit: int = 20) -> list[dict[str, Any]]:
+    """The identities limited most recently (newest first), each with its latest refusal
+    and how many of the refusals kept it accounts for."""
+    found: dict[tuple[str, str | None, str | None], dict[str, Any]] = {}
+    for at, region, rule, identity in recent:  # newest first
+        entry = found.get((region, rule, identity))
+        if entry is None:
+            if len(found) >= limit:
+                continue
+            found[(region, rule, identity)] = {
+                "time": at, "region": region, "rule": rule, "identity": identity, "refusals": 1,
+            }  # fmt: skip
+        else:
+            entry["refusals"] += 1
+    return list(found.values())
+
+
 def _recent_rows(recent: list[Recent]) -> str:
     rows = []
-    for at, region, rule, identity in recent[:50]:
-        when = time.strftime("%H:%M:%S", time.gmtime(at))
+    for item in recent_identities(recent):
+        when = time.strftime("%H:%M:%S", time.gmtime(item["time"]))
         rows.append(
-            f"<tr><td>{when}</td><td>{e(region)}</td><td>{e(rule or '-')}</td>"
-            f"<td><code>{e(identity or '-')}</code></td></tr>"
+            f"<tr><td>{when}</td><td>{e(item['region'])}</td><td>{e(item['rule'] or '-')}</td>"
+            f"<td><code>{e(item['identity'] or '-')}</code></td><td>{item['refusals']}</td></tr>"
         )
-    return "".join(rows) or '<tr><td colspan="4">none yet</td></tr>'
+    return "".join(rows) or '<tr><td colspan="5">none yet</td></tr>'
 
 
 def _replay_section(report: Mapping[str, Any] | None) -> str:
@@ -261,6 +278,7 @@ def _page(title: str, body: str) -> str:
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{e(title)}</title>"
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<link rel="icon" href="/console/static/favicon.svg" type="image/svg+xml">'
         '<link rel="stylesheet" href="/console/static/console.css">'
         '<script src="/console/static/console.js" defer></script>'
         f"</head><body>{body}</body></html>"
@@ -311,17 +329,26 @@ async def _console_guard(
         elif path.startswith("/console/api/"):
             response = _json_error(401, "sign in at /console/login or send Authorization: Bearer")
         else:
-            response = web.HTTPSeeOther("/console/login")
+            response = _see_other("/console/login")
     else:
         try:
             response = await handler(request)
         except web.HTTPException as exc:
-            response = exc
-    response.headers["Content-Security-Policy"] = CSP
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    response.headers["Referrer-Policy"] = "no-referrer"
-    response.headers["Cache-Control"] = "no-store"
+            _harden(exc.headers)
+            raise
+    _harden(response.headers)
     return response
+
+
+def _harden(headers: Any) -> None:
+    headers["Content-Security-Policy"] = CSP
+    headers["X-Content-Type-Options"] = "nosniff"
+    headers["Referrer-Policy"] = "no-referrer"
+    headers["Cache-Control"] = "no-store"
+
+
+def _see_other(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location})
 
 
 async def _index(request: web.Request) -> web.Response:
@@ -347,8 +374,9 @@ async def _index(request: web.Request) -> web.Response:
         + "".join(_rate_row(r) for r in sampler.rates())
         + "</tbody></table></section>"
         "<section><h2>Recently limited identities</h2>"
-        '<table id="recent"><thead><tr><th>time (UTC)</th><th>region</th><th>rule</th>'
-        "<th>identity (hashed)</th></tr></thead><tbody>"
+        "<p>latest first; refusals counted among the last few hundred.</p>"
+        '<table id="recent"><thead><tr><th>last limited (UTC)</th><th>region</th><th>rule</th>'
+        "<th>identity (hashed)</th><th>refusals</th></tr></thead><tbody>"
         + _recent_rows(source.recent())
         + "</tbody></table></section>"
         "<section><h2>Explain a request</h2>"
@@ -361,7 +389,7 @@ async def _index(request: web.Request) -> web.Response:
         '<button type="submit">explain</button></form>'
         '<pre id="explain-answer" aria-live="polite"></pre></section>'
         "<section><h2>Rules</h2>"
-        + _rules_section(table, source.last_reload_error())
+        + _rules_section(table, source.last_reload_error(), default_region)
         + "</section><section><h2>Last replay</h2>"
         + _replay_section(load_report(source.data_dir))
         + "</section>"
@@ -386,10 +414,7 @@ async def _rates(request: web.Request) -> web.Response:
 
 
 async def _recent(request: web.Request) -> web.Response:
-    recent = request.app[SOURCE_KEY].recent()[:50]
-    return web.json_response(
-        [{"time": t, "region": g, "rule": r, "identity": i} for t, g, r, i in recent]
-    )
+    return web.json_response(recent_identities(request.app[SOURCE_KEY].recent()))
 
 
 async def _explain(request: web.Request) -> web.Response:
@@ -424,7 +449,7 @@ async def _explain(request: web.Request) -> web.Response:
 async def _login_form(request: web.Request) -> web.Response:
     source = request.app[SOURCE_KEY]
     if source.admin_token is None:
-        raise web.HTTPSeeOther("/console")
+        return _see_other("/console")
     body = (
         "<h1>gateway console</h1>"
         '<form method="post" action="/console/login"><label>admin token '
@@ -437,7 +462,7 @@ async def _login_form(request: web.Request) -> web.Response:
 async def _login(request: web.Request) -> web.StreamResponse:
     source = request.app[SOURCE_KEY]
     if source.admin_token is None:
-        raise web.HTTPSeeOther("/console")
+        return _see_other("/console")
     form = await request.post()
     given = form.get("token")
     if not isinstance(given, str) or not hmac.compare_digest(
@@ -445,7 +470,7 @@ async def _login(request: web.Request) -> web.StreamResponse:
     ):
         await asyncio.sleep(0.5)  # slows guessing a little; the token is long anyway
         return _json_error(401, "wrong admin token")
-    response = web.HTTPSeeOther("/console")
+    response = _see_other("/console")
     response.set_cookie(
         COOKIE,
         _session_value(source.admin_token),
@@ -496,3 +521,4 @@ def add_console(app: web.Application, source: ConsoleSource) -> None:
     app.router.add_post("/console/login", _login)
     app.router.add_get("/console/static/console.js", _static("console.js", "text/javascript"))
     app.router.add_get("/console/static/console.css", _static("console.css", "text/css"))
+    app.router.add_get("/console/static/favicon.svg", _static("favicon.svg", "image/svg+xml"))

@@ -123,5 +123,13 @@ async def test_one_scrape_counts_both_workers_exactly_across_a_restart(
         await _settles_at(gateway.admin_port, 500)
         now = await _breaker_pids(gateway.admin_port)
         assert len(now) == 2 and pids[0] not in now and pids[1] in now
+        # the supervisor's console: the rules, and every worker's requests in the rates
+        async with aiohttp.ClientSession() as http:
+            admin = f"http://127.0.0.1:{gateway.admin_port}"
+            async with http.get(admin + "/console") as r:
+                assert r.status == 200 and "<td>counted</td>" in await r.text()
+            async with http.get(admin + "/console/api/rates") as r:
+                rows = (await r.json())["rates"]
+            assert [row["allowed_total"] for row in rows if row["rule"] == "counted"] == [500]
     finally:
         gateway.stop()

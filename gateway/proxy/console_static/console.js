@@ -42,7 +42,8 @@ async function refreshRecent() {
   body.replaceChildren(...recent.map((r) => {
     const tr = document.createElement("tr");
     const when = new Date(r.time * 1000).toISOString().slice(11, 19);
-    tr.append(cell(when), cell(r.region), cell(r.rule || "-"), cell(r.identity || "-", "id"));
+    tr.append(cell(when), cell(r.region), cell(r.rule || "-"), cell(r.identity || "-", "id"),
+              cell(String(r.refusals)));
     return tr;
   }));
 }
