@@ -28,7 +28,7 @@ PATHS = [  # (weight, method, path); {uuid} is filled per request
     (3, "POST", "/datasets/{uuid}/charts"),
     (2, "GET", "/info"),
 ]
-START_MS = 1_795_000_000_000  # 2026-11-18T08:26:40Z
+START_US = 1_795_000_000_000_000  # 2026-11-18T08:26:40Z
 
 
 def _hex(rng: random.Random) -> str:
@@ -48,7 +48,7 @@ def generate(out: Path, requests: int, identities: int, seconds: int, seed: int 
     path_weights = [w for w, _, _ in PATHS]
     what = rng.choices(range(len(PATHS)), weights=path_weights, k=requests)
     uuids = [f"{rng.getrandbits(128):032x}" for _ in range(256)]
-    step = seconds * 1000 / requests
+    step = seconds * 1_000_000 / requests
     with out.open("w", encoding="utf-8") as handle:
         for n in range(requests):
             key, user, client, ip = people[who[n]]
@@ -56,13 +56,13 @@ def generate(out: Path, requests: int, identities: int, seconds: int, seed: int 
             if "{uuid}" in path:
                 u = rng.choice(uuids)
                 path = path.replace("{uuid}", f"{u[:8]}-{u[8:12]}-4{u[13:16]}-8{u[17:20]}-{u[20:]}")
-            start = START_MS + int(n * step + rng.random() * step)
+            start = START_US + int(n * step + rng.random() * step)
             record = {
                 "method": method, "path": path, "status": 200, "region": "us",
                 "client": client, "rule": None, "decision": None, "identity": None,
                 "upstream": "default", "duration_ms": 1.0, "upstream_ms": 0.8,
                 "request_id": f"{n:032x}", "time": None, "key": key, "user": user, "ip": ip,
-                "start_ms": start,
+                "start_us": start,
             }  # fmt: skip
             handle.write(json.dumps(record, separators=(",", ":")))
             handle.write("\n")

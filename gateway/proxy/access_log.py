@@ -4,8 +4,8 @@ Besides what happened (rule, decision, status), a line carries every identity co
 rule could use, so ``gateway rules simulate`` can replay it through another table: the
 keyed hashes (first 12 hex, as ``identity`` shows them) of the request's ``api_key``,
 ``user_ip`` and ``ip`` identities, the client address (an IPv6 client as its prefix), the
-region, the method, the normalised path, and ``start_ms``, when the request began (epoch
-milliseconds, to the microsecond). The hashes are taken from the request's
+region, the method, the normalised path, and ``start_us``, when the request began (epoch
+microseconds). The hashes are taken from the request's
 ``RequestIdentity`` when the line is formatted: the ones rule matching computed are
 reused, the others come from the connection's memo (HMAC once per connection and key),
 and none is computed with the log off.
@@ -32,6 +32,7 @@ from gateway.policy.model import IdentityKind
 from gateway.ratelimit.identity import RequestIdentity
 
 log = logging.getLogger("gateway.access")
+_IP, _API_KEY, _USER_IP = IdentityKind.IP, IdentityKind.API_KEY, IdentityKind.USER_IP
 
 MAX_BATCH = 256
 RECENT_LIMITED = 200  # refusals the operator console lists, newest last
@@ -59,9 +60,10 @@ class AccessRecord:
     key: str | None = None  # the api_key identity's hash, 12 hex
     user: str | None = None  # the user_ip identity's hash (user id with client), 12 hex
     ip: str | None = None  # the ip identity's hash, 12 hex
-    # When the request began, epoch milliseconds to the microsecond: a replay takes
-    # requests in this order, which is the order the gateway began deciding them in.
-    start_ms: float | None = None
+    # When the request began, epoch microseconds: a replay takes requests in this order,
+    # which is the order the gateway began deciding them in. An int: formatting one costs
+    # a fraction of a float's.
+    start_us: int | None = None
     # Where ``emit`` takes the hashes from (never written itself).
     identities: RequestIdentity | None = None
 
@@ -110,7 +112,7 @@ def json_line(r: AccessRecord) -> str:
         f'"key":{"null" if r.key is None else _q(r.key)},'
         f'"user":{"null" if r.user is None else _q(r.user)},'
         f'"ip":{"null" if r.ip is None else _q(r.ip)},'
-        f'"start_ms":{"null" if r.start_ms is None else f"{r.start_ms:.3f}"}}}'
+        f'"start_us":{"null" if r.start_us is None else r.start_us}}}'
     )
 
 
@@ -129,7 +131,7 @@ def plain_line(r: AccessRecord) -> str:
     if r.ip is not None:  # the identity components (see the module's docstring)
         line = (
             f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} "
-            f"start_ms={r.start_ms or 0:.3f}"
+            f"start_us={r.start_us}"
         )
     if line.isprintable():  # one C scan of the whole line: the common case stops here
         return line
@@ -160,7 +162,7 @@ def _escaped(r: AccessRecord) -> AccessRecord:
         key=r.key,
         user=r.user,
         ip=r.ip,
-        start_ms=r.start_ms,
+        start_us=r.start_us,
     )
 
 
@@ -189,16 +191,16 @@ class AccessLogger:
         if record.time is None:
             record.time = utc_now_ms()
         ids = record.identities
-        if ids is not None:
-            key, user, ip = (
-                ids.key_for(IdentityKind.API_KEY),
-                ids.key_for(IdentityKind.USER_IP),
-                ids.key_for(IdentityKind.IP),
-            )
-            record.key = None if key is None else key[:12]
-            record.user = None if user is None else user[:12]
-            record.ip = None if ip is None else ip[:12]
-            record.start_ms = time.time() * 1000 - record.duration_ms
+        if ids is not None:  # no call at all for a header the request did not carry
+            ip = ids.key_for(_IP)
+            record.ip = ip and ip[:12]
+            if ids.api_key is not None:
+                key = ids.key_for(_API_KEY)
+                record.key = key and key[:12]
+            if ids.user_id is not None:
+                user = ids.key_for(_USER_IP)
+                record.user = user and user[:12]
+            record.start_us = int(time.time() * 1e6 - record.duration_ms * 1000)
         lines = self._lines
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 NOT_ACCESS_LOG = "not an access-log line"
-NO_COMPONENTS = "written before identity components were logged (no key/user/ip/start_ms)"
+NO_COMPONENTS = "written before identity components were logged (no key/user/ip/start_us)"
 NO_IDENTITY = "answered before the rules were consulted (no identity: 400, /ok, ...)"
 MALFORMED = "malformed access-log line"
 
@@ -31,7 +31,7 @@ _PLAIN = re.compile(r'(\S+) "(\S+) (\S*)" (-?\d+) (.*)')
 class Request(NamedTuple):
     """One recorded request (a tuple: a million of them must stay small)."""
 
-    start_ms: float  # when the request began (epoch ms, to the microsecond)
+    start_us: int  # when the request began (epoch microseconds)
     method: str
     path: str
     region: str
@@ -83,14 +83,14 @@ def _from_json(line: str, strings: dict[str, str]) -> Request | str:
         return MALFORMED
     if not isinstance(data, dict) or "method" not in data or "path" not in data:
         return NOT_ACCESS_LOG
-    if "ip" not in data or "start_ms" not in data:
+    if "ip" not in data or "start_us" not in data:
         return NO_COMPONENTS
     if data["ip"] is None:
         return NO_IDENTITY
     try:
         s = strings
-        start = data["start_ms"]
-        if not isinstance(start, int | float) or isinstance(start, bool):
+        start = data["start_us"]
+        if not isinstance(start, int) or isinstance(start, bool):
             return MALFORMED
         return Request(
             start,
@@ -112,12 +112,12 @@ def _from_plain(line: str, strings: dict[str, str]) -> Request | str:
     if match is None:
         return NOT_ACCESS_LOG
     fields = dict(part.partition("=")[::2] for part in match.group(5).split(" "))
-    if "ip" not in fields or "start_ms" not in fields:
+    if "ip" not in fields or "start_us" not in fields:
         return NO_COMPONENTS if "region" in fields else NOT_ACCESS_LOG
     if "region" not in fields:
         return MALFORMED
     try:
-        start = float(fields["start_ms"])
+        start = int(fields["start_us"])
     except ValueError:
         return MALFORMED
     s = strings
@@ -158,8 +158,8 @@ def read_logs(
     return reading
 
 
-def _start(request: Request) -> float:
-    return request.start_ms
+def _start(request: Request) -> int:
+    return request.start_us
 
 
 def _read(
@@ -188,9 +188,9 @@ def _read(
     return done
 
 
-def iso_ms(epoch_ms: float) -> str:
-    """Epoch milliseconds as the access log writes times (UTC, milliseconds)."""
-    epoch_ms = int(epoch_ms)
+def iso_us(epoch_us: int) -> str:
+    """Epoch microseconds as the access log writes times (UTC, milliseconds)."""
+    epoch_ms = epoch_us // 1000
     moment = datetime.fromtimestamp(epoch_ms // 1000, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{epoch_ms % 1000:03d}Z"
 

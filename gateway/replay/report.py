@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.replay.records import Reading, iso_ms
+from gateway.replay.records import Reading, iso_us
 from gateway.replay.simulate import RuleCounts, TableReplay
 
 Document = dict[str, Any]
@@ -23,7 +23,7 @@ def _rule(counts: RuleCounts, top: int) -> Document:
         "limited": counts.limited,
         "identities_limited": len(counts.identities),
         "top_limited": [
-            {"identity": ident, "limited": int(n), "first_limited": iso_ms(first)}
+            {"identity": ident, "limited": n, "first_limited": iso_us(first)}
             for ident, (n, first) in ranked[:top]
         ],
     }
@@ -43,7 +43,7 @@ def _table(result: TableReplay, top: int) -> Document:
             "agreed": result.agreed,
             "disagreed": result.disagreed,
             "examples": [
-                {"request_id": d.request_id, "start": iso_ms(d.start_ms), "method": d.method,
+                {"request_id": d.request_id, "start": iso_us(d.start_us), "method": d.method,
                  "path": d.path, "logged": d.logged, "replayed": d.replayed}
                 for d in result.disagreements
             ],
@@ -57,7 +57,7 @@ def _limited_identities(result: TableReplay) -> dict[str, int]:
         if counts.rule.shadow:
             continue
         for ident, (n, _) in counts.identities.items():
-            found[ident] = found.get(ident, 0) + int(n)
+            found[ident] = found.get(ident, 0) + n
     return found
 
 
@@ -113,8 +113,8 @@ def build_report(
         "lines": reading.lines,
         "replayed": len(requests),
         "skipped": dict(sorted(reading.skipped.items())),
-        "from": iso_ms(requests[0].start_ms) if requests else None,
-        "to": iso_ms(requests[-1].start_ms) if requests else None,
+        "from": iso_us(requests[0].start_us) if requests else None,
+        "to": iso_us(requests[-1].start_us) if requests else None,
         "new": _table(new, top),
         "baseline": None if baseline is None else _table(baseline, top),
         "diff": None if baseline is None else _diff(new, baseline, top),

@@ -34,14 +34,14 @@ class RuleCounts:
     rule: Rule
     matched: int = 0  # requests it applied to (a shadow rule: that it was evaluated for)
     limited: int = 0  # requests it limited (a shadow rule: would have limited)
-    # identity ("<kind>:<hash>") -> [requests limited, first limited at (epoch ms)]
-    identities: dict[str, list[float]] = field(default_factory=dict)
+    # identity ("<kind>:<hash>") -> [requests limited, first limited at (epoch us)]
+    identities: dict[str, list[int]] = field(default_factory=dict)
 
-    def limit(self, identity: str, at_ms: float) -> None:
+    def limit(self, identity: str, at_us: int) -> None:
         self.limited += 1
         seen = self.identities.get(identity)
         if seen is None:
-            self.identities[identity] = [1, at_ms]
+            self.identities[identity] = [1, at_us]
         else:
             seen[0] += 1
 
@@ -49,7 +49,7 @@ class RuleCounts:
 @dataclass
 class Disagreement:
     request_id: str | None
-    start_ms: float
+    start_us: int
     method: str
     path: str
     logged: str
@@ -93,7 +93,7 @@ class Replayer:
 
     def step(self, request: Request) -> str:
         """Decide ``request`` at its recorded time; the decision as the log writes it."""
-        self.now_ms = int(request.start_ms)  # the counters' clock ticks in whole ms
+        self.now_ms = request.start_us // 1000  # the counters' clock ticks in whole ms
         ids = {IdentityKind.API_KEY: request.key, IdentityKind.USER_IP: request.user,
                IdentityKind.IP: request.ip}  # fmt: skip
         result = self.result
@@ -104,7 +104,7 @@ class Replayer:
             rules[shadow_rule.id].matched += 1
         for shadow_id, kind in decision.shadow_exceeded:
             shadow_key = next(k for r, k in selection.shadows if r.id == shadow_id)
-            rules[shadow_id].limit(f"{kind}:{shadow_key}", request.start_ms)
+            rules[shadow_id].limit(f"{kind}:{shadow_key}", request.start_us)
         rule = selection.rule
         label = decision.outcome.value
         if rule is None:
@@ -113,7 +113,7 @@ class Replayer:
             counts = rules[rule.id]
             counts.matched += 1
             if decision.outcome is Outcome.LIMITED:
-                counts.limit(decision.logged_identity or "-", request.start_ms)
+                counts.limit(decision.logged_identity or "-", request.start_us)
         result.requests += 1
         result.decisions[label] = result.decisions.get(label, 0) + 1
         result.limited_flags.append(decision.outcome is Outcome.LIMITED)
@@ -126,7 +126,7 @@ class Replayer:
                 result.disagreed += 1
                 if len(result.disagreements) < MAX_EXAMPLES:
                     result.disagreements.append(
-                        Disagreement(request.request_id, request.start_ms, request.method,
+                        Disagreement(request.request_id, request.start_us, request.method,
                                      request.path, logged, label)
                     )
         return label

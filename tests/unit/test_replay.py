@@ -24,16 +24,16 @@ NEW_LINE = (
     '{"method":"POST","path":"/runs/query","status":200,"region":"us","client":"10.0.0.1",'
     '"rule":"q","decision":"allowed","identity":"api_key:aaaaaaaaaaaa","upstream":"default",'
     '"duration_ms":1.5,"upstream_ms":1.0,"request_id":"r1","time":"2026-11-23T10:00:00.002Z",'
-    '"key":"aaaaaaaaaaaa","user":null,"ip":"cccccccccccc","start_ms":1795428000000.500}'
+    '"key":"aaaaaaaaaaaa","user":null,"ip":"cccccccccccc","start_us":1795428000000500}'
 )
 OLD_LINE = NEW_LINE.split(',"key"')[0] + "}"
 PLAIN_LINE = (
     '10.0.0.1 "POST /runs/query" 200 region=us rule=q decision=allowed id=api_key:aaaaaaaaaaaa '
     "upstream=default dur_ms=1.5 upstream_ms=1.0 rid=r1 time=2026-11-23T10:00:00.002Z "
-    "key=aaaaaaaaaaaa user=- ip=cccccccccccc start_ms=1795428000000.500"
+    "key=aaaaaaaaaaaa user=- ip=cccccccccccc start_us=1795428000000500"
 )
 EXPECTED = Request(
-    1795428000000.5, "POST", "/runs/query", "us", "aaaaaaaaaaaa", None, "cccccccccccc",
+    1795428000000500, "POST", "/runs/query", "us", "aaaaaaaaaaaa", None, "cccccccccccc",
     "allowed", "r1",
 )  # fmt: skip
 
@@ -59,9 +59,10 @@ def test_both_line_formats_give_the_same_request(line):
         (NEW_LINE.replace('"ip":"cccccccccccc"', '"ip":null'), NO_IDENTITY),
         (PLAIN_LINE.replace("ip=cccccccccccc", "ip=-"), NO_IDENTITY),
         (NEW_LINE[:-20], MALFORMED),
-        (NEW_LINE.replace("1795428000000.500", '"soon"'), MALFORMED),
+        (NEW_LINE.replace("1795428000000500", '"soon"'), MALFORMED),
+        (NEW_LINE.replace("1795428000000500", "1795428000000.5"), MALFORMED),
         (NEW_LINE.replace('"region":"us"', '"region":7'), MALFORMED),
-        (PLAIN_LINE.replace("start_ms=1795428000000.500", "start_ms=x"), MALFORMED),
+        (PLAIN_LINE.replace("start_us=1795428000000500", "start_us=x"), MALFORMED),
         ("2026-11-23 10:00:00,002 INFO gateway: listening on http://127.0.0.1:1", NOT_ACCESS_LOG),
         ("", NOT_ACCESS_LOG),
         ('{"hello": "world"}', NOT_ACCESS_LOG),
@@ -85,10 +86,11 @@ rules:
 LOOSER = RULES.replace("2/10", "3/10")
 
 
-def _line(n: int, key: str, start_ms: float, path: str = "/q") -> str:
+def _line(n: int, key: str, start_ms: int, path: str = "/q") -> str:
     return json.dumps({
         "method": "GET", "path": path, "status": 200, "region": "us", "client": "10.0.0.1",
-        "decision": None, "key": key, "user": None, "ip": "cccccccccccc", "start_ms": start_ms,
+        "decision": None, "key": key, "user": None, "ip": "cccccccccccc",
+        "start_us": start_ms * 1000,
         "request_id": f"r{n}",
     })  # fmt: skip
 
@@ -110,7 +112,7 @@ def test_the_virtual_clock_follows_the_recorded_times(tmp_path):
     (result,) = replay(reading.requests, [_table(RULES)])
     q = result.rules["q"]
     assert (q.matched, q.limited) == (5, 1)
-    assert q.identities == {"api_key:k1": [1, t + 600]}
+    assert q.identities == {"api_key:k1": [1, (t + 600) * 1000]}
     assert bytes(result.limited_flags) == bytes([0, 0, 1, 0, 0])
 
 
