@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import glob
 import json
 import logging
@@ -26,9 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from gateway import __version__
 from gateway.app import (
     Embedded,
     Service,
+    Upstreams,
     _run_loop,
     console_source,
     open_backend,
@@ -150,7 +153,23 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
         console = console_source(
             settings, rules, regions, registry, lambda: recent_refusals(metrics_dir), secret
         )
-        admin = create_admin_app(registry, None, console)
+        router = Upstreams(dict(urls)).router(settings)
+
+        async def info() -> dict[str, object]:
+            """The admin port's ``/info``, as one gateway process answers it."""
+            table = rules.table
+            loaded = dt.datetime.fromtimestamp(table.loaded_at, dt.UTC).isoformat()
+            return {
+                "version": __version__,
+                "default_region": settings.region_table()[0].name,
+                "regions": await regions(),
+                "rules": {"hash": table.digest, "loaded_at": loaded, "count": len(table.rules),
+                          "files": list(table.sources), "last_reload_error": rules.last_error},
+                "workers": settings.workers,
+                "upstreams": [{"prefix": p, "upstream": u} for p, u in router.describe()],
+            }  # fmt: skip
+
+        admin = create_admin_app(registry, info, console)
         for address in await service.start_tcp(admin, settings.admin_host, settings.admin_port):
             log.info("metrics of all %d workers on %s/metrics, console on %s/console",
                      settings.workers, address, address)  # fmt: skip

@@ -80,8 +80,10 @@ def _diff(new: TableReplay, old: TableReplay, top: int) -> Document:
             entry["limited"][0] == entry["limited"][1] and was == now
         ):
             continue
-        entry["newly_limited"] = sorted(now - was)[:top]
-        entry["newly_freed"] = sorted(was - now)[:top]
+        # most limited first (under the new table; freed: under the baseline)
+        new_counts, old_counts = (b.identities if b else {}), (a.identities if a else {})
+        entry["newly_limited"] = sorted(now - was, key=lambda i: (-new_counts[i][0], i))[:top]
+        entry["newly_freed"] = sorted(was - now, key=lambda i: (-old_counts[i][0], i))[:top]
         rules.append(entry)
     newly_limited = newly_allowed = 0
     for before_flag, after_flag in zip(old.limited_flags, new.limited_flags, strict=True):

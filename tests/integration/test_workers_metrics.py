@@ -128,6 +128,10 @@ async def test_one_scrape_counts_both_workers_exactly_across_a_restart(
             admin = f"http://127.0.0.1:{gateway.admin_port}"
             async with http.get(admin + "/console") as r:
                 assert r.status == 200 and "<td>counted</td>" in await r.text()
+            async with http.get(admin + "/info") as r:
+                info = await r.json()
+            assert info["workers"] == 2 and info["rules"]["count"] == 1
+            assert info["regions"][0]["healthy"] is True
             async with http.get(admin + "/console/api/rates") as r:
                 rows = (await r.json())["rates"]
             assert [row["allowed_total"] for row in rows if row["rule"] == "counted"] == [500]
