@@ -166,6 +166,17 @@ def _escaped(r: AccessRecord) -> AccessRecord:
     )
 
 
+MAX_REMEMBERED_IDENTITIES = 4096
+
+
+def _components(ids: RequestIdentity) -> tuple[str | None, str | None, str | None]:
+    """The request's identities for every kind, hashed, 12 hex (as ``identity`` shows)."""
+    key = None if ids.api_key is None else ids.key_for(_API_KEY)
+    user = None if ids.user_id is None else ids.key_for(_USER_IP)
+    ip = ids.key_for(_IP)
+    return (key and key[:12], user and user[:12], ip and ip[:12])
+
+
 class AccessLogger:
     """Formats access records (``mode``: ``plain``, ``json`` or ``off``) and writes them
     through the ``gateway.access`` logger in batches."""
@@ -176,6 +187,11 @@ class AccessLogger:
         self._format = json_line if mode == "json" else plain_line
         self._lines: list[str] = []
         self._flush_scheduled = False
+        # (api key, user id, client address) -> the short hashes, for one hasher
+        self._components: dict[
+            tuple[str | None, str | None, str], tuple[str | None, str | None, str | None]
+        ] = {}
+        self._hasher: object = None
         # (epoch seconds, region, rule, identity as logged) of the latest refusals, for the
         # operator console; kept whatever the log mode (one append per refusal).
         self.recent_limited: deque[tuple[float, str, str | None, str | None]] = deque(
@@ -191,15 +207,18 @@ class AccessLogger:
         if record.time is None:
             record.time = utc_now_ms()
         ids = record.identities
-        if ids is not None:  # no call at all for a header the request did not carry
-            ip = ids.key_for(_IP)
-            record.ip = ip and ip[:12]
-            if ids.api_key is not None:
-                key = ids.key_for(_API_KEY)
-                record.key = key and key[:12]
-            if ids.user_id is not None:
-                user = ids.key_for(_USER_IP)
-                record.user = user and user[:12]
+        if ids is not None:
+            # The same client sends the same identity headers request after request: the
+            # three short hashes are kept per (key, user, address), not looked up thrice.
+            if ids.hasher is not self._hasher:
+                self._hasher, self._components = ids.hasher, {}
+            who = (ids.api_key, ids.user_id, ids.client_ip)
+            found = self._components.get(who)
+            if found is None:
+                if len(self._components) >= MAX_REMEMBERED_IDENTITIES:
+                    self._components.clear()
+                found = self._components[who] = _components(ids)
+            record.key, record.user, record.ip = found
             record.start_us = int(time.time() * 1e6 - record.duration_ms * 1000)
         lines = self._lines
         lines.append(self._format(record))
