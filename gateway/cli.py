@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    rules = commands.add_parser("rules", help="check rule files, explain a request")
+    rules = commands.add_parser(
+        "rules", help="check rule files, explain a request, replay traffic through a table"
+    )
     rules_commands = rules.add_subparsers(dest="rules_command", metavar="SUBCOMMAND")
     rules_commands.required = True
     check = rules_commands.add_parser(
@@ -163,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = rules_commands.add_parser(
         "simulate",
         help="replay recorded traffic through a rule table",
-        description="Replay the requests recorded in access logs (JSON, or plain lines that "
-        "carry the identity components), each at its recorded time, through a rule table "
-        "with in-process counters on a virtual clock (no sleeping, no Redis). Prints per "
-        "rule: requests matched, limited, identities limited, the most limited identities "
+        description="Replay the requests recorded in access logs (JSON, or plain lines that\n"
+        "carry the identity components), each at its recorded time, through a rule table\n"
+        "with in-process counters on a virtual clock (no sleeping, no Redis). Prints per\n"
+        "rule: requests matched, limited, identities limited, the most limited identities\n"
         "(hashed, as logged) and when each was first limited; with --baseline, what changes.",
         epilog="Example:\n  gateway rules simulate --rules rules-new/ --baseline rules/ "
         "access.log.1 access.log",
@@ -174,10 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("logs", nargs="+", metavar="ACCESS_LOG", help="access log file(s)")
     simulate.add_argument(
-        "--rules", action="append", required=True, metavar="PATH", help="the table to try"
+        "--rules",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="the table to try (file or directory, repeatable)",
     )
     simulate.add_argument(
-        "--baseline", action="append", metavar="PATH", help="the table to compare with"
+        "--baseline",
+        action="append",
+        metavar="PATH",
+        help="the table to compare with, e.g. the running one (repeatable)",
     )
     simulate.add_argument(
         "--region",
