@@ -68,14 +68,6 @@ def parse_line(line: str, strings: dict[str, str]) -> Request | str:
     return _from_plain(line, strings)
 
 
-def _intern(strings: dict[str, str], value: object) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(value)
-    return strings.setdefault(value, value)
-
-
 def _from_json(line: str, strings: dict[str, str]) -> Request | str:
     try:
         data = json.loads(line)
@@ -85,26 +77,35 @@ def _from_json(line: str, strings: dict[str, str]) -> Request | str:
         return NOT_ACCESS_LOG
     if "ip" not in data or "start_us" not in data:
         return NO_COMPONENTS
-    if data["ip"] is None:
+    get = data.get
+    ip, start = get("ip"), get("start_us")
+    if ip is None:
         return NO_IDENTITY
-    try:
-        s = strings
-        start = data["start_us"]
-        if not isinstance(start, int) or isinstance(start, bool):
-            return MALFORMED
-        return Request(
-            start,
-            _intern(s, data["method"]) or "",
-            _intern(s, data["path"]) or "",
-            _intern(s, data["region"]) or "",
-            _intern(s, data.get("key")),
-            _intern(s, data.get("user")),
-            _intern(s, data["ip"]) or "",
-            _intern(s, data.get("decision")),
-            data.get("request_id") if isinstance(data.get("request_id"), str) else None,
-        )
-    except (KeyError, TypeError):
+    method, path, region = get("method"), get("path"), get("region")
+    key, user, decision, request_id = get("key"), get("user"), get("decision"), get("request_id")
+    if type(start) is not int or not (
+        type(method) is str and type(path) is str and type(region) is str and type(ip) is str
+    ):
         return MALFORMED
+    if not (
+        (key is None or type(key) is str)
+        and (user is None or type(user) is str)
+        and (decision is None or type(decision) is str)
+    ):
+        return MALFORMED
+    # One setdefault per repeated string: a million requests share a few thousand.
+    intern = strings.setdefault
+    return Request(
+        start,
+        intern(method, method),
+        intern(path, path),
+        intern(region, region),
+        None if key is None else intern(key, key),
+        None if user is None else intern(user, user),
+        intern(ip, ip),
+        None if decision is None else intern(decision, decision),
+        request_id if type(request_id) is str else None,
+    )
 
 
 def _from_plain(line: str, strings: dict[str, str]) -> Request | str:
