@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ def _fork_worker(
     urls: dict[str, str],
     embedded: Embedded | None,
     metrics_dir: str,
+    admin_sock: socket.socket,
 ) -> int:
     pid = os.fork()
     if pid == 0:  # child
@@ -62,6 +64,7 @@ def _fork_worker(
             if embedded is not None:
                 for sock in embedded.sockets.values():
                     sock.close()
+            admin_sock.close()  # the supervisor's
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             serve_worker(settings, index, sorted(urls.items()), metrics_dir)
         except BaseException:  # a worker must never return into the parent's code
@@ -97,13 +100,27 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
+def _admin_socket(host: str, port: int) -> socket.socket:
+    """The admin port, bound before the workers start: a probe or a scrape that arrives
+    before the supervisor serves it waits in the backlog instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    sock.setblocking(False)
+    return sock
+
+
 def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) -> int:
     urls = embedded.urls() if embedded is not None else {}
+    admin_sock = _admin_socket(settings.admin_host, settings.admin_port)
+
+    def fork(index: int) -> int:
+        return _fork_worker(settings, index, urls, embedded, metrics_dir, admin_sock)
+
     workers: dict[int, int] = {}  # pid -> index
     started: dict[int, float] = {}  # index -> when it was (re)started
     failed_start = False
     for index in range(settings.workers):
-        workers[_fork_worker(settings, index, urls, embedded, metrics_dir)] = index
+        workers[fork(index)] = index
         started[index] = time.monotonic()
     log.info("started %d workers on port %d (pids %s)", settings.workers, settings.port,
              ", ".join(str(p) for p in workers))  # fmt: skip
@@ -170,9 +187,11 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             }  # fmt: skip
 
         admin = create_admin_app(registry, info, console)
-        for address in await service.start_tcp(admin, settings.admin_host, settings.admin_port):
-            log.info("metrics of all %d workers on %s/metrics, console on %s/console",
-                     settings.workers, address, address)  # fmt: skip
+        await service.start_socket(admin, admin_sock)
+        host, port = admin_sock.getsockname()[:2]
+        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        log.info("metrics of all %d workers on %s/metrics, console on %s/console",
+                 settings.workers, address, address)  # fmt: skip
         nonlocal failed_start
         try:
             while not stopping.is_set():
@@ -185,7 +204,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                         break
                     log.error("worker %d exited (status %d); starting it again", index, status)
                     await asyncio.sleep(RESTART_DELAY_SECONDS)
-                    workers[_fork_worker(settings, index, urls, embedded, metrics_dir)] = index
+                    workers[fork(index)] = index
                     started[index] = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), 0.5)
