@@ -10,20 +10,27 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.counters.base import CounterBackend
 from gateway.counters.memory import MemoryBackend
-from gateway.metrics import Metrics
+from gateway.metrics import (
+    SYNC_INTERVAL_SECONDS,
+    Metrics,
+    SharedMetricsWriter,
+    write_recent,
+)
 from gateway.proxy.access_log import AccessLogger
 from gateway.proxy.admin import create_admin_app
+from gateway.proxy.console import ConsoleSource, Recent
 from gateway.proxy.handler import Gateway
 from gateway.proxy.plane import DataPlane, PlaneLimits
 from gateway.proxy.reload import RuleSource
@@ -365,13 +372,51 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
+def console_source(
+    settings: Settings,
+    rules: RuleSource,
+    regions: Callable[[], Awaitable[list[dict[str, object]]]],
+    registry: CollectorRegistry,
+    recent: Callable[[], list[Recent]],
+    secret: bytes,
+) -> ConsoleSource:
+    """What the operator console reads, in a gateway process or a supervisor."""
+    return ConsoleSource(
+        table=lambda: rules.table,
+        last_reload_error=lambda: rules.last_error,
+        regions=regions,
+        registry=registry,
+        recent=recent,
+        hasher=IdentityHasher(secret),
+        secret_source="this gateway's identity secret",  # noqa: S106 - a description
+        data_dir=Path(settings.data_dir),
+        admin_host=settings.admin_host,
+        admin_token=settings.admin_token,
+    )
+
+
+async def _share_metrics(writer: SharedMetricsWriter, sync: Callable[[], None]) -> None:
+    """``--workers``: this worker's metrics into the shared directory, every second."""
+    while True:
+        await asyncio.sleep(SYNC_INTERVAL_SECONDS)
+        try:
+            sync()
+        except OSError as exc:  # a full disk must not stop the worker
+            log.warning("cannot write shared metrics: %s", exc)
+
+
 async def serve(
     settings: Settings,
     worker_index: int | None = None,
     embedded: Embedded | None = None,
     builtin_urls: dict[str, str] | None = None,
+    metrics_dir: str | None = None,
 ) -> None:
-    """Run the gateway until SIGTERM/SIGINT, then stop gracefully."""
+    """Run the gateway until SIGTERM/SIGINT, then stop gracefully.
+
+    ``metrics_dir`` (a worker of ``--workers``): no admin port of its own; the worker's
+    metrics and recent refusals go to that directory, which the supervisor's admin port
+    serves for every worker."""
     metrics = Metrics()
     rules = prepare_rules(settings, metrics)
     secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
@@ -379,6 +424,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     stop = wait_for_stop(loop, lambda: _reload(rules))
     upstreams = Upstreams(dict(builtin_urls or {}))
+    admin_port = settings.admin_port
+    sharing: asyncio.Task[None] | None = None
     try:
         if embedded is not None:
             for name, app in embedded.apps.items():
@@ -399,18 +446,44 @@ async def serve(
         # What start-up built lives as long as the process: out of the collector's
         # reach, full collections stay short (they otherwise showed in the p99).
         gc.freeze()
-        admin_port = settings.admin_port
-        if worker_index is not None and admin_port:
-            admin_port += worker_index
-        for address in await service.start_tcp(
-            create_admin_app(metrics, proxy.info), settings.admin_host, admin_port
-        ):
-            log.info("metrics on %s/metrics%s", address, worker)
+        gateway = proxy.gateway
+        assert gateway is not None
+        recent = gateway.access_log.recent_limited
+        if metrics_dir is None:
+
+            async def regions() -> list[dict[str, object]]:
+                found = (await proxy.info())["regions"]
+                assert isinstance(found, list)
+                return found
+
+            console = console_source(
+                settings, rules, regions, metrics.registry, lambda: list(reversed(recent)),
+                secret,
+            )  # fmt: skip
+            admin = create_admin_app(metrics.registry, proxy.info, console)
+            for address in await service.start_tcp(admin, settings.admin_host, admin_port):
+                log.info("metrics on %s/metrics, console on %s/console", address, address)
+        else:
+            pid = os.getpid()
+            writer = SharedMetricsWriter(metrics, metrics_dir, pid)
+
+            def sync() -> None:
+                writer.write()
+                write_recent(metrics_dir, pid, list(recent))
+
+            sharing = asyncio.create_task(_share_metrics(writer, sync))
         await stop.wait()
         log.info("stopping: no new connections; waiting up to %.0fs for requests in flight",
                  settings.shutdown_timeout)  # fmt: skip
     finally:
         await service.stop()
+        if sharing is not None:
+            sharing.cancel()
+            with suppress(asyncio.CancelledError):
+                await sharing
+            with suppress(OSError):
+                sync()  # the last requests' counts, after they finished
+                writer.close()
         log.info("stopped")
 
 
@@ -473,5 +546,8 @@ def _run_loop(main: Any) -> None:
         runner.run(main)
 
 
-def serve_worker(settings: Settings, index: int, builtin_urls: Sequence[tuple[str, str]]) -> None:
-    _run_loop(serve(settings, worker_index=index, builtin_urls=dict(builtin_urls)))
+def serve_worker(
+    settings: Settings, index: int, builtin_urls: Sequence[tuple[str, str]], metrics_dir: str
+) -> None:
+    urls = dict(builtin_urls)
+    _run_loop(serve(settings, worker_index=index, builtin_urls=urls, metrics_dir=metrics_dir))

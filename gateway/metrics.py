@@ -14,13 +14,15 @@ bounded.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, mmap_dict, multiprocess
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -40,6 +42,11 @@ LATENCY_BUCKETS = (
 BREAKER_STATES = {"closed": 0, "open": 1, "half_open": 2}
 
 _go_float: Callable[[float], str] = floatToGoString  # untyped upstream
+# prometheus-client's multiprocess pieces, untyped upstream too
+_MmapedDict: Callable[[str], Any] = mmap_dict.MmapedDict
+_mmap_key: Callable[..., str] = mmap_dict.mmap_key
+_MultiProcessCollector: Callable[..., Any] = multiprocess.MultiProcessCollector
+_mark_process_dead: Callable[[int, str], None] = multiprocess.mark_process_dead
 
 
 # --- what the request path touches -----------------------------------------------------------
@@ -164,7 +171,16 @@ class Counter(LabelledFamily[CounterChild]):
 
 class Gauge(LabelledFamily[GaugeChild]):
     kind = "gauge"
-    __slots__ = ()
+    __slots__ = ("mode",)
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], mode: str = "liveall"
+    ) -> None:
+        # How ``--workers`` combines the workers' values (prometheus-client's multiprocess
+        # modes): "liveall" one series per live worker (a ``pid`` label), "livesum" summed
+        # over live workers, "max" the largest any worker wrote.
+        self.mode = mode
+        super().__init__(name, documentation, labelnames)
 
     def _new_child(self) -> GaugeChild:
         return GaugeChild()
@@ -219,13 +235,14 @@ class ScalarGauge(GaugeChild, Family):
     cost no lookup at all."""
 
     kind = "gauge"
-    __slots__ = ("documentation", "name")
+    __slots__ = ("documentation", "mode", "name")
     labelnames: tuple[str, ...] = ()
 
-    def __init__(self, name: str, documentation: str) -> None:
+    def __init__(self, name: str, documentation: str, mode: str = "liveall") -> None:
         super().__init__()
         self.name = name
         self.documentation = documentation
+        self.mode = mode  # as ``Gauge.mode``
 
     def describe(self) -> Metric:
         return GaugeMetricFamily(self.name, self.documentation, labels=())
@@ -323,10 +340,11 @@ class Metrics:
         self.rules_loaded = ScalarGauge(
             "gateway_rules_loaded_timestamp_seconds",
             "When the running rule table was loaded.",
+            mode="max",
         )
         self.rules_count = ScalarGauge("gateway_rules", "Rules in the running table.")
         self.inflight = ScalarGauge(
-            "gateway_inflight_requests", "Requests being handled right now."
+            "gateway_inflight_requests", "Requests being handled right now.", mode="livesum"
         )
         # Export order = definition order above (what prometheus-client did too).
         self.families: tuple[Family, ...] = tuple(
@@ -367,3 +385,106 @@ class RegionCounterEvents:
 
     def deny_cache_hit(self) -> None:
         self._m.deny_cache_hits.labels(self._region).inc()
+
+
+# --- --workers N: one scrape for every worker ---------------------------------------------------
+#
+# Each worker writes its numbers into prometheus-client's multiprocess files (one mmap file
+# per process and metric type, keys in prometheus-client's own format) about once a second
+# and when it stops; the admin port, served by the supervising process, collects the
+# directory with prometheus-client's ``MultiProcessCollector``, which sums counters,
+# merges histograms and combines gauges by their mode. The request path is untouched: it
+# still only adds to plain numbers. A dead worker's counter and histogram files stay (its
+# counts are not lost; its replacement writes files of its own, so nothing is counted
+# twice); its "live" gauges are dropped (``worker_gone``).
+
+SYNC_INTERVAL_SECONDS = 1.0
+
+
+class SharedMetricsWriter:
+    """Writes one process's ``Metrics`` into a multiprocess directory."""
+
+    def __init__(self, metrics: Metrics, directory: str, pid: int | None = None) -> None:
+        self._metrics = metrics
+        self._directory = directory
+        self._pid = os.getpid() if pid is None else pid
+        self._files: dict[str, Any] = {}  # file name -> MmapedDict
+        self._keys: dict[tuple[str, str, tuple[str, ...], str], str] = {}
+        self._written: dict[str, float] = {}
+
+    def _file(self, family: Family) -> Any:
+        if family.kind == "gauge":
+            name = f"gauge_{getattr(family, 'mode', 'liveall')}_{self._pid}.db"
+        else:
+            name = f"{family.kind}_{self._pid}.db"
+        found = self._files.get(name)
+        if found is None:
+            found = self._files[name] = _MmapedDict(os.path.join(self._directory, name))
+        return found
+
+    def _key(self, family: Family, sample: str, labels: tuple[str, ...], le: str = "") -> str:
+        cache_key = (family.name, sample, labels, le)
+        found = self._keys.get(cache_key)
+        if found is None:
+            names = list(family.labelnames)
+            values = list(labels)
+            if le:
+                names.append("le")
+                values.append(le)
+            found = _mmap_key(family.name, sample, names, values, family.documentation)
+            self._keys[cache_key] = found
+        return found
+
+    def _put(self, file: Any, key: str, value: float) -> None:
+        if self._written.get(key) != value:
+            file.write_value(key, value, 0.0)
+            self._written[key] = value
+
+    def write(self) -> None:
+        """Write every value that changed since the last call."""
+        for family in self._metrics.families:
+            file = self._file(family)
+            if isinstance(family, Histogram):
+                les = family._le
+                for labels, child in list(family.children.items()):
+                    for le, count in zip(les, child.counts, strict=True):
+                        key = self._key(family, family.name + "_bucket", labels, le)
+                        self._put(file, key, float(count))
+                    self._put(file, self._key(family, family.name + "_sum", labels), child.sum)
+            elif isinstance(family, ScalarGauge):
+                self._put(file, self._key(family, family.name, ()), float(family.value))
+            elif isinstance(family, Counter):
+                for labels, value in [(k, c.value) for k, c in list(family.children.items())]:
+                    self._put(file, self._key(family, family.name + "_total", labels), value)
+            elif isinstance(family, Gauge):
+                sample = family.name
+                gauges: dict[tuple[str, ...], GaugeChild] = family.children
+                for labels, value in [(k, c.value) for k, c in list(gauges.items())]:
+                    self._put(file, self._key(family, sample, labels), float(value))
+
+    def close(self) -> None:
+        self.write()
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+def shared_registry(directory: str) -> CollectorRegistry:
+    """A registry that collects every worker's metrics from ``directory``."""
+    registry = CollectorRegistry()
+    _MultiProcessCollector(registry, path=directory)
+    return registry
+
+
+def worker_gone(pid: int, directory: str) -> None:
+    """Drop a dead worker's live gauges (its counters and histograms stay counted)."""
+    _mark_process_dead(pid, directory)
+
+
+def write_recent(directory: str, pid: int, recent: object) -> None:
+    """A worker's recently limited identities, for the console (replaced atomically)."""
+    target = os.path.join(directory, f"recent_{pid}.json")
+    tmp = target + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(recent, handle)
+    os.replace(tmp, target)

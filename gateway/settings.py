@@ -54,6 +54,9 @@ class Settings:
     port: int = 8080
     admin_host: str = "127.0.0.1"
     admin_port: int = 9090
+    # Needed by the operator console when the admin port is not on loopback (environment
+    # GATEWAY_ADMIN_TOKEN or the config file; no flag: flags show in process lists).
+    admin_token: str | None = None
     workers: int = 1
     trusted_proxies: tuple[str, ...] = ()
     ipv6_prefix: int = 64
@@ -282,6 +285,8 @@ def _validate(s: Settings) -> None:
             check_url(s.database_url)
         except ValueError as exc:
             bad(str(exc))
+    if s.admin_token is not None and len(s.admin_token.encode()) < 16:
+        bad("admin_token must be at least 16 bytes (use a long random string)")
     if s.identity_secret is not None and len(s.identity_secret.encode()) < 16:
         bad("identity_secret must be at least 16 bytes (use a long random string)")
     from gateway.counters.factory import parse_counter_url

@@ -4,25 +4,58 @@ The parent keeps the built-in upstreams (one Store, one control plane with its s
 lifecycle driver) and forks the proxy workers, which reach the upstreams over loopback.
 SIGTERM/SIGINT are passed on to the workers, which drain and stop; a worker that dies
 unexpectedly is restarted.
+
+The parent also serves the admin port for all of them: each worker writes its metrics
+into a directory of prometheus-client multiprocess files (``gateway.metrics``), which one
+scrape of ``/metrics`` collects whole; the console reads the same numbers, the rule files
+(the parent loads and watches them too), the counter stores' health (the parent asks them
+itself) and each worker's recent refusals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import glob
+import json
 import logging
 import os
+import shutil
 import signal
+import socket
+import tempfile
 import time
+from pathlib import Path
 
-from gateway.app import Embedded, Service, _run_loop, serve_worker
+from gateway import __version__
+from gateway.app import (
+    Embedded,
+    Service,
+    Upstreams,
+    _run_loop,
+    console_source,
+    open_backend,
+    prepare_rules,
+    serve_worker,
+)
+from gateway.counters.base import CounterBackend
+from gateway.metrics import Metrics, shared_registry, worker_gone
+from gateway.proxy.admin import create_admin_app
+from gateway.proxy.console import Recent
+from gateway.secrets import identity_secret
 from gateway.settings import Settings
 
 log = logging.getLogger("gateway.workers")
 
 
 def _fork_worker(
-    settings: Settings, index: int, urls: dict[str, str], embedded: Embedded | None
+    settings: Settings,
+    index: int,
+    urls: dict[str, str],
+    embedded: Embedded | None,
+    metrics_dir: str,
+    admin_sock: socket.socket,
 ) -> int:
     pid = os.fork()
     if pid == 0:  # child
@@ -31,8 +64,9 @@ def _fork_worker(
             if embedded is not None:
                 for sock in embedded.sockets.values():
                     sock.close()
+            admin_sock.close()  # the supervisor's
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            serve_worker(settings, index, sorted(urls.items()))
+            serve_worker(settings, index, sorted(urls.items()), metrics_dir)
         except BaseException:  # a worker must never return into the parent's code
             logging.getLogger("gateway").exception("worker %d failed", index)
             code = 1
@@ -45,13 +79,48 @@ STARTUP_GRACE_SECONDS = 10.0  # a worker that dies sooner failed to start: do no
 RESTART_DELAY_SECONDS = 1.0
 
 
+def recent_refusals(metrics_dir: str) -> list[Recent]:
+    """Every worker's latest refusals, newest first."""
+    found: list[Recent] = []
+    for path in glob.glob(os.path.join(metrics_dir, "recent_*.json")):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                found.extend(tuple(item) for item in json.load(handle))
+        except (OSError, ValueError):
+            continue
+    found.sort(key=lambda r: -r[0])
+    return found
+
+
 def supervise(settings: Settings, embedded: Embedded | None) -> int:
+    metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    try:
+        return _supervise(settings, embedded, metrics_dir)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _admin_socket(host: str, port: int) -> socket.socket:
+    """The admin port, bound before the workers start: a probe or a scrape that arrives
+    before the supervisor serves it waits in the backlog instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    sock.setblocking(False)
+    return sock
+
+
+def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) -> int:
     urls = embedded.urls() if embedded is not None else {}
+    admin_sock = _admin_socket(settings.admin_host, settings.admin_port)
+
+    def fork(index: int) -> int:
+        return _fork_worker(settings, index, urls, embedded, metrics_dir, admin_sock)
+
     workers: dict[int, int] = {}  # pid -> index
     started: dict[int, float] = {}  # index -> when it was (re)started
     failed_start = False
     for index in range(settings.workers):
-        workers[_fork_worker(settings, index, urls, embedded)] = index
+        workers[fork(index)] = index
         started[index] = time.monotonic()
     log.info("started %d workers on port %d (pids %s)", settings.workers, settings.port,
              ", ".join(str(p) for p in workers))  # fmt: skip
@@ -62,17 +131,71 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
         stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: _signal_all(workers, signal.SIGHUP))
         if embedded is not None:
             for name, app in embedded.apps.items():
                 await service.start_socket(app, embedded.sockets[name])
                 log.info("built-in %s listening on %s", name, urls[name])
             for note in embedded.notes:
                 log.warning("%s", note)
+        rules = prepare_rules(settings, Metrics())  # the console's view of the rule files
+
+        def hup() -> None:
+            _signal_all(workers, signal.SIGHUP)
+            rules.reload("SIGHUP")
+
+        loop.add_signal_handler(signal.SIGHUP, hup)
+        watcher = asyncio.create_task(
+            rules.watch(settings.watch_interval) if settings.watch_rules else asyncio.sleep(0)
+        )
+        backends: dict[str, CounterBackend] = {}
+        for region in settings.region_table():  # for the console's health column only
+            backend = open_backend(settings, region.name, region.counter_url, Metrics())
+            start = getattr(backend, "start", None)
+            if start is not None:
+                await start()
+            backends[region.name] = backend
+
+        async def regions() -> list[dict[str, object]]:
+            shown: list[dict[str, object]] = []
+            for name, backend in backends.items():
+                try:
+                    healthy = await asyncio.wait_for(backend.healthy(), 1.0)
+                except (TimeoutError, OSError):
+                    healthy = False
+                shown.append({"name": name, "counter_backend": backend.name, "healthy": healthy})
+            return shown
+
+        registry = shared_registry(metrics_dir)
+        secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
+        console = console_source(
+            settings, rules, regions, registry, lambda: recent_refusals(metrics_dir), secret
+        )
+        router = Upstreams(dict(urls)).router(settings)
+
+        async def info() -> dict[str, object]:
+            """The admin port's ``/info``, as one gateway process answers it."""
+            table = rules.table
+            loaded = dt.datetime.fromtimestamp(table.loaded_at, dt.UTC).isoformat()
+            return {
+                "version": __version__,
+                "default_region": settings.region_table()[0].name,
+                "regions": await regions(),
+                "rules": {"hash": table.digest, "loaded_at": loaded, "count": len(table.rules),
+                          "files": list(table.sources), "last_reload_error": rules.last_error},
+                "workers": settings.workers,
+                "upstreams": [{"prefix": p, "upstream": u} for p, u in router.describe()],
+            }  # fmt: skip
+
+        admin = create_admin_app(registry, info, console)
+        await service.start_socket(admin, admin_sock)
+        host, port = admin_sock.getsockname()[:2]
+        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        log.info("metrics of all %d workers on %s/metrics, console on %s/console",
+                 settings.workers, address, address)  # fmt: skip
         nonlocal failed_start
         try:
             while not stopping.is_set():
-                for index, status in _reap(workers):
+                for index, status in _reap(workers, metrics_dir):
                     if time.monotonic() - started[index] < STARTUP_GRACE_SECONDS:
                         log.error("worker %d failed while starting (status %d); stopping",
                                   index, status)  # fmt: skip
@@ -81,7 +204,7 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
                         break
                     log.error("worker %d exited (status %d); starting it again", index, status)
                     await asyncio.sleep(RESTART_DELAY_SECONDS)
-                    workers[_fork_worker(settings, index, urls, embedded)] = index
+                    workers[fork(index)] = index
                     started[index] = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), 0.5)
@@ -92,7 +215,12 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
                 await asyncio.sleep(0.1)
             _signal_all(workers, signal.SIGKILL)
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             await service.stop()
+            for backend in backends.values():
+                await backend.close()
 
     _run_loop(main())
     return 1 if failed_start else 0
@@ -106,10 +234,12 @@ def _signal_all(workers: dict[int, int], sig: int) -> None:
             workers.pop(pid, None)
 
 
-def _reap(workers: dict[int, int]) -> list[tuple[int, int]]:
+def _reap(workers: dict[int, int], metrics_dir: str | None = None) -> list[tuple[int, int]]:
     gone = []
     for pid in list(workers):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             gone.append((workers.pop(pid), status))
+            if metrics_dir is not None:
+                worker_gone(pid, metrics_dir)  # its live gauges; its counts stay
     return gone

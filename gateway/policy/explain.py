@@ -35,7 +35,29 @@ def explain(
 ) -> str:
     """A human-readable account of how the table treats the described request."""
     table = load_rules(rules, DEFAULT_REGIONS | ({region} if region else set()))
+    secret, secret_source = _secret()
+    return explain_request(
+        table, IdentityHasher(secret), secret_source, method, target, headers, client_ip, region
+    )
+
+
+def explain_request(
+    table: RuleTable,
+    hasher: IdentityHasher,
+    secret_source: str,
+    method: str,
+    target: str,
+    headers: Sequence[str],
+    client_ip: str,
+    region: str | None = None,
+) -> str:
+    """``explain`` for a loaded table and hasher (the admin console's explain form).
+    ``ValueError`` names what is wrong with the described request."""
     method = method.upper()
+    if not method.replace("-", "").isalpha() or len(method) > 16:
+        raise ValueError(f"{method[:20]!r} is not an HTTP method")
+    if region is not None and region not in table.regions:
+        raise ValueError(f"unknown region {region!r}")
     raw_path, _ = split_target(target)
     path = normalise_path(raw_path)
     values: dict[str, str] = {}
@@ -44,14 +66,13 @@ def explain(
         if not sep:
             raise ValueError(f"header {header!r} is not 'Name: value'")
         values[name.strip().lower()] = value.strip()
-    secret, secret_source = _secret()
     found: list[str | None] = []
     for name in ("x-api-key", "x-user-id"):
         try:
             found.append(valid_identity_header(values.get(name)))
         except ValueError as exc:  # the gateway answers such a request 400
             raise ValueError(f"the {name} header {exc}: the gateway refuses it (400)") from exc
-    identity = RequestIdentity(IdentityHasher(secret), client_ip, found[0], found[1])
+    identity = RequestIdentity(hasher, client_ip, found[0], found[1])
     regions = [region] if region else sorted(table.regions)
     lines = [
         f"request: {method} {path}"

@@ -1,5 +1,15 @@
 """One access-log line per request, plain or JSON. Never a raw key, user id or query.
 
+Besides what happened (rule, decision, status), a line carries every identity component a
+rule could use, so ``gateway rules simulate`` can replay it through another table: the
+keyed hashes (first 12 hex, as ``identity`` shows them) of the request's ``api_key``,
+``user_ip`` and ``ip`` identities, the client address (an IPv6 client as its prefix), the
+region, the method, the normalised path, and ``start_us``, when the request began (epoch
+microseconds). The hashes are taken from the request's
+``RequestIdentity`` when the line is formatted: the ones rule matching computed are
+reused, the others come from the connection's memo (HMAC once per connection and key),
+and none is computed with the log off.
+
 Lines are formatted with one f-string each and written in batches: ``emit`` appends to a
 buffer, and the buffer goes out as ONE record of the ``gateway.access`` logger (its message
 is the lines joined by newlines) at the end of the event loop's current turn, when it
@@ -13,13 +23,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
 
+from gateway.policy.model import IdentityKind
+from gateway.ratelimit.identity import RequestIdentity
+
 log = logging.getLogger("gateway.access")
+_IP, _API_KEY, _USER_IP = IdentityKind.IP, IdentityKind.API_KEY, IdentityKind.USER_IP
 
 MAX_BATCH = 256
+RECENT_LIMITED = 200  # refusals the operator console lists, newest last
 
 
 @dataclass(slots=True)
@@ -39,6 +55,17 @@ class AccessRecord:
     # When the request ended, UTC with milliseconds ("2026-11-23T13:04:38.037Z"); set by
     # ``AccessLogger.emit``: in a batch only the first line carries the logger's own time.
     time: str | None = None
+    # Identity components for replays (see the module's docstring); None when the request
+    # was answered before its identity was formed (a 400, /ok). Set by ``emit``.
+    key: str | None = None  # the api_key identity's hash, 12 hex
+    user: str | None = None  # the user_ip identity's hash (user id with client), 12 hex
+    ip: str | None = None  # the ip identity's hash, 12 hex
+    # When the request began, epoch microseconds: a replay takes requests in this order,
+    # which is the order the gateway began deciding them in. An int: formatting one costs
+    # a fraction of a float's.
+    start_us: int | None = None
+    # Where ``emit`` takes the hashes from (never written itself).
+    identities: RequestIdentity | None = None
 
 
 _second = -1
@@ -69,8 +96,8 @@ _q = encode_basestring_ascii
 
 
 def json_line(r: AccessRecord) -> str:
-    """The record as one JSON object: the fields in declaration order, as
-    ``json.dumps(asdict(r), separators=(",", ":"))`` would write them."""
+    """The record as one JSON object: the fields in declaration order (but
+    ``identities``), as ``json.dumps(..., separators=(",", ":"))`` would write them."""
     return (
         f'{{"method":{_q(r.method)},"path":{_q(r.path)},"status":{r.status!r},'
         f'"region":{_q(r.region)},"client":{_q(r.client)},'
@@ -81,7 +108,11 @@ def json_line(r: AccessRecord) -> str:
         f'"duration_ms":{r.duration_ms!r},'
         f'"upstream_ms":{"null" if r.upstream_ms is None else repr(r.upstream_ms)},'
         f'"request_id":{"null" if r.request_id is None else _q(r.request_id)},'
-        f'"time":{"null" if r.time is None else _q(r.time)}}}'
+        f'"time":{"null" if r.time is None else _q(r.time)},'
+        f'"key":{"null" if r.key is None else _q(r.key)},'
+        f'"user":{"null" if r.user is None else _q(r.user)},'
+        f'"ip":{"null" if r.ip is None else _q(r.ip)},'
+        f'"start_us":{"null" if r.start_us is None else r.start_us}}}'
     )
 
 
@@ -97,6 +128,11 @@ def plain_line(r: AccessRecord) -> str:
     )
     if r.time is not None:
         line = f"{line} time={r.time}"
+    if r.ip is not None:  # the identity components (see the module's docstring)
+        line = (
+            f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} "
+            f"start_us={r.start_us}"
+        )
     if line.isprintable():  # one C scan of the whole line: the common case stops here
         return line
     return plain_line(_escaped(r))
@@ -123,7 +159,22 @@ def _escaped(r: AccessRecord) -> AccessRecord:
         upstream_ms=r.upstream_ms,
         request_id=opt(r.request_id),
         time=opt(r.time),
+        key=r.key,
+        user=r.user,
+        ip=r.ip,
+        start_us=r.start_us,
     )
+
+
+MAX_REMEMBERED_IDENTITIES = 4096
+
+
+def _components(ids: RequestIdentity) -> tuple[str | None, str | None, str | None]:
+    """The request's identities for every kind, hashed, 12 hex (as ``identity`` shows)."""
+    key = None if ids.api_key is None else ids.key_for(_API_KEY)
+    user = None if ids.user_id is None else ids.key_for(_USER_IP)
+    ip = ids.key_for(_IP)
+    return (key and key[:12], user and user[:12], ip and ip[:12])
 
 
 class AccessLogger:
@@ -136,13 +187,39 @@ class AccessLogger:
         self._format = json_line if mode == "json" else plain_line
         self._lines: list[str] = []
         self._flush_scheduled = False
+        # (api key, user id, client address) -> the short hashes, for one hasher
+        self._components: dict[
+            tuple[str | None, str | None, str], tuple[str | None, str | None, str | None]
+        ] = {}
+        self._hasher: object = None
+        # (epoch seconds, region, rule, identity as logged) of the latest refusals, for the
+        # operator console; kept whatever the log mode (one append per refusal).
+        self.recent_limited: deque[tuple[float, str, str | None, str | None]] = deque(
+            maxlen=RECENT_LIMITED
+        )
 
     def emit(self, record: AccessRecord) -> None:
         """Format the record now; write it at the end of this loop turn at the latest."""
+        if record.decision == "limited":
+            self.recent_limited.append((time.time(), record.region, record.rule, record.identity))
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
         if record.time is None:
             record.time = utc_now_ms()
+        ids = record.identities
+        if ids is not None:
+            # The same client sends the same identity headers request after request: the
+            # three short hashes are kept per (key, user, address), not looked up thrice.
+            if ids.hasher is not self._hasher:
+                self._hasher, self._components = ids.hasher, {}
+            who = (ids.api_key, ids.user_id, ids.client_ip)
+            found = self._components.get(who)
+            if found is None:
+                if len(self._components) >= MAX_REMEMBERED_IDENTITIES:
+                    self._components.clear()
+                found = self._components[who] = _components(ids)
+            record.key, record.user, record.ip = found
+            record.start_us = int(time.time() * 1e6 - record.duration_ms * 1000)
         lines = self._lines
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:

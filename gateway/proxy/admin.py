@@ -1,22 +1,26 @@
-"""The admin application (its own port): Prometheus metrics, a liveness probe and the
+"""The admin application (its own port): Prometheus metrics, a liveness probe, the
 operator's ``/info`` (counter store addresses, rule files, upstreams, the last reload
-error), which the public port does not show."""
+error), which the public port does not show, and the operator console (``/console``)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from gateway.metrics import Metrics
+from gateway.proxy.console import ConsoleSource, add_console
 
 
 def create_admin_app(
-    metrics: Metrics, info: Callable[[], Awaitable[dict[str, object]]] | None = None
+    registry: CollectorRegistry,
+    info: Callable[[], Awaitable[dict[str, object]]] | None = None,
+    console: ConsoleSource | None = None,
 ) -> web.Application:
+    """``registry``: this process's metrics, or (``--workers``) every worker's."""
+
     async def metrics_handler(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
+        body = generate_latest(registry)
         response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
@@ -33,4 +37,6 @@ def create_admin_app(
     app.router.add_get("/ok", ok)
     if info is not None:
         app.router.add_get("/info", info_handler)
+    if console is not None:
+        add_console(app, console)
     return app

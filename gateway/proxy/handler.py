@@ -197,6 +197,7 @@ class Gateway:
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
+        record.identities = identity  # the access log's identity components (for replays)
         table = req.table = self.rules.table
         selection = req.selection = select(table, region, method, path, identity.key_for)
         if self._refusals:

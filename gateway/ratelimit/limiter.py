@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gateway.counters.base import CounterBackend, HitResult, LimitCheck
 from gateway.policy.matcher import Selection
@@ -121,6 +121,20 @@ class Limiter:
         if result is None:
             return None
         return self._decision(region, selection, groups, [result])
+
+    def decide_with(
+        self,
+        region: str,
+        selection: Selection,
+        hit_now: Callable[[Sequence[LimitCheck]], HitResult],
+    ) -> Decision:
+        """``decide`` with a synchronous counter call for every group (shadow rules
+        included): replays (``gateway rules simulate``) count on a virtual clock."""
+        rule = selection.rule
+        if (rule is None or rule.unlimited) and not selection.shadows:
+            return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
+        groups = self._groups(region, selection)
+        return self._decision(region, selection, groups, [hit_now(c) for _, _, c in groups])
 
     async def decide(self, region: str, selection: Selection) -> Decision:
         """Count the request against the selected rule (and shadow rules) in ``region``.

@@ -221,7 +221,7 @@ async def test_public_info_names_no_address_file_or_upstream(tmp_path, upstream)
         ):
             async with http.get(gw.url + "/info") as r:
                 public = await r.json()
-            admin_app = create_admin_app(gw.metrics, gw.proxy.info)
+            admin_app = create_admin_app(gw.metrics.registry, gw.proxy.info)
             async with running_app(admin_app) as admin, http.get(admin + "/info") as r:
                 assert r.status == 200
                 full = await r.json()

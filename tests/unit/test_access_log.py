@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gateway.policy.model import IdentityKind
 from gateway.proxy.access_log import (
     AccessLogger,
     AccessRecord,
@@ -19,11 +20,20 @@ from gateway.proxy.access_log import (
     plain_line,
     utc_now_ms,
 )
+from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
 
 FIELDS = [
     "method", "path", "status", "region", "client", "rule", "decision", "identity",
-    "upstream", "duration_ms", "upstream_ms", "request_id", "time",
+    "upstream", "duration_ms", "upstream_ms", "request_id", "time", "key", "user", "ip",
+    "start_us",
 ]  # fmt: skip
+
+
+def logged(r: AccessRecord) -> dict[str, Any]:
+    """What a JSON line holds: every field but the identities it is computed from."""
+    fields = dataclasses.asdict(dataclasses.replace(r, identities=None))
+    del fields["identities"]
+    return fields
 
 ODD_PATHS = [
     '/a"b',
@@ -69,7 +79,7 @@ def access(caplog):
 def test_json_lines_have_every_field_in_order_and_match_json_dumps():
     r = record(upstream="default", upstream_ms=12.345, decision=None)
     line = json_line(r)
-    assert line == json.dumps(dataclasses.asdict(r), separators=(",", ":"))
+    assert line == json.dumps(logged(r), separators=(",", ":"))
     parsed = json.loads(line)
     assert list(parsed) == FIELDS
     assert parsed["upstream_ms"] == 12.345 and parsed["decision"] is None
@@ -93,8 +103,8 @@ def test_plain_lines_are_as_before():
 def test_json_escapes_any_path(path):
     r = record(path=path, request_id='id "quoted" \\ here', client="::1")
     line = json_line(r)
-    assert line == json.dumps(dataclasses.asdict(r), separators=(",", ":"))
-    assert json.loads(line) == dataclasses.asdict(r)
+    assert line == json.dumps(logged(r), separators=(",", ":"))
+    assert json.loads(line) == logged(r)
     assert line.isascii() and line.isprintable()  # one line, whatever the path holds
 
 
@@ -175,7 +185,7 @@ async def test_nothing_is_formatted_when_the_logger_is_quiet(caplog):
 
 
 def test_records_have_no_place_for_a_query_string(access):
-    assert [f.name for f in dataclasses.fields(AccessRecord)] == FIELDS
+    assert [f.name for f in dataclasses.fields(AccessRecord)] == [*FIELDS, "identities"]
     logger = AccessLogger("json")
     logger.emit(record(path="/runs/query"))
     assert json.loads(access()[0])["path"] == "/runs/query"
@@ -210,3 +220,51 @@ def test_the_time_field_is_the_wall_clock_to_the_millisecond():
         assert before - timedelta(milliseconds=1) <= parsed <= after, (before, stamp, after)
         seen.add(stamp)
     assert len(seen) > 1  # the text moves on with the clock
+
+
+def test_lines_carry_every_identity_component_hashed_never_raw(access):
+    hasher = IdentityHasher(b"s" * 32)
+    ids = RequestIdentity(hasher, "198.51.100.7", "sk-secret-key", "alice")
+    before = datetime.now(UTC)
+    logger = AccessLogger("json")
+    logger.emit(record(identities=ids, duration_ms=40.0))
+    logger.flush()
+    line = access()[-1]
+    parsed = json.loads(line)
+    assert parsed["key"] == hasher.digest(IdentityKind.API_KEY, "sk-secret-key")[:12]
+    assert parsed["user"] == hasher.digest(IdentityKind.USER_IP, "alice\x00198.51.100.7")[:12]
+    assert parsed["ip"] == hasher.digest(IdentityKind.IP, "198.51.100.7")[:12]
+    assert "sk-secret-key" not in line and "alice" not in line
+    # start_us: when the request began (the end less its duration), in microseconds
+    end = datetime.strptime(parsed["time"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+    end_us = round(end.timestamp() * 1000) * 1000  # the time field is cut to the millisecond
+    assert end_us - 40_000 <= parsed["start_us"] < end_us - 40_000 + 50_000
+    assert parsed["start_us"] >= before.timestamp() * 1e6 - 40_000
+    assert isinstance(parsed["start_us"], int)
+    plain = AccessLogger("plain")
+    plain.emit(record(identities=RequestIdentity(hasher, "198.51.100.7", None, None)))
+    plain.flush()
+    tail = access()[-1].split(" time=", 1)[1].split(" ", 1)[1]
+    ip_hash = parsed["ip"]
+    assert re.fullmatch(rf"key=- user=- ip={ip_hash} start_us=\d{{16}}", tail), tail
+
+
+def test_identity_hashes_computed_for_matching_are_reused(access):
+    calls = []
+
+    class CountingHasher(IdentityHasher):
+        def digest(self, kind, value):
+            calls.append(kind)
+            return super().digest(kind, value)
+
+    ids = RequestIdentity(CountingHasher(b"s" * 32), "198.51.100.7", "k", None, memo={})
+    ids.key_for(IdentityKind.API_KEY)  # as rule matching does
+    logger = AccessLogger("json")
+    logger.emit(record(identities=ids))
+    logger.emit(record(identities=RequestIdentity(ids.hasher, "198.51.100.7", "k", None,
+                                                  memo=ids.memo)))
+    logger.flush()
+    assert calls == [IdentityKind.API_KEY, IdentityKind.IP]  # then the connection's memo
+    off = AccessLogger("off")
+    off.emit(record(identities=RequestIdentity(ids.hasher, "203.0.113.1", "k2", None)))
+    assert len(calls) == 2  # with the log off nothing is hashed

@@ -14,6 +14,8 @@ FORBIDDEN = {
     "ratelimit": ("aiohttp", "redis", "gateway.proxy"),
     "counters": ("aiohttp", "gateway.proxy"),
     "upstreams": ("gateway.proxy",),
+    # replays run offline: no network client, no server, nothing of the data plane
+    "replay": ("aiohttp", "redis", "gateway.proxy"),
 }
 
 
