@@ -29,6 +29,7 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
+from gateway.upstreams.store.semantic import SemanticIndex
 from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.sweeper import sweep_forever
 
@@ -37,6 +38,8 @@ log = logging.getLogger("gateway.store")
 STORAGE_KEY = web.AppKey("store_storage", SQLiteStorage)
 CONFIG_KEY = web.AppKey("store_config", StoreConfig)
 OPENAPI_KEY = web.AppKey("store_openapi", bytes)
+# Hook (issue 12): present only when store.index is configured.
+SEMANTIC_KEY = web.AppKey("store_semantic", SemanticIndex)
 
 READ = ModelReader(PATTERNS)
 
@@ -98,7 +101,10 @@ async def _body(request: web.Request) -> bytes:
 async def put_item(request: web.Request) -> web.Response:
     """PUT /store/items: insert or replace an item."""
     item = READ.body(StorePutRequest, await _body(request))
-    await request.app[STORAGE_KEY].put(item)
+    # Hook (issue 12): embed first, so a provider outage (503) leaves nothing written.
+    semantic = request.app.get(SEMANTIC_KEY)
+    vectors = None if semantic is None else await semantic.embed_item(item)
+    await request.app[STORAGE_KEY].put(item, vectors)
     return web.Response(status=204)
 
 
@@ -119,7 +125,10 @@ async def delete_item(request: web.Request) -> web.Response:
 async def search_items(request: web.Request) -> web.Response:
     """POST /store/items/search: listing mode, or ranked search when ``query`` is given."""
     search = READ.body(StoreSearchRequest, await _body(request))
-    return _json({"items": await request.app[STORAGE_KEY].search(search)})
+    # Hook (issue 12): with an index, a query is ranked by meaning (vector or hybrid).
+    semantic = request.app.get(SEMANTIC_KEY)
+    ranker = None if semantic is None else await semantic.ranker(search)
+    return _json({"items": await request.app[STORAGE_KEY].search(search, ranker)})
 
 
 async def list_namespaces(request: web.Request) -> web.Response:
@@ -145,7 +154,9 @@ API = Api(
 _INVALID = Response("Validation error: the detail names the field", ErrorResponse)
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
 _BUSY = Response(
-    "Store busy (database locked by other writers beyond the busy timeout)", ErrorResponse
+    "Store busy (database locked by other writers beyond the busy timeout), or the "
+    "embedding provider unavailable",
+    ErrorResponse,
 )
 _ERRORS = {422: _INVALID, 503: _BUSY}
 _BODY_ERRORS = {413: _TOO_LARGE, **_ERRORS}
@@ -225,6 +236,8 @@ def create_store_app(
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
     app[STORAGE_KEY] = SQLiteStorage(config, clock or time.time)
+    if config.index is not None:  # Hook (issue 12)
+        app[SEMANTIC_KEY] = SemanticIndex(config.index, app[STORAGE_KEY])
     app[OPENAPI_KEY] = document_bytes(API, ROUTES)
     app.cleanup_ctx.append(_storage_lifetime)
     add_routes(app.router, ROUTES)
@@ -234,6 +247,9 @@ def create_store_app(
 async def _storage_lifetime(app: web.Application) -> AsyncIterator[None]:
     storage = app[STORAGE_KEY]
     await storage.open()
+    semantic = app.get(SEMANTIC_KEY)
+    if semantic is not None:  # Hook (issue 12): after storage, closed before it
+        await semantic.open()
     sweeper = asyncio.create_task(
         sweep_forever(storage, app[CONFIG_KEY].sweep_interval_seconds), name="store-ttl-sweeper"
     )
@@ -243,4 +259,6 @@ async def _storage_lifetime(app: web.Application) -> AsyncIterator[None]:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        if semantic is not None:
+            await semantic.close()
         await storage.close()

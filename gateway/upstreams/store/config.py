@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+# Hook (issue 12): the embedding index's own section lives in index_config.py.
+from gateway.upstreams.store.index_config import IndexConfig
 
 SynchronousMode = Literal["full", "normal"]
 
@@ -30,6 +34,8 @@ class StoreConfig:
     sqlite_synchronous: SynchronousMode = "full"
     busy_timeout_seconds: float = 5.0
     read_threads: int = 4
+    # Hook (issue 12): search by meaning; None keeps BM25 only.
+    index: IndexConfig | None = None
 
     def __post_init__(self) -> None:
         _check_ttl("default_ttl_minutes", self.default_ttl_minutes)
@@ -124,4 +130,6 @@ _READERS: dict[str, Any] = {
     "sqlite_synchronous": _string,
     "busy_timeout_seconds": _number,
     "read_threads": _integer,
+    # Hook (issue 12): the API key is read from the environment, never from the file.
+    "index": lambda key, value: IndexConfig.from_mapping(value, os.environ),
 }
