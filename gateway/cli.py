@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register(commands)
+    # Hook (issue 12): `gateway store reindex`.
+    from gateway.upstreams.store.reindex_command import register as register_store
+
+    register_store(commands)
     return parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ async def _open(config: StoreConfig, server: EmbeddingServer) -> Indexed:
 
 @pytest.fixture
 async def indexed(tmp_path: Path, embedding_server: EmbeddingServer) -> AsyncIterator[Indexed]:
-    running = await _open(indexed_store_config(tmp_path / "data", embedding_server), embedding_server)
+    config = indexed_store_config(tmp_path / "data", embedding_server)
+    running = await _open(config, embedding_server)
     try:
         yield running
     finally:
@@ -155,7 +157,8 @@ async def test_index_false_and_paths_choose_what_is_found_by_meaning(vector_only
     requests_before = len(vector_only.server.requests)
     await sdk.put_item(["idx"], key="hidden", value={"text": "espresso"}, index=False)
     assert len(vector_only.server.requests) == requests_before  # nothing to embed
-    await sdk.put_item(["idx"], key="titled", value={"title": "car", "body": "latte"}, index=["title"])
+    titled = {"title": "car", "body": "latte"}
+    await sdk.put_item(["idx"], key="titled", value=titled, index=["title"])
     found = await sdk.search_items(["idx"], query="coffee")
     assert _keys(found) == ["titled"]  # the only item with vectors
     assert found["items"][0]["score"] < 0.5  # its title is about cars, not coffee
@@ -236,9 +239,7 @@ async def test_a_refusal_is_not_retried(indexed: Indexed) -> None:
 async def test_a_slow_provider_is_cut_off_by_the_timeout(
     tmp_path: Path, embedding_server: EmbeddingServer
 ) -> None:
-    config = indexed_store_config(
-        tmp_path / "d", embedding_server, timeout_seconds=0.2, retries=0
-    )
+    config = indexed_store_config(tmp_path / "d", embedding_server, timeout_seconds=0.2, retries=0)
     running = await _open(config, embedding_server)
     try:
         embedding_server.delay_seconds = 2.0
@@ -318,9 +319,7 @@ async def test_changing_the_fields_reembeds_existing_items_in_the_background(
     first = await _open(config, embedding_server)
     try:
         for n in range(70):  # more than one re-index batch
-            await first.sdk.put_item(
-                ["r"], key=f"k{n}", value={"title": "car", "body": "espresso"}
-            )
+            await first.sdk.put_item(["r"], key=f"k{n}", value={"title": "car", "body": "espresso"})
         await first.sdk.put_item(
             ["r"], key="explicit", value={"title": "dog", "body": "x"}, index=["title"]
         )
@@ -392,7 +391,7 @@ async def test_the_approximate_index_answers_like_exact_search_and_follows_write
         found = await running.sdk.search_items(["u"], query="espresso", limit=1)
         assert _keys(found) != ["coffee"]
         found = await running.sdk.search_items(["u"], query="dog", limit=2)
-        assert [(i["namespace"], i["key"]) for i in found["items"]][0][1] in ("coffee", "dog")
+        assert found["items"][0]["key"] in ("coffee", "dog")
         assert found["items"][0]["score"] > 0.9
         # Scoped to one namespace and filtered, still right (the index widens its ask).
         scoped = await running.sdk.search_items(
@@ -421,7 +420,7 @@ async def test_the_approximate_index_answers_like_exact_search_and_follows_write
 def test_bad_index_sections_are_refused_with_the_key_named(
     section: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(ValueError, match="store.index") as error:
+    with pytest.raises(ValueError, match=r"store\.index") as error:
         IndexConfig.from_mapping(section, {})
     assert message in str(error.value)
 
@@ -444,3 +443,61 @@ def test_the_index_section_reads_the_key_from_the_environment(
     )
     assert index.api_key == "sk-abc"
     assert "sk-abc" not in repr(config) and "sk-abc" not in str(index.describe())
+
+
+async def test_gateway_store_reindex_reembeds_with_a_progress_bar(
+    tmp_path: Path, embedding_server: EmbeddingServer
+) -> None:
+    data_dir = tmp_path / "data"
+    config = indexed_store_config(data_dir, embedding_server)
+    first = await _open(config, embedding_server)
+    try:
+        for n in range(5):
+            await first.sdk.put_item(["c"], key=f"k{n}", value={"title": "car", "body": "tea"})
+    finally:
+        await first.close()
+    config_file = tmp_path / "gateway.yaml"
+    config_file.write_text(
+        "store:\n"
+        "  index:\n"
+        "    embed: openai:test-embed\n"
+        "    dims: 64\n"
+        f"    url: {embedding_server.url}\n"
+        "    fields: [body]\n"
+    )
+    command = [
+        sys.executable, "-m", "gateway", "store", "reindex",
+        "--config", str(config_file), "--data-dir", str(data_dir),
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, stderr.decode()
+    assert "5/5 items" in stderr.decode()
+    assert "re-embedded 5 item(s) with test-embed" in stderr.decode()
+    assert embedding_server.requests[-1] == ["tea"] * 5
+    # Again: nothing is stale any more; --all re-embeds everything.
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0
+    assert "nothing to re-embed" in stderr.decode()
+    embedding_server.status_override = 503
+    process = await asyncio.create_subprocess_exec(
+        *command, "--all", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 1
+    assert "embedding provider unavailable" in stderr.decode()
+
+
+async def test_gateway_store_reindex_without_an_index_says_so(tmp_path: Path) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "store", "reindex", "--data-dir", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 2
+    assert "no store.index" in stderr.decode()

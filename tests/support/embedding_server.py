@@ -44,7 +44,29 @@ SYNONYM_GROUPS: tuple[tuple[str, ...], ...] = (
 )
 _CANONICAL = {word: group[0] for group in SYNONYM_GROUPS for word in group}
 _WORD = re.compile(r"[a-z0-9]+")
-_STOP = frozenset("a an and the of to in is it for on with my me i what does do like".split())
+_STOP = frozenset(
+    [
+        "a",
+        "an",
+        "and",
+        "the",
+        "of",
+        "to",
+        "in",
+        "is",
+        "it",
+        "for",
+        "on",
+        "with",
+        "my",
+        "me",
+        "i",
+        "what",
+        "does",
+        "do",
+        "like",
+    ]
+)
 
 
 def _bucket(word: str, dims: int) -> int:
