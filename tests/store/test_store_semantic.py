@@ -4,6 +4,7 @@ embedding server (tests/support/embedding_server.py) on loopback."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import sys
 from collections.abc import AsyncIterator
@@ -383,7 +384,7 @@ async def test_the_approximate_index_answers_like_exact_search_and_follows_write
         await _put_memories(running.sdk, ["u", "a"])
         await _put_memories(running.sdk, ["u", "b"])
         found = await running.sdk.search_items(["u"], query="espresso", limit=2)
-        assert running.semantic.approximate.ready
+        assert running.semantic.mirror.approximate
         assert sorted(_keys(found)) == ["coffee", "coffee"]
         # A write after the build is seen by the next search (change log catch-up).
         await running.sdk.put_item(["u", "a"], key="coffee", value={"text": "puppy"})
@@ -501,3 +502,57 @@ async def test_gateway_store_reindex_without_an_index_says_so(tmp_path: Path) ->
     _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 2
     assert "no store.index" in stderr.decode()
+
+
+async def test_a_second_process_on_the_same_file_sees_every_write_by_meaning(
+    tmp_path: Path, embedding_server: EmbeddingServer
+) -> None:
+    config = indexed_store_config(tmp_path / "d", embedding_server, ranking="vector")
+    one = await _open(config, embedding_server)
+    two = await _open(config, embedding_server)  # its own storage, threads and mirror
+    try:
+        await one.sdk.put_item(["s"], key="a", value={"text": "espresso"}, index=["text"])
+        assert _keys(await two.sdk.search_items(["s"], query="coffee")) == ["a"]
+        assert two.semantic.mirror.vectors == 1
+        await one.sdk.put_item(["s"], key="a", value={"text": "sedan"}, index=["text"])
+        await one.sdk.put_item(["s"], key="b", value={"text": "latte"}, index=["text"])
+        found = await two.sdk.search_items(["s"], query="coffee")
+        assert _keys(found) == ["b", "a"]
+        assert found["items"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+        await one.sdk.delete_item(["s"], key="b")
+        assert _keys(await two.sdk.search_items(["s"], query="coffee")) == ["a"]
+        assert two.semantic.mirror.vectors == 1
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_a_mirror_further_behind_than_the_change_log_reloads(
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gateway.upstreams.store import vectors
+
+    monkeypatch.setattr(vectors, "CHANGE_LOG_KEEP", 3)
+    config = indexed_store_config(tmp_path / "d", embedding_server, ranking="vector")
+    one = await _open(config, embedding_server)
+    two = await _open(config, embedding_server)
+    try:
+        await one.sdk.put_item(["s"], key="first", value={"text": "puppy"}, index=["text"])
+        await two.sdk.search_items(["s"], query="dog")  # two's mirror is now current
+        for n in range(6):  # more changes than the log keeps
+            await one.sdk.put_item(["s"], key=f"k{n}", value={"text": "sedan"}, index=["text"])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gateway.store.vectors"):
+            found = await two.sdk.search_items(["s"], query="dog", limit=20)
+        assert [r.message for r in caplog.records] == [
+            "store vectors loaded: 7 vector(s), exact search"
+        ]
+        assert _keys(found)[0] == "first"
+        assert len(found["items"]) == 7
+        assert two.semantic.mirror.vectors == 7
+    finally:
+        await one.close()
+        await two.close()

@@ -38,9 +38,9 @@ class IndexConfig:
     retries: int = 3
     batch_size: int = 64
     query_cache_size: int = 1024
-    # Up to this many candidate vectors a search is exact (numpy over every candidate);
-    # above it an approximate (HNSW, usearch) index answers. See docs/store.md for the
-    # measurement behind the default.
+    # Up to this many vectors in the store a search is exact (numpy over every vector in
+    # memory); above it an approximate (HNSW, usearch) index answers. See docs/store.md for
+    # the measurement behind the default.
     exact_search_max_vectors: int = 50_000
 
     def __post_init__(self) -> None:

@@ -24,11 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.upstreams.store import ann
-from gateway.upstreams.store.ann import ApproximateIndex
 from gateway.upstreams.store.embeddings import EmbeddingClient, EmbeddingUnavailable, Vector
 from gateway.upstreams.store.hybrid import Ranker, reciprocal_rank_fusion
 from gateway.upstreams.store.index_config import IndexConfig
+from gateway.upstreams.store.mirror import VectorMirror
 from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
 from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.vectors import (
@@ -82,18 +81,15 @@ class SemanticIndex:
         self.storage = storage
         self.client = client or EmbeddingClient(config)
         self.progress = ReindexProgress()
-        self.approximate = ApproximateIndex(config.dims)
+        self.mirror = VectorMirror(config.dims, config.exact_search_max_vectors)
         self._reindex_task: asyncio.Task[None] | None = None
         self._build_task: asyncio.Task[None] | None = None
 
     async def open(self, *, reindex_in_background: bool = True) -> None:
         await self.client.open()
         if reindex_in_background:
-            # Build the approximate index now (if the store is large) rather than in the
-            # first search.
-            self._build_task = asyncio.create_task(
-                self._catch_up_approximate(), name="store-ann-build"
-            )
+            # Load the vectors into memory now rather than in the first search.
+            self._build_task = asyncio.create_task(self.load_mirror(), name="store-vectors-load")
             self._reindex_task = asyncio.create_task(
                 self._reindex_until_done(), name="store-reindex"
             )
@@ -136,15 +132,11 @@ class SemanticIndex:
         if query is None:
             return None
         vector = await self.client.embed_query(query)
-        await self._catch_up_approximate()
         return self._ranker(vector)
 
-    async def _catch_up_approximate(self) -> None:
-        limit = self.config.exact_search_max_vectors
-        if ann.available():
-            await self.storage.read(
-                lambda connection, _: self.approximate.catch_up(connection, limit)
-            )
+    async def load_mirror(self) -> None:
+        """Load every vector into memory (and the HNSW index, for a large store)."""
+        await self.storage.read(lambda connection, _: self.mirror.catch_up(connection))
 
     def _ranker(self, query: Vector) -> Ranker:
         def rank(
@@ -174,8 +166,10 @@ class SemanticIndex:
         query: Vector,
         depth: int,
     ) -> list[tuple[int, float]]:
-        if self.approximate.ready:
-            found = self.approximate.ranking(connection, scope_sql, scope_params, query, depth)
+        # The mirror replays the change log inside this read transaction first, so it holds
+        # at least every vector this search's snapshot can see.
+        if self.mirror.catch_up(connection):
+            found = self.mirror.ranking(connection, scope_sql, scope_params, query, depth)
             if found is not None:
                 return found
         return exact_ranking(connection, scope_sql, scope_params, query, self.config.dims, depth)

@@ -11,8 +11,8 @@ item's vectors in the same transaction as the item, whether deleted, replaced or
 * ``item_embeddings``: per item, the paths it was embedded with (NULL: the configured
   default fields) and the signature (model, dims, fields) its vectors belong to, so a
   changed configuration finds exactly the items to re-embed.
-* ``vector_changes``: a log of items whose vectors changed, which an in-memory approximate
-  index replays to stay consistent with the table across processes and restarts.
+* ``vector_changes``: a log of items whose vectors changed, which the in-memory mirror
+  (mirror.py) replays to stay consistent with the table across processes and restarts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gateway.upstreams.store.text_index import PathStep, index_steps, nodes_at
 
 Vector = npt.NDArray[np.float32]
 
-# Entries the change log keeps (see ann.py: an index further behind rebuilds).
+# Entries the change log keeps (see mirror.py: a mirror further behind reloads).
 CHANGE_LOG_KEEP = 100_000
 
 VECTOR_SCHEMA = """
