@@ -556,3 +556,28 @@ async def test_a_mirror_further_behind_than_the_change_log_reloads(
     finally:
         await one.close()
         await two.close()
+
+
+async def test_a_selective_filter_in_a_broad_scope_still_finds_its_items(
+    vector_only: Indexed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.upstreams.store import mirror
+
+    # Make a scope of more than one item "broad", and give up walking after 64 vectors.
+    monkeypatch.setattr(mirror, "SMALL_SCOPE_ITEMS", 1)
+    monkeypatch.setattr(mirror, "MAX_WALK", 64)
+    for n in range(80):
+        await vector_only.sdk.put_item(
+            ["f"], key=f"c{n}", value={"text": "espresso", "topic": "drink"}, index=["text"]
+        )
+    for n in range(3):
+        await vector_only.sdk.put_item(
+            ["f"], key=f"s{n}", value={"text": f"sedan {n}", "topic": "food"}, index=["text"]
+        )
+    found = await vector_only.sdk.search_items(
+        ["f"], query="coffee", filter={"topic": "food"}, limit=5
+    )
+    assert sorted(_keys(found)) == ["s0", "s1", "s2"]
+    found = await vector_only.sdk.search_items(["f"], query="coffee", limit=5)
+    assert all(key.startswith("c") for key in _keys(found))
+    assert len(found["items"]) == 5

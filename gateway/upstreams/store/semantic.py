@@ -169,9 +169,8 @@ class SemanticIndex:
         # The mirror replays the change log inside this read transaction first, so it holds
         # at least every vector this search's snapshot can see.
         if self.mirror.catch_up(connection):
-            found = self.mirror.ranking(connection, scope_sql, scope_params, query, depth)
-            if found is not None:
-                return found
+            return self.mirror.ranking(connection, scope_sql, scope_params, query, depth)
+        # Only while another thread loads the mirror: read the vectors from SQLite.
         return exact_ranking(connection, scope_sql, scope_params, query, self.config.dims, depth)
 
     # -- re-indexing --------------------------------------------------------------
