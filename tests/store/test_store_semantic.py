@@ -581,3 +581,32 @@ async def test_a_selective_filter_in_a_broad_scope_still_finds_its_items(
     found = await vector_only.sdk.search_items(["f"], query="coffee", limit=5)
     assert all(key.startswith("c") for key in _keys(found))
     assert len(found["items"]) == 5
+
+
+async def test_only_one_process_on_a_file_runs_the_background_reindex(
+    tmp_path: Path, embedding_server: EmbeddingServer
+) -> None:
+    config = indexed_store_config(tmp_path / "d", embedding_server)
+    first = await _open(config, embedding_server)
+    try:
+        for n in range(30):
+            await first.sdk.put_item(["r"], key=f"k{n}", value={"title": "car", "body": "tea"})
+    finally:
+        await first.close()
+    before = embedding_server.texts_embedded
+    changed = with_index(config, fields=("body",))
+    one, two = await asyncio.gather(
+        _open(changed, embedding_server), _open(changed, embedding_server)
+    )
+    try:
+        for _ in range(300):
+            states = {one.semantic.progress.state, two.semantic.progress.state}
+            if "done" in states:
+                break
+            await asyncio.sleep(0.02)
+        assert "done" in states  # the other: "elsewhere" (or "idle" if it looked late)
+        assert await one.semantic.stale_count() == 0
+        assert embedding_server.texts_embedded - before == 30  # not 60
+    finally:
+        await one.close()
+        await two.close()

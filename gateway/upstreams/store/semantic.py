@@ -18,8 +18,10 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import sqlite3
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +34,9 @@ from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
 from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.vectors import (
     ItemVectors,
+    claim_lease,
     exact_ranking,
+    release_lease,
     signature,
     stale_items_sql,
     texts_to_embed,
@@ -43,6 +47,10 @@ log = logging.getLogger("gateway.store.index")
 REINDEX_BATCH = 64
 REINDEX_RETRY_SECONDS = 30.0
 PROGRESS_LOG_SECONDS = 10.0
+# The background re-index holds this lease; renewed after every batch, so a process that
+# died leaves it to others after this long.
+LEASE_SECONDS = 120.0
+_LEASE = "reindex"
 # Hybrid ranking takes this many times the requested depth from each ranking, so an item
 # a little further down one list can still be lifted by the other.
 HYBRID_POOL_FACTOR = 2
@@ -53,7 +61,8 @@ _LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
 class ReindexProgress:
     """Where a re-index stands (shown in ``/info`` and by the CLI)."""
 
-    state: str = "idle"  # idle | running | waiting (provider down) | done
+    # idle | running | waiting (provider down) | elsewhere (another process runs it) | done
+    state: str = "idle"
     done: int = 0
     total: int = 0
     last_error: str | None = None
@@ -84,6 +93,8 @@ class SemanticIndex:
         self.mirror = VectorMirror(config.dims, config.exact_search_max_vectors)
         self._reindex_task: asyncio.Task[None] | None = None
         self._build_task: asyncio.Task[None] | None = None
+        self._owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._lease_renewals: set[asyncio.Future[bool]] = set()
 
     async def open(self, *, reindex_in_background: bool = True) -> None:
         await self.client.open()
@@ -175,6 +186,19 @@ class SemanticIndex:
 
     # -- re-indexing --------------------------------------------------------------
 
+    async def _claim_reindex_lease(self) -> bool:
+        now = time.time()
+        return await self.storage.write(
+            lambda connection: claim_lease(connection, _LEASE, self._owner, now, LEASE_SECONDS)
+        )
+
+    def _renew_lease(self, progress: ReindexProgress) -> None:
+        # A batch finished: keep the lease (a renewal that fails only risks a second
+        # process joining in, which is wasteful but safe).
+        task = asyncio.ensure_future(self._claim_reindex_lease())
+        self._lease_renewals.add(task)
+        task.add_done_callback(self._lease_renewals.discard)
+
     async def stale_count(self, *, everything: bool = False) -> int:
         """How many live items need (re-)embedding under the current configuration."""
         sql, params = self._stale_sql(everything)
@@ -256,20 +280,31 @@ class SemanticIndex:
         await self.storage.write(write_unchanged)
 
     async def _reindex_until_done(self) -> None:
-        """The background re-index at start-up: waits out provider outages."""
+        """The background re-index at start-up: one process at a time (a lease in the
+        database), waiting out provider outages."""
         while True:
             try:
                 stale = await self.stale_count()
                 if stale == 0:
                     self.progress.state = "idle"
                     return
+                if not await self._claim_reindex_lease():
+                    # Another worker or gateway on this file is on it; look again later.
+                    self.progress.state = "elsewhere"
+                    await asyncio.sleep(REINDEX_RETRY_SECONDS)
+                    continue
                 log.info(
                     "store index (%s, %d dims) changed: re-embedding %d item(s) in the background",
                     self.config.model,
                     self.config.dims,
                     stale,
                 )
-                progress = await self.reindex()
+                try:
+                    progress = await self.reindex(on_progress=self._renew_lease)
+                finally:
+                    await self.storage.write(
+                        functools.partial(release_lease, name=_LEASE, owner=self._owner)
+                    )
                 log.info("store re-index done: %d item(s)", progress.done)
                 return
             except EmbeddingUnavailable as exc:

@@ -11,6 +11,8 @@ item's vectors in the same transaction as the item, whether deleted, replaced or
 * ``item_embeddings``: per item, the paths it was embedded with (NULL: the configured
   default fields) and the signature (model, dims, fields) its vectors belong to, so a
   changed configuration finds exactly the items to re-embed.
+* ``vector_leases``: which process runs the background re-index, so the workers of one
+  gateway (or several gateways on one file) do not all embed the same items.
 * ``vector_changes``: a log of items whose vectors changed, which the in-memory mirror
   (mirror.py) replays to stay consistent with the table across processes and restarts.
 """
@@ -50,6 +52,11 @@ CREATE TABLE IF NOT EXISTS item_embeddings (
 CREATE TABLE IF NOT EXISTS vector_changes (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     item_id INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS vector_leases (
+    name TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at REAL NOT NULL
 );
 CREATE TRIGGER IF NOT EXISTS items_vectors_delete AFTER DELETE ON items BEGIN
     DELETE FROM item_vectors WHERE item_id = old.id;
@@ -197,3 +204,22 @@ def stale_items_sql(live_sql: str) -> str:
         "CASE WHEN e.paths IS NULL THEN ? ELSE ? END) "
         f"AND {live_sql}"
     )
+
+
+def claim_lease(
+    connection: sqlite3.Connection, name: str, owner: str, now: float, seconds: float
+) -> bool:
+    """Take or renew the lease ``name`` for ``owner`` unless another owner holds it unexpired."""
+    connection.execute(
+        "INSERT INTO vector_leases (name, owner, expires_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, "
+        "expires_at = excluded.expires_at "
+        "WHERE vector_leases.owner = excluded.owner OR vector_leases.expires_at <= ?",
+        (name, owner, now + seconds, now),
+    )
+    found = connection.execute("SELECT owner FROM vector_leases WHERE name = ?", (name,)).fetchone()
+    return found is not None and found[0] == owner
+
+
+def release_lease(connection: sqlite3.Connection, name: str, owner: str) -> None:
+    connection.execute("DELETE FROM vector_leases WHERE name = ? AND owner = ?", (name, owner))
