@@ -1,6 +1,7 @@
 """Store search quality: recall@10 and nDCG@10 for BM25 alone, vectors alone and hybrid.
 
-A small fixed corpus of agent memories and a query set with graded relevance judgements
+A small fixed corpus of agent memories (30 that queries ask about, ~250 distractors) and a
+query set with graded relevance judgements
 (2: what the query asks for, 1: related). Three kinds of query: by meaning (no word in
 common with the answer), by exact words (names, ids, error codes), and mixed. Each ranking
 runs in a real Store (in-process, over HTTP) on the same data.
@@ -24,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -31,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from gateway.upstreams.store import StoreConfig, create_store_app  # noqa: E402
+from gateway.upstreams.store.hybrid import convex_fusion, reciprocal_rank_fusion  # noqa: E402
 from gateway.upstreams.store.index_config import IndexConfig  # noqa: E402
 from tests.support.embedding_server import EmbeddingServer  # noqa: E402
 
@@ -66,6 +69,39 @@ CORPUS: dict[str, str] = {
     "m29": "Kestrel staging database is db-kestrel-02",
     "m30": "Bob's favourite tea is earl grey with lemon",
 }
+
+# Distractors with near-miss identifiers (other tickets, error codes, phone numbers, hosts):
+# an embedding sees "Ticket ZX-4822" as nearly "Ticket ZX-4821", BM25 does not. And neutral
+# memories on topics no query asks about, so ten results are not most of the corpus.
+_SERVICES = ["checkout", "search", "profile", "billing", "upload", "login", "reports"]
+_SYMPTOMS = ["times out", "returns HTTP 502", "shows a blank page", "logs a stack trace"]
+_NEUTRAL = [
+    "Repaint the hallway wall in light grey",
+    "The plumber fixes the leaking sink on Monday",
+    "Order a new office chair with lumbar support",
+    "Water the tomato plants in the greenhouse",
+    "Renew the parking permit for lot C",
+    "Buy printer paper and blue ink cartridges",
+    "The bookshelf in the study needs one more shelf",
+    "Replace the hallway light bulb with a warm LED",
+    "Prune the roses along the fence in autumn",
+    "Measure the living room for a new rug",
+]
+for n in range(60):
+    ticket = 4800 + n
+    if ticket != 4821:
+        service, symptom = _SERVICES[n % 7], _SYMPTOMS[n % 4]
+        CORPUS[f"t{n:02d}"] = f"Ticket ZX-{ticket}: {service} page {symptom} after deploy"
+    code = 1000 + n
+    if code != 1042:
+        CORPUS[f"e{n:02d}"] = f"Error E{code} in the {_SERVICES[n % 7]} service: totals mismatch"
+for n in range(20):
+    CORPUS[f"p{n:02d}"] = (
+        f"{['Erin', 'Frank', 'Gail', 'Hugo'][n % 4]}'s phone number is 555-01{n + 50}"
+    )
+    CORPUS[f"h{n:02d}"] = f"Staging database for project Osprey is db-osprey-{n:02d}"
+for n, text in enumerate(_NEUTRAL * 4):
+    CORPUS[f"n{n:02d}"] = f"{text} (note {n})"
 
 # query -> {doc: grade}
 JUDGEMENTS: dict[str, dict[str, int]] = {
@@ -117,20 +153,28 @@ async def _serve(config: StoreConfig) -> tuple[aiohttp.web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-async def _rankings(config: StoreConfig) -> dict[str, list[str]]:
+Ranked = dict[str, list[tuple[str, float]]]  # query -> (key, score), best first
+
+
+async def _rankings(config: StoreConfig, limit: int = K) -> Ranked:
     runner, url = await _serve(config)
     try:
         async with aiohttp.ClientSession(base_url=url) as http:
-            for key, text in CORPUS.items():
+
+            async def put(key: str, text: str) -> None:
                 body = {"namespace": ["mem"], "key": key, "value": {"text": text}}
                 async with http.put("/store/items", json=body) as response:
                     assert response.status == 204, await response.text()
+
+            keys = list(CORPUS)
+            for start in range(0, len(keys), 32):  # concurrent puts share embedding calls
+                await asyncio.gather(*(put(k, CORPUS[k]) for k in keys[start : start + 32]))
             rankings = {}
             for query in JUDGEMENTS:
-                body = {"namespace_prefix": ["mem"], "query": query, "limit": K}
+                body = {"namespace_prefix": ["mem"], "query": query, "limit": limit}
                 async with http.post("/store/items/search", json=body) as response:
                     found = await response.json()
-                rankings[query] = [item["key"] for item in found["items"]]
+                rankings[query] = [(item["key"], item["score"]) for item in found["items"]]
             return rankings
     finally:
         await runner.cleanup()
@@ -159,18 +203,44 @@ async def main() -> None:
         url=url,
         api_key=os.environ.get("OPENAI_API_KEY") or None,
         fields=("text",),
+        timeout_seconds=120.0,  # a model on this machine's CPU, not a hosted service
     )
-    results: dict[str, dict[str, list[str]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        base = StoreConfig(data_dir=Path(tmp) / "bm25")
-        results["BM25"] = await _rankings(base)
-        for ranking in ("vector", "hybrid"):
-            config = replace(
-                base, data_dir=Path(tmp) / ranking, index=replace(index, ranking=ranking)
-            )
-            results["vectors" if ranking == "vector" else "hybrid (RRF)"] = await _rankings(config)
+        # Each ranking to depth 20, as hybrid search takes them for a page of 10.
+        bm25 = await _rankings(StoreConfig(data_dir=Path(tmp) / "bm25"), 2 * K)
+        vectors = await _rankings(
+            StoreConfig(data_dir=Path(tmp) / "vectors", index=replace(index, ranking="vector")),
+            2 * K,
+        )
+        live_hybrid = await _rankings(StoreConfig(data_dir=Path(tmp) / "hybrid", index=index))
     if server is not None:
         await server.stop()
+    ids = {name: n for n, name in enumerate(CORPUS)}
+    names = list(CORPUS)
+
+    def fused_offline(fuse: Any) -> dict[str, list[str]]:
+        ranked = {}
+        for query in JUDGEMENTS:
+            words = [(ids[key], score) for key, score in bm25[query]]
+            meaning = [(ids[key], score) for key, score in vectors[query]]
+            ranked[query] = [names[item] for item, _ in fuse(words, meaning)][:K]
+        return ranked
+
+    def keys(ranked: Ranked) -> dict[str, list[str]]:
+        return {query: [key for key, _ in found][:K] for query, found in ranked.items()}
+
+    rows: dict[str, dict[str, list[str]]] = {
+        "BM25": keys(bm25),
+        "vectors": keys(vectors),
+        f"hybrid, as served ({index.fusion}, weight {index.hybrid_weight})": keys(live_hybrid),
+        "hybrid RRF k=60": fused_offline(
+            lambda w, m: reciprocal_rank_fusion([[i for i, _ in w], [i for i, _ in m]])
+        ),
+    }
+    for weight in (0.1, 0.2, 0.3, 0.5, 0.7):
+        rows[f"hybrid convex, weight {weight}"] = fused_offline(
+            lambda w, m, weight=weight: convex_fusion(w, m, weight)
+        )
     groups: dict[str, list[str]] = {
         "all 20": list(JUDGEMENTS),
         "by meaning (10)": list(JUDGEMENTS)[:10],
@@ -179,11 +249,13 @@ async def main() -> None:
     }
     embedder = "deterministic test embedder" if args.url is None else f"{args.model} at {url}"
     print(f"Store search quality, {len(CORPUS)} documents, {len(JUDGEMENTS)} queries, {embedder}")
+    print("(rows 'hybrid RRF' and 'hybrid convex' fuse the BM25 and vector rankings above")
+    print(" offline, exactly as the Store does; 'as served' is the Store's own answer)")
     print()
     header = "| ranking | " + " | ".join(f"{g}: R@10 / nDCG@10" for g in groups) + " |"
     print(header)
     print("|" + "---|" * (len(groups) + 1))
-    for name, rankings in results.items():
+    for name, rankings in rows.items():
         cells = []
         for queries in groups.values():
             recall, ndcg = _scores(rankings, queries)

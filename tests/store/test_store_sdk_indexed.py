@@ -55,7 +55,7 @@ async def test_indexed_query_ranks_best_first_with_scores_in_0_1(corpus: Any) ->
     keys = _keys(found)
     assert keys[0] == "cats"  # first by words and by meaning
     scores = [item["score"] for item in found["items"]]
-    assert all(0.0 < score <= 1.0 for score in scores)
+    assert all(0.0 <= score <= 1.0 for score in scores)
     assert scores == sorted(scores, reverse=True)
 
 

@@ -17,7 +17,7 @@ from langgraph_sdk import get_client
 
 from gateway.upstreams.store import StoreConfig
 from gateway.upstreams.store.app import CONFIG_KEY, SEMANTIC_KEY
-from gateway.upstreams.store.hybrid import reciprocal_rank_fusion
+from gateway.upstreams.store.hybrid import convex_fusion, reciprocal_rank_fusion
 from gateway.upstreams.store.index_config import IndexConfig
 from tests.support.embedding_server import EmbeddingServer
 
@@ -129,6 +129,34 @@ async def test_items_found_by_both_rankings_outrank_items_found_by_one() -> None
     assert fused[0][1] == pytest.approx((1 / 61 + 1 / 63) / (2 / 61))
     assert reciprocal_rank_fusion([[7], [7]]) == [(7, 1.0)]
     assert reciprocal_rank_fusion([[], []]) == []
+
+
+def test_convex_fusion_keeps_the_size_of_the_scores() -> None:
+    # Item 1 matches the query's rare word (BM25 8.0); 2 and 3 only its common word.
+    words = [(1, 8.0), (2, 2.0), (3, 2.0)]
+    meaning = [(3, 0.9), (2, 0.88), (4, 0.7), (5, 0.6), (1, 0.55), (6, -0.2)]
+    fused = convex_fusion(words, meaning, 0.5)
+    assert [item for item, _ in fused] == [1, 3, 2, 4, 5, 6]
+    assert fused[0][1] == pytest.approx(0.5 * 1.0 + 0.5 * 0.55)
+    assert fused[-1] == (6, 0.0)  # a negative cosine counts as 0: scores stay in 0..1
+    # RRF drops the sizes: the near misses both rankings list come first.
+    rrf = reciprocal_rank_fusion([[1, 2, 3], [3, 2, 4, 5, 1, 6]])
+    assert [item for item, _ in rrf][:3] == [3, 2, 1]
+    assert convex_fusion([], [(5, 0.5)], 0.5) == [(5, 0.25)]
+    assert convex_fusion([(5, 3.0)], [], 1.0) == [(5, 1.0)]
+
+
+async def test_rrf_fusion_can_be_chosen(tmp_path: Path, embedding_server: EmbeddingServer) -> None:
+    config = indexed_store_config(tmp_path / "d", embedding_server, fusion="rrf")
+    running = await _open(config, embedding_server)
+    try:
+        await _put_memories(running.sdk)
+        found = await running.sdk.search_items(["users"], query="dark roast coffee")
+        assert found["items"][0]["key"] == "coffee"
+        assert found["items"][0]["score"] == pytest.approx(1.0)  # first in both rankings
+        assert running.semantic.describe()["fusion"] == "rrf"
+    finally:
+        await running.close()
 
 
 async def test_each_field_path_is_embedded_on_its_own(indexed: Indexed) -> None:
@@ -383,8 +411,13 @@ async def test_the_approximate_index_answers_like_exact_search_and_follows_write
     try:
         await _put_memories(running.sdk, ["u", "a"])
         await _put_memories(running.sdk, ["u", "b"])
+        await running.sdk.search_items(["u"], query="espresso", limit=2)
+        # Past exact_search_max_vectors: the HNSW index is built on a background thread.
+        mirror = running.semantic.mirror
+        assert mirror.build_thread is not None
+        await asyncio.to_thread(mirror.build_thread.join, 60)
+        assert mirror.approximate
         found = await running.sdk.search_items(["u"], query="espresso", limit=2)
-        assert running.semantic.mirror.approximate
         assert sorted(_keys(found)) == ["coffee", "coffee"]
         # A write after the build is seen by the next search (change log catch-up).
         await running.sdk.put_item(["u", "a"], key="coffee", value={"text": "puppy"})
@@ -416,6 +449,9 @@ async def test_the_approximate_index_answers_like_exact_search_and_follows_write
         ({"embed": "openai:m", "dims": 8, "url": "http://u:p@h/v1"}, "credentials"),
         ({"embed": "openai:m", "dims": 8, "url": "http://h", "fields": ["a..b"]}, "field path"),
         ({"embed": "openai:m", "dims": 8, "url": "http://h", "ranking": "bm25"}, "ranking"),
+        ({"embed": "openai:m", "dims": 8, "url": "http://h", "fusion": "max"}, "fusion"),
+        ({"embed": "openai:m", "dims": 8, "url": "http://h", "hybrid_weight": 2}, "hybrid_weight"),
+        ({"embed": "openai:m", "dims": 8, "url": "http://h", "retries": "3"}, "retries"),
     ],
 )
 def test_bad_index_sections_are_refused_with_the_key_named(

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from gateway.upstreams.store.text_index import INDEX_PATH_PATTERN
 
 Ranking = Literal["hybrid", "vector"]
+Fusion = Literal["convex", "rrf"]
 
 OPENAI_URL = "https://api.openai.com/v1"
 MAX_DIMS = 16_384
@@ -34,6 +35,9 @@ class IndexConfig:
     # Never shown: repr=False keeps it out of logs of the config object.
     api_key: str | None = field(default=None, repr=False)
     ranking: Ranking = "hybrid"
+    # How hybrid ranking fuses BM25 and cosine (hybrid.py), and BM25's share in "convex".
+    fusion: Fusion = "convex"
+    hybrid_weight: float = 0.5
     timeout_seconds: float = 10.0
     retries: int = 3
     batch_size: int = 64
@@ -57,6 +61,10 @@ class IndexConfig:
             raise ValueError(
                 f"store.index.ranking: must be 'hybrid' or 'vector', got {self.ranking!r}"
             )
+        if self.fusion not in ("convex", "rrf"):
+            raise ValueError(f"store.index.fusion: must be 'convex' or 'rrf', got {self.fusion!r}")
+        if not math.isfinite(self.hybrid_weight) or not 0 <= self.hybrid_weight <= 1:
+            raise ValueError("store.index.hybrid_weight: must be between 0 and 1")
         if not math.isfinite(self.timeout_seconds) or not 0 < self.timeout_seconds <= 300:
             raise ValueError("store.index.timeout_seconds: must be > 0 and <= 300")
         if not 0 <= self.retries <= 10:
@@ -88,6 +96,8 @@ class IndexConfig:
             "url": self.url,
             "api_key_set": self.api_key is not None,
             "ranking": self.ranking,
+            "fusion": self.fusion,
+            "hybrid_weight": self.hybrid_weight,
         }
 
     @classmethod
@@ -138,13 +148,15 @@ class IndexConfig:
         for key in ("retries", "batch_size", "query_cache_size", "exact_search_max_vectors"):
             if key in section:
                 kwargs[key] = _integer(key, section[key])
-        if "timeout_seconds" in section:
-            value = section["timeout_seconds"]
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError("store.index.timeout_seconds: must be a number")
-            kwargs["timeout_seconds"] = float(value)
-        if "ranking" in section:
-            kwargs["ranking"] = section["ranking"]
+        for key in ("timeout_seconds", "hybrid_weight"):
+            if key in section:
+                value = section[key]
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"store.index.{key}: must be a number")
+                kwargs[key] = float(value)
+        for key in ("ranking", "fusion"):
+            if key in section:
+                kwargs[key] = section[key]
         return cls(**kwargs)
 
 
@@ -162,6 +174,8 @@ _KEYS = frozenset(
         "url",
         "api_key_env",
         "ranking",
+        "fusion",
+        "hybrid_weight",
         "timeout_seconds",
         "retries",
         "batch_size",

@@ -12,6 +12,10 @@ table through restarts (reloaded), crashes (nothing to repair: the log is transa
 writes by other worker processes (their changes are in the same log). A mirror that fell
 further behind than the log keeps reloads.
 
+The HNSW index is built on a background thread (one core) once the store outgrows exact
+search, from a copy of the matrix; writes during the build are replayed into it before it
+is used. Until then searches are exact.
+
 A search whose scope (namespace prefix, filter, liveness) holds few items scores just those
 items' vectors. A broader one scores every vector (exact) or asks the HNSW index
 (approximate, once the store holds more than ``exact_search_max_vectors`` vectors and the
@@ -76,6 +80,9 @@ class VectorMirror:
         self._cursor = -1  # last vector_changes.seq applied; -1: not loaded
         self._approximate: Any = None
         self._loading = False
+        self._dirty: set[int] | None = None  # slots changed during a background build
+        self._generation = 0  # bumped by every (re)load
+        self.build_thread: threading.Thread | None = None
 
     @property
     def loaded(self) -> bool:
@@ -131,24 +138,63 @@ class VectorMirror:
             item_at[start : start + len(chunk)] = items
         for slot in range(count):
             slots_of.setdefault(int(item_at[slot]), []).append(slot)
-        approximate = self._build_approximate(matrix, count)
         with self._lock:
             self._matrix, self._item_at, self._used = matrix, item_at, count
             self._free, self._slots_of = [], slots_of
-            self._approximate = approximate
+            self._approximate = None
             self._cursor = latest
-        log.info(
-            "store vectors loaded: %d vector(s), %s search",
-            count,
-            "approximate" if approximate is not None else "exact",
-        )
+            self._generation += 1  # a build from the old matrix must not be installed
+            self._dirty = None
+            self._start_build_if_due()
+        log.info("store vectors loaded: %d vector(s), exact search", count)
 
-    def _build_approximate(self, matrix: npt.NDArray[np.float32], count: int) -> Any:
-        if count <= self.exact_max or not approximate_available():
-            return None
-        index = _UsearchIndex(ndim=self.dims, metric="ip", dtype="f32")
-        index.add(np.arange(count, dtype=np.uint64), matrix[:count])
-        return index
+    def _start_build_if_due(self) -> None:
+        """Build the HNSW index on a background thread once the store outgrew exact search;
+        searches stay exact (in memory) until it is ready. Called with the lock held."""
+        if (
+            self._approximate is not None
+            or self._dirty is not None  # a build is under way
+            or self.vectors <= self.exact_max
+            or not approximate_available()
+        ):
+            return
+        live = np.flatnonzero(self._item_at[: self._used] >= 0)
+        vectors = self._matrix[live].copy()
+        self._dirty = set()
+        thread = threading.Thread(
+            target=self._build_approximate,
+            args=(live, vectors, self._generation),
+            name="store-hnsw",
+            daemon=True,
+        )
+        thread.start()
+        self.build_thread = thread
+
+    def _build_approximate(
+        self, slots: npt.NDArray[np.int64], vectors: npt.NDArray[np.float32], generation: int
+    ) -> None:
+        try:
+            index = _UsearchIndex(ndim=self.dims, metric="ip", dtype="f32")
+            # One thread: the build shares the machine with the gateway's own work.
+            index.add(slots.astype(np.uint64), vectors, threads=1)
+        except Exception:
+            log.exception("building the approximate vector index failed; search stays exact")
+            with self._lock:
+                if generation == self._generation:
+                    self._dirty = None
+            return
+        with self._lock:
+            if generation != self._generation:
+                return  # the mirror was reloaded meanwhile; that load starts its own build
+            # Slots that changed while the index was built: bring them up to date.
+            for slot in self._dirty or ():
+                if slot in index:
+                    index.remove(slot)
+                if self._item_at[slot] >= 0:
+                    index.add(slot, self._matrix[slot])
+            self._dirty = None
+            self._approximate = index
+        log.info("store approximate vector index ready: %d vector(s)", len(index))
 
     def _replace(self, items: list[int], connection: sqlite3.Connection) -> None:
         """Swap in the current vectors of ``items`` (called with the lock held)."""
@@ -158,6 +204,8 @@ class VectorMirror:
                 self._free.append(slot)
                 if self._approximate is not None:
                     self._approximate.remove(slot)
+                if self._dirty is not None:
+                    self._dirty.add(slot)
         if not items:
             return
         marks = ",".join("?" * len(items))
@@ -172,17 +220,9 @@ class VectorMirror:
             self._slots_of.setdefault(int(item), []).append(slot)
             if self._approximate is not None:
                 self._approximate.add(slot, vector)
-        if self._approximate is None and self.vectors > self.exact_max:
-            # Grew past the exact-search size: build the HNSW index now (once).
-            self._approximate = self._build_from_slots()
-
-    def _build_from_slots(self) -> Any:
-        if not approximate_available():
-            return None
-        live = np.flatnonzero(self._item_at[: self._used] >= 0)
-        index = _UsearchIndex(ndim=self.dims, metric="ip", dtype="f32")
-        index.add(live.astype(np.uint64), self._matrix[live])
-        return index
+            if self._dirty is not None:
+                self._dirty.add(slot)
+        self._start_build_if_due()
 
     def _grow(self) -> int:
         if self._used == len(self._matrix):

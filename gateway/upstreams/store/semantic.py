@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.upstreams.store.embeddings import EmbeddingClient, EmbeddingUnavailable, Vector
-from gateway.upstreams.store.hybrid import Ranker, reciprocal_rank_fusion
+from gateway.upstreams.store.hybrid import Ranker, convex_fusion, reciprocal_rank_fusion
 from gateway.upstreams.store.index_config import IndexConfig
 from gateway.upstreams.store.mirror import VectorMirror
 from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
@@ -154,7 +154,7 @@ class SemanticIndex:
             connection: sqlite3.Connection,
             scope_sql: str,
             scope_params: list[Any],
-            bm25: Callable[[int], list[int]],
+            bm25: Callable[[int], list[tuple[int, float]]],
             request: StoreSearchRequest,
         ) -> list[tuple[int, float]]:
             depth = request.offset + request.limit
@@ -163,9 +163,14 @@ class SemanticIndex:
                 return ranked[request.offset : depth]
             pool = depth * HYBRID_POOL_FACTOR
             by_words = bm25(pool)
-            found = self._by_meaning(connection, scope_sql, scope_params, query, pool)
-            by_meaning = [item for item, _ in found]
-            return reciprocal_rank_fusion([by_words, by_meaning])[request.offset : depth]
+            by_meaning = self._by_meaning(connection, scope_sql, scope_params, query, pool)
+            if self.config.fusion == "rrf":
+                fused = reciprocal_rank_fusion(
+                    [[item for item, _ in by_words], [item for item, _ in by_meaning]]
+                )
+            else:
+                fused = convex_fusion(by_words, by_meaning, self.config.hybrid_weight)
+            return fused[request.offset : depth]
 
         return rank
 

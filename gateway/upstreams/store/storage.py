@@ -481,13 +481,14 @@ class SQLiteStorage:
                 return [(_Row(*found), None) for found in cursor]
             if ranker is not None:
                 # Hook (issue 12): the ranker gets the scope as SQL over `items AS i` and
-                # the BM25 ranking to any depth, and answers (item id, score) best first.
+                # the BM25 ranking (id, score) to any depth, and answers (id, score) best
+                # first.
                 scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
                 scope_params = [*prefix_params, now, *filter_params]
 
-                def bm25(depth: int) -> list[int]:
+                def bm25(depth: int) -> list[tuple[int, float]]:
                     ranked = self._bm25(connection, request, bounds, now, depth, 0)
-                    return [row.id for row, _ in ranked]
+                    return [(row.id, score or 0.0) for row, score in ranked]
 
                 page = ranker(connection, scope, scope_params, bm25, request)
                 return _rows_by_id(connection, page)
