@@ -20,6 +20,9 @@ Fusion = Literal["convex", "rrf"]
 
 OPENAI_URL = "https://api.openai.com/v1"
 MAX_DIMS = 16_384
+# Exact search scores every vector: measured ~32 ms p50 for 100k x 384 floats here
+# (benchmarks/store_vector_bench.py), so ~20M floats is ~15 ms.
+EXACT_SEARCH_FLOATS = 20_000_000
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PATH = re.compile(INDEX_PATH_PATTERN)
 
@@ -43,9 +46,10 @@ class IndexConfig:
     batch_size: int = 64
     query_cache_size: int = 1024
     # Up to this many vectors in the store a search is exact (numpy over every vector in
-    # memory); above it an approximate (HNSW, usearch) index answers. See docs/store.md for
-    # the measurement behind the default.
-    exact_search_max_vectors: int = 50_000
+    # memory); above it an approximate (HNSW, usearch) index answers. None: ~15 ms of
+    # exact scoring on the measured machine, EXACT_SEARCH_FLOATS / dims vectors (52k at 384
+    # dims, 13k at 1536); see docs/store.md.
+    exact_search_max_vectors: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -73,7 +77,7 @@ class IndexConfig:
             raise ValueError("store.index.batch_size: must be between 1 and 2048")
         if not 0 <= self.query_cache_size <= 1_000_000:
             raise ValueError("store.index.query_cache_size: must be between 0 and 1000000")
-        if self.exact_search_max_vectors < 0:
+        if self.exact_search_max_vectors is not None and self.exact_search_max_vectors < 0:
             raise ValueError("store.index.exact_search_max_vectors: must be >= 0")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -81,6 +85,13 @@ class IndexConfig:
         if parts.username or parts.password:
             # A URL is logged and shown in /info; a secret inside it would leak there.
             raise ValueError("store.index.url: put credentials in api_key_env, not in the URL")
+
+    @property
+    def exact_limit(self) -> int:
+        """Vectors up to which search stays exact."""
+        if self.exact_search_max_vectors is not None:
+            return self.exact_search_max_vectors
+        return EXACT_SEARCH_FLOATS // self.dims
 
     @property
     def signature(self) -> str:

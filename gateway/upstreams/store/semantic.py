@@ -90,7 +90,7 @@ class SemanticIndex:
         self.storage = storage
         self.client = client or EmbeddingClient(config)
         self.progress = ReindexProgress()
-        self.mirror = VectorMirror(config.dims, config.exact_search_max_vectors)
+        self.mirror = VectorMirror(config.dims, config.exact_limit)
         self._reindex_task: asyncio.Task[None] | None = None
         self._build_task: asyncio.Task[None] | None = None
         self._owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
