@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,6 +365,25 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
+def _with_store_index(
+    info: Callable[[], Awaitable[dict[str, object]]], embedded: Embedded | None
+) -> Callable[[], Awaitable[dict[str, object]]]:
+    """``info`` plus ``store_index`` (model, fields, re-index progress; never the API key)
+    when the built-in Store has an embedding index (issue 12)."""
+    from gateway.upstreams.store.app import SEMANTIC_KEY
+
+    semantic = None if embedded is None else embedded.apps["store"].get(SEMANTIC_KEY)
+    if semantic is None:
+        return info
+
+    async def with_index() -> dict[str, object]:
+        answer = await info()
+        answer["store_index"] = semantic.describe()
+        return answer
+
+    return with_index
+
+
 async def serve(
     settings: Settings,
     worker_index: int | None = None,
@@ -402,8 +421,10 @@ async def serve(
         admin_port = settings.admin_port
         if worker_index is not None and admin_port:
             admin_port += worker_index
+        # Hook (issue 12): the admin /info also shows the Store's embedding index.
+        info = _with_store_index(proxy.info, embedded)
         for address in await service.start_tcp(
-            create_admin_app(metrics, proxy.info), settings.admin_host, admin_port
+            create_admin_app(metrics, info), settings.admin_host, admin_port
         ):
             log.info("metrics on %s/metrics%s", address, worker)
         await stop.wait()
