@@ -405,6 +405,25 @@ async def _share_metrics(writer: SharedMetricsWriter, sync: Callable[[], None]) 
             log.warning("cannot write shared metrics: %s", exc)
 
 
+def _with_store_index(
+    info: Callable[[], Awaitable[dict[str, object]]], embedded: Embedded | None
+) -> Callable[[], Awaitable[dict[str, object]]]:
+    """``info`` plus ``store_index`` (model, fields, re-index progress; never the API key)
+    when the built-in Store has an embedding index (issue 12)."""
+    from gateway.upstreams.store.app import SEMANTIC_KEY
+
+    semantic = None if embedded is None else embedded.apps["store"].get(SEMANTIC_KEY)
+    if semantic is None:
+        return info
+
+    async def with_index() -> dict[str, object]:
+        answer = await info()
+        answer["store_index"] = semantic.describe()
+        return answer
+
+    return with_index
+
+
 async def serve(
     settings: Settings,
     worker_index: int | None = None,
@@ -460,7 +479,9 @@ async def serve(
                 settings, rules, regions, metrics.registry, lambda: list(reversed(recent)),
                 secret,
             )  # fmt: skip
-            admin = create_admin_app(metrics.registry, proxy.info, console)
+            # Hook (issue 12): the admin /info also shows the Store's embedding index.
+            info = _with_store_index(proxy.info, embedded)
+            admin = create_admin_app(metrics.registry, info, console)
             for address in await service.start_tcp(admin, settings.admin_host, admin_port):
                 log.info("metrics on %s/metrics, console on %s/console", address, address)
         else:

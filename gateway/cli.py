@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.data_cli import register as register_data
 
     register_data(commands)
+    # Hook (issue 12): `gateway store reindex`.
+    from gateway.upstreams.store.reindex_command import register as register_store
+
+    register_store(commands)
     return parser
 
 

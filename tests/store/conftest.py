@@ -75,3 +75,12 @@ def store_processes() -> Iterator[list[StoreProcess]]:
     yield spawned
     for child in spawned:
         child.stop()
+
+
+@pytest.fixture
+async def embedding_server() -> AsyncIterator[Any]:
+    """The deterministic OpenAI-compatible embedding server on a loopback port."""
+    from .semantic_support import running_embedding_server
+
+    async for server in running_embedding_server():
+        yield server

@@ -31,6 +31,8 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
+from gateway.upstreams.store.semantic import SemanticIndex
+from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.sweeper import sweep_forever
 
 log = logging.getLogger("gateway.store")
@@ -38,6 +40,8 @@ log = logging.getLogger("gateway.store")
 STORAGE_KEY = web.AppKey("store_storage", StoreStorage)
 CONFIG_KEY = web.AppKey("store_config", StoreConfig)
 OPENAPI_KEY = web.AppKey("store_openapi", bytes)
+# Hook (issue 12): present only when store.index is configured.
+SEMANTIC_KEY = web.AppKey("store_semantic", SemanticIndex)
 
 READ = ModelReader(PATTERNS)
 
@@ -101,7 +105,10 @@ async def _body(request: web.Request) -> bytes:
 async def put_item(request: web.Request) -> web.Response:
     """PUT /store/items: insert or replace an item."""
     item = READ.body(StorePutRequest, await _body(request))
-    await request.app[STORAGE_KEY].put(item)
+    # Hook (issue 12): embed first, so a provider outage (503) leaves nothing written.
+    semantic = request.app.get(SEMANTIC_KEY)
+    vectors = None if semantic is None else await semantic.embed_item(item)
+    await request.app[STORAGE_KEY].put(item, vectors)
     return web.Response(status=204)
 
 
@@ -122,7 +129,10 @@ async def delete_item(request: web.Request) -> web.Response:
 async def search_items(request: web.Request) -> web.Response:
     """POST /store/items/search: listing mode, or ranked search when ``query`` is given."""
     search = READ.body(StoreSearchRequest, await _body(request))
-    return _json({"items": await request.app[STORAGE_KEY].search(search)})
+    # Hook (issue 12): with an index, a query is ranked by meaning (vector or hybrid).
+    semantic = request.app.get(SEMANTIC_KEY)
+    ranker = None if semantic is None else await semantic.ranker(search)
+    return _json({"items": await request.app[STORAGE_KEY].search(search, ranker)})
 
 
 async def list_namespaces(request: web.Request) -> web.Response:
@@ -149,7 +159,7 @@ _INVALID = Response("Validation error: the detail names the field", ErrorRespons
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
 _BUSY = Response(
     "Store busy or its database unavailable (locked beyond the busy timeout, or "
-    "PostgreSQL not answering in time)",
+    "PostgreSQL not answering in time), or the embedding provider unavailable",
     ErrorResponse,
 )
 _ERRORS = {422: _INVALID, 503: _BUSY}
@@ -229,7 +239,14 @@ def create_store_app(
     """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``."""
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
-    app[STORAGE_KEY] = create_storage(config, clock or time.time)
+    if config.index is None:
+        app[STORAGE_KEY] = create_storage(config, clock or time.time)
+    else:
+        # Hook (issue 12): the index runs its own SQL on the SQLite Store's threads;
+        # StoreConfig refuses an index together with a PostgreSQL database URL.
+        storage = SQLiteStorage(config, clock or time.time)
+        app[STORAGE_KEY] = storage
+        app[SEMANTIC_KEY] = SemanticIndex(config.index, storage)
     app[OPENAPI_KEY] = document_bytes(API, ROUTES)
     app.cleanup_ctx.append(_storage_lifetime)
     add_routes(app.router, ROUTES)
@@ -240,6 +257,9 @@ async def _storage_lifetime(app: web.Application) -> AsyncIterator[None]:
     storage = app[STORAGE_KEY]
     await storage.open()
     log.info("store items in %s", describe(app[CONFIG_KEY]))
+    semantic = app.get(SEMANTIC_KEY)
+    if semantic is not None:  # Hook (issue 12): after storage, closed before it
+        await semantic.open()
     sweeper = asyncio.create_task(
         sweep_forever(storage, app[CONFIG_KEY].sweep_interval_seconds), name="store-ttl-sweeper"
     )
@@ -249,4 +269,6 @@ async def _storage_lifetime(app: web.Application) -> AsyncIterator[None]:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        if semantic is not None:
+            await semantic.close()
         await storage.close()

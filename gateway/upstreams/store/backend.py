@@ -3,7 +3,13 @@
 ``SQLiteStorage`` (``storage.py``) keeps items in a file under ``--data-dir``;
 ``PostgresStorage`` (``pg_storage.py``) keeps them in PostgreSQL when ``--database-url`` is
 given, so several gateways share one Store. The app, the sweeper and the benchmarks see
-only this Protocol. (A vector index would be one more method here, implemented by both.)
+only this Protocol.
+
+The embedding index (issue 12) reaches storage through two optional arguments: ``put``'s
+``vectors`` (written in the item's transaction) and ``search``'s ``ranker`` (ranks a query by
+meaning inside the search's read transaction). Only ``SQLiteStorage`` implements them: the
+index's own SQL runs on its connections, and ``StoreConfig`` refuses ``store.index`` with a
+database URL, so ``PostgresStorage`` is never handed either.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gateway.upstreams.store.config import StoreConfig
+from gateway.upstreams.store.hybrid import Ranker
 from gateway.upstreams.store.models import (
     Item,
     Namespace,
@@ -21,6 +28,7 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
+from gateway.upstreams.store.vectors import ItemVectors
 
 
 class StoreStorage(Protocol):
@@ -30,7 +38,7 @@ class StoreStorage(Protocol):
 
     async def close(self) -> None: ...
 
-    async def put(self, request: StorePutRequest) -> None: ...
+    async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None: ...
 
     async def get(
         self, namespace: Namespace, key: str, refresh_ttl: bool | None
@@ -38,7 +46,9 @@ class StoreStorage(Protocol):
 
     async def delete(self, namespace: Namespace, key: str) -> None: ...
 
-    async def search(self, request: StoreSearchRequest) -> list[SearchItem]: ...
+    async def search(
+        self, request: StoreSearchRequest, ranker: Ranker | None = None
+    ) -> list[SearchItem]: ...
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]: ...
 

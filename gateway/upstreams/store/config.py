@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+# Hook (issue 12): the embedding index's own section lives in index_config.py.
+from gateway.upstreams.store.index_config import IndexConfig
 
 SynchronousMode = Literal["full", "normal"]
 
@@ -35,6 +39,8 @@ class StoreConfig:
     database_url: str | None = None
     database_pool_size: int = 10
     database_timeout_seconds: float = 5.0
+    # Hook (issue 12): search by meaning; None keeps BM25 only.
+    index: IndexConfig | None = None
 
     def __post_init__(self) -> None:
         _check_ttl("default_ttl_minutes", self.default_ttl_minutes)
@@ -53,6 +59,15 @@ class StoreConfig:
             raise ValueError(
                 f"store.sqlite_synchronous: must be 'full' or 'normal', "
                 f"got {self.sqlite_synchronous!r}"
+            )
+        if self.index is not None and self.database_url is not None:
+            # The index's vectors, change log, mirror and re-index lease are SQLite SQL run on
+            # the SQLite Store's threads (semantic.py, mirror.py, vectors.py); PostgreSQL has
+            # no counterpart yet, so the pair is refused here rather than left to fail later.
+            raise ValueError(
+                "store.index needs the SQLite Store for now: remove the database URL "
+                "(--database-url, GATEWAY_DATABASE_URL or database_url) or the store.index "
+                "section"
             )
         name = self.database_filename
         if not name or "/" in name or "\\" in name or name in (".", ".."):
@@ -129,4 +144,6 @@ _READERS: dict[str, Any] = {
     "sqlite_synchronous": _string,
     "busy_timeout_seconds": _number,
     "read_threads": _integer,
+    # Hook (issue 12): the API key is read from the environment, never from the file.
+    "index": lambda key, value: IndexConfig.from_mapping(value, os.environ),
 }

@@ -12,4 +12,3 @@ class StoreRequestError(Exception):
         super().__init__(detail)
         self.status = status
         self.detail = detail
-

@@ -35,6 +35,7 @@ from gateway.upstreams.postgres.migrations import migrate
 from gateway.upstreams.store import pg_schema
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.errors import StoreRequestError
+from gateway.upstreams.store.hybrid import Ranker
 from gateway.upstreams.store.models import (
     Item,
     Namespace,
@@ -52,6 +53,7 @@ from gateway.upstreams.store.storage import (
     _Row,
 )
 from gateway.upstreams.store.text_index import query_terms, searchable_text
+from gateway.upstreams.store.vectors import ItemVectors
 
 log = logging.getLogger("gateway.store.postgres")
 T = TypeVar("T")
@@ -170,8 +172,12 @@ class PostgresStorage:
 
     # -- operations ---------------------------------------------------------------
 
-    async def put(self, request: StorePutRequest) -> None:
-        """Insert or replace an item; ``created_at`` survives replacement."""
+    async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None:
+        """Insert or replace an item; ``created_at`` survives replacement.
+
+        ``vectors`` is the embedding index's argument, which this backend does not take.
+        """
+        _refuse_index(vectors)
         namespace = _dotted(tuple(request.namespace))
         if "\x00" in namespace or "\x00" in request.key or has_nul(request.value):
             raise StoreRequestError(
@@ -226,8 +232,14 @@ class PostgresStorage:
             "DELETE FROM store_items WHERE namespace = %s AND key = %s", (dotted, key)
         )
 
-    async def search(self, request: StoreSearchRequest) -> list[SearchItem]:
-        """Listing (newest update first) or, with a query, ranked matches (best first)."""
+    async def search(
+        self, request: StoreSearchRequest, ranker: Ranker | None = None
+    ) -> list[SearchItem]:
+        """Listing (newest update first) or, with a query, ranked matches (best first).
+
+        ``ranker`` is the embedding index's argument, which this backend does not take.
+        """
+        _refuse_index(ranker)
         now = self._clock()
         prefix = request.prefix()
         if any("\x00" in label for label in prefix):
@@ -361,3 +373,10 @@ class PostgresStorage:
 
 
 __all__ = ["DatabaseUnavailable", "PostgresStorage"]
+
+
+def _refuse_index(argument: object) -> None:
+    # StoreConfig refuses store.index with a database URL, so reaching this is a wiring bug:
+    # fail loudly rather than store an item without its vectors or rank without meaning.
+    if argument is not None:
+        raise RuntimeError("store.index needs the SQLite Store: PostgreSQL has no vector index")

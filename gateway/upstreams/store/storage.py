@@ -32,6 +32,9 @@ from gateway.upstreams.store.filters import (
     canonical_json_text,
     compile_filter,
 )
+
+# Hook (issue 12): `hybrid` and `vectors` are the embedding index's modules.
+from gateway.upstreams.store.hybrid import Ranker
 from gateway.upstreams.store.models import (
     Item,
     Namespace,
@@ -42,6 +45,7 @@ from gateway.upstreams.store.models import (
 )
 from gateway.upstreams.store.schema import SCHEMA_VERSION, upgrade_script
 from gateway.upstreams.store.text_index import match_expression, searchable_text
+from gateway.upstreams.store.vectors import VECTOR_SCHEMA, ItemVectors, item_id
 
 T = TypeVar("T")
 
@@ -241,6 +245,14 @@ class SQLiteStorage:
             initializer=self._attach_connection,
         )
         await self._run(self._writer, self._migrate)
+        if self._config.index is not None:
+            # Hook (issue 12): vector tables, only when an index is configured.
+            await self._run(self._writer, self._create_vector_tables)
+
+    def _create_vector_tables(self) -> None:
+        connection = self._connection()
+        script = f"BEGIN IMMEDIATE;{VECTOR_SCHEMA}COMMIT;"
+        self._retry_locked(lambda: connection.executescript(script))
 
     async def close(self) -> None:
         """Stop the worker threads and close every connection."""
@@ -358,10 +370,29 @@ class SQLiteStorage:
             else:
                 done.set_exception(error)
 
+    # -- hooks for the embedding index (issue 12): its own SQL, on these threads -------
+
+    async def read(self, call: Callable[[sqlite3.Connection, float], T]) -> T:
+        """Run ``call(connection, now)`` in one read transaction on a reader thread."""
+        now = self._clock()
+
+        def in_snapshot() -> T:
+            with _snapshot(self._connection()) as connection:
+                return call(connection, now)
+
+        return await self._run(self._readers, in_snapshot)
+
+    async def write(self, call: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``call(connection)`` inside the writer's next group commit."""
+        return await self._write(call)
+
     # -- operations ---------------------------------------------------------------
 
-    async def put(self, request: StorePutRequest) -> None:
-        """Insert or replace an item; ``created_at`` survives replacement."""
+    async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None:
+        """Insert or replace an item; ``created_at`` survives replacement.
+
+        ``vectors`` (issue 12 hook): the item's embeddings, written in the same transaction.
+        """
         now = self._clock()
         ttl = request.ttl
         if ttl is None:
@@ -382,7 +413,7 @@ class SQLiteStorage:
             ttl,
             expires_at,
         )
-        await self._write(functools.partial(_put, params=params))
+        await self._write(functools.partial(_put, params=params, vectors=vectors))
 
     async def get(self, namespace: Namespace, key: str, refresh_ttl: bool | None) -> Item | None:
         """The live item, or None; optionally pushes its expiry forward."""
@@ -415,10 +446,15 @@ class SQLiteStorage:
         """Remove an item; removing an absent item is not an error."""
         await self._write(functools.partial(_delete, namespace=_dotted(namespace), key=key))
 
-    async def search(self, request: StoreSearchRequest) -> list[SearchItem]:
-        """Listing (newest update first) or, with a query, BM25-ranked matches (best first)."""
+    async def search(
+        self, request: StoreSearchRequest, ranker: Ranker | None = None
+    ) -> list[SearchItem]:
+        """Listing (newest update first) or, with a query, BM25-ranked matches (best first).
+
+        ``ranker`` (issue 12 hook): ranks a query by meaning (vectors or hybrid) instead.
+        """
         now = self._clock()
-        rows = await self._run(self._readers, functools.partial(self._search, request, now))
+        rows = await self._run(self._readers, functools.partial(self._search, request, now, ranker))
         if self._refresh(request.refresh_ttl):
             expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
             if expiring:
@@ -426,7 +462,9 @@ class SQLiteStorage:
         # Listing mode reports score null, as the API schema has it.
         return [row.as_search_item(score) for row, score in rows]
 
-    def _search(self, request: StoreSearchRequest, now: float) -> list[tuple[_Row, float | None]]:
+    def _search(
+        self, request: StoreSearchRequest, now: float, ranker: Ranker | None = None
+    ) -> list[tuple[_Row, float | None]]:
         with _snapshot(self._connection()) as connection:
             bounds = _prefix_bounds(connection, request.prefix())
             prefix_sql = _prefix_sql("i.namespace", bounds)
@@ -441,47 +479,76 @@ class SQLiteStorage:
                     (*prefix_params, now, *filter_params, request.limit, request.offset),
                 )
                 return [(_Row(*found), None) for found in cursor]
-            expression = match_expression(query)
-            if expression is None:
-                return []
-            if bounds is not None and _holds_at_most(
-                connection, bounds, now, SCOPED_SEARCH_MAX_ITEMS
-            ):
-                # A small prefix: collect its live ids off the namespace index into a
-                # temporary set, and let FTS5 keep only the matches in that set before any
-                # item row is read. FTS5 still walks the query terms' match lists (bm25 needs
-                # their store-wide statistics anyway), but that walk is cheap; the costly part,
-                # reading the item row of every match in the store, now happens only for
-                # matches under the prefix. Scores are unchanged: bm25() depends on the row and
-                # the whole index, not on which rows a query visits. CROSS JOIN keeps FTS5
-                # as the outer loop and '+' keeps the set from becoming a rowid lookup, which
-                # would restart FTS5 (and its bm25 statistics) once per id.
-                scope_sql = (
-                    "+items_fts.rowid IN (SELECT s.id FROM items AS s "
-                    f"WHERE {_prefix_sql('s.namespace', bounds)} AND {_LIVE_S}) AND "
-                )
-                scope_params: list[Any] = [*bounds, now]
-                join = "CROSS JOIN"
-            else:
-                scope_sql, scope_params, join = "", [], "JOIN"
-            cursor = connection.execute(
-                f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
-                f"FROM items_fts {join} items AS i ON i.id = items_fts.rowid "
-                f"WHERE items_fts MATCH ? AND {scope_sql}{prefix_sql} AND {_LIVE} "
-                f"AND {filter_sql} "
-                "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
-                (
-                    expression,
-                    *scope_params,
-                    *prefix_params,
-                    now,
-                    *filter_params,
-                    request.limit,
-                    request.offset,
-                ),
+            if ranker is not None:
+                # Hook (issue 12): the ranker gets the scope as SQL over `items AS i` and
+                # the BM25 ranking (id, score) to any depth, and answers (id, score) best
+                # first.
+                scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
+                scope_params = [*prefix_params, now, *filter_params]
+
+                def bm25(depth: int) -> list[tuple[int, float]]:
+                    ranked = self._bm25(connection, request, bounds, now, depth, 0)
+                    return [(row.id, score or 0.0) for row, score in ranked]
+
+                page = ranker(connection, scope, scope_params, bm25, request)
+                return _rows_by_id(connection, page)
+            return self._bm25(connection, request, bounds, now, request.limit, request.offset)
+
+    def _bm25(
+        self,
+        connection: sqlite3.Connection,
+        request: StoreSearchRequest,
+        bounds: list[str] | None,
+        now: float,
+        limit: int,
+        offset: int,
+    ) -> list[tuple[_Row, float | None]]:
+        """BM25-ranked matches of the request's query, page [offset, offset + limit)."""
+        query = request.search_query()
+        if query is None:
+            return []
+        prefix_sql = _prefix_sql("i.namespace", bounds)
+        prefix_params = bounds or []
+        filter_sql, filter_params = compile_filter(request.clauses(), "i.value")
+        expression = match_expression(query)
+        if expression is None:
+            return []
+        if bounds is not None and _holds_at_most(connection, bounds, now, SCOPED_SEARCH_MAX_ITEMS):
+            # A small prefix: collect its live ids off the namespace index into a
+            # temporary set, and let FTS5 keep only the matches in that set before any
+            # item row is read. FTS5 still walks the query terms' match lists (bm25 needs
+            # their store-wide statistics anyway), but that walk is cheap; the costly part,
+            # reading the item row of every match in the store, now happens only for
+            # matches under the prefix. Scores are unchanged: bm25() depends on the row and
+            # the whole index, not on which rows a query visits. CROSS JOIN keeps FTS5
+            # as the outer loop and '+' keeps the set from becoming a rowid lookup, which
+            # would restart FTS5 (and its bm25 statistics) once per id.
+            scope_sql = (
+                "+items_fts.rowid IN (SELECT s.id FROM items AS s "
+                f"WHERE {_prefix_sql('s.namespace', bounds)} AND {_LIVE_S}) AND "
             )
-            # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
-            return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
+            scope_params: list[Any] = [*bounds, now]
+            join = "CROSS JOIN"
+        else:
+            scope_sql, scope_params, join = "", [], "JOIN"
+        cursor = connection.execute(
+            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
+            f"FROM items_fts {join} items AS i ON i.id = items_fts.rowid "
+            f"WHERE items_fts MATCH ? AND {scope_sql}{prefix_sql} AND {_LIVE} "
+            f"AND {filter_sql} "
+            "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+            (
+                expression,
+                *scope_params,
+                *prefix_params,
+                now,
+                *filter_params,
+                limit,
+                offset,
+            ),
+        )
+        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
+        return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
@@ -587,7 +654,12 @@ def _isolated(
     return result, None
 
 
-def _put(connection: sqlite3.Connection, *, params: tuple[Any, ...]) -> None:
+def _put(
+    connection: sqlite3.Connection,
+    *,
+    params: tuple[Any, ...],
+    vectors: ItemVectors | None = None,
+) -> None:
     connection.execute(
         f"""
         INSERT INTO items (namespace, key, value, search_text, created_at, updated_at,
@@ -607,6 +679,28 @@ def _put(connection: sqlite3.Connection, *, params: tuple[Any, ...]) -> None:
         """,
         params,
     )
+    if vectors is not None:  # Hook (issue 12): the item's vectors, same transaction.
+        vectors.write(connection, item_id(connection, params[0], params[1]))
+
+
+def _rows_by_id(
+    connection: sqlite3.Connection, page: Sequence[tuple[int, float]]
+) -> list[tuple[_Row, float | None]]:
+    """The item rows of a ranked page of ids, in the page's order (issue 12 hook)."""
+    if not page:
+        return []
+    marks = ",".join("?" * len(page))
+    found = {
+        row.id: row
+        for row in (
+            _Row(*values)
+            for values in connection.execute(
+                f"SELECT {_ITEM_COLUMNS} FROM items AS i WHERE i.id IN ({marks})",
+                [item for item, _ in page],
+            )
+        )
+    }
+    return [(found[item], score) for item, score in page if item in found]
 
 
 def _delete(connection: sqlite3.Connection, *, namespace: str, key: str) -> None:

@@ -78,6 +78,11 @@ def _select(node: Any, steps: tuple[PathStep, ...]) -> Iterator[Any]:
         yield from _select(node[step], rest)
 
 
+def nodes_at(value: Any, steps: tuple[PathStep, ...]) -> Iterator[Any]:
+    """The values one field path selects (the embedding index embeds each on its own)."""
+    return _select(value, steps)
+
+
 def _leaves(node: Any) -> Iterator[str]:
     if isinstance(node, str):
         yield node

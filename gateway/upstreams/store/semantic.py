@@ -1,0 +1,333 @@
+"""Search by meaning: what a write embeds, how a query is ranked, and re-indexing.
+
+The Store app owns one ``SemanticIndex`` when ``store.index`` is configured. A write embeds
+the item's fields *before* it is queued, so a provider that is down fails the write with 503
+and nothing is stored; the vectors then commit in the same transaction as the item. A search
+embeds the query (cached), and ranks by cosine similarity (``ranking: vector``) or by
+BM25 and cosine fused (``ranking: hybrid``, see ``hybrid.py``).
+
+When the model, the dims or the default fields change, the items whose vectors belong to the
+old configuration are re-embedded in the background, in id order and small batches, with
+progress in the log and in ``/info``; ``gateway store reindex`` does the same on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.upstreams.store.embeddings import EmbeddingClient, EmbeddingUnavailable, Vector
+from gateway.upstreams.store.hybrid import Ranker, convex_fusion, reciprocal_rank_fusion
+from gateway.upstreams.store.index_config import IndexConfig
+from gateway.upstreams.store.mirror import VectorMirror
+from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
+from gateway.upstreams.store.storage import SQLiteStorage
+from gateway.upstreams.store.vectors import (
+    ItemVectors,
+    claim_lease,
+    exact_ranking,
+    release_lease,
+    signature,
+    stale_items_sql,
+    texts_to_embed,
+)
+
+log = logging.getLogger("gateway.store.index")
+
+REINDEX_BATCH = 64
+REINDEX_RETRY_SECONDS = 30.0
+PROGRESS_LOG_SECONDS = 10.0
+# The background re-index holds this lease; renewed after every batch, so a process that
+# died leaves it to others after this long.
+LEASE_SECONDS = 120.0
+_LEASE = "reindex"
+# Hybrid ranking takes this many times the requested depth from each ranking, so an item
+# a little further down one list can still be lifted by the other.
+HYBRID_POOL_FACTOR = 2
+_LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
+
+
+@dataclass
+class ReindexProgress:
+    """Where a re-index stands (shown in ``/info`` and by the CLI)."""
+
+    # idle | running | waiting (provider down) | elsewhere (another process runs it) | done
+    state: str = "idle"
+    done: int = 0
+    total: int = 0
+    last_error: str | None = None
+    started_at: float | None = None
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "done": self.done,
+            "total": self.total,
+            "last_error": self.last_error,
+        }
+
+
+class SemanticIndex:
+    """The Store's embedding index: write-path embedding, query ranking, re-indexing."""
+
+    def __init__(
+        self,
+        config: IndexConfig,
+        storage: SQLiteStorage,
+        client: EmbeddingClient | None = None,
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.client = client or EmbeddingClient(config)
+        self.progress = ReindexProgress()
+        self.mirror = VectorMirror(config.dims, config.exact_limit)
+        self._reindex_task: asyncio.Task[None] | None = None
+        self._build_task: asyncio.Task[None] | None = None
+        self._owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._lease_renewals: set[asyncio.Future[bool]] = set()
+
+    async def open(self, *, reindex_in_background: bool = True) -> None:
+        await self.client.open()
+        if reindex_in_background:
+            # Load the vectors into memory now rather than in the first search.
+            self._build_task = asyncio.create_task(self.load_mirror(), name="store-vectors-load")
+            self._reindex_task = asyncio.create_task(
+                self._reindex_until_done(), name="store-reindex"
+            )
+
+    async def close(self) -> None:
+        for task in (self._reindex_task, self._build_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._reindex_task = self._build_task = None
+        await self.client.close()
+
+    def describe(self) -> dict[str, object]:
+        """The index's configuration and re-index progress, without secrets."""
+        stats = self.client.stats
+        return {
+            **self.config.describe(),
+            "reindex": self.progress.describe(),
+            "embedding_requests": stats.requests,
+            "embedding_failures": stats.failures,
+            "query_cache_hits": stats.cache_hits,
+        }
+
+    # -- writes -------------------------------------------------------------------
+
+    async def embed_item(self, request: StorePutRequest) -> ItemVectors:
+        """The item's vectors (raises ``EmbeddingUnavailable``, a 503, when the provider
+        cannot answer)."""
+        paths = request.index  # None: configured fields; []: not embedded (index=false)
+        pairs = texts_to_embed(request.value, paths, self.config)
+        embedded = await self.client.embed([text for _, text in pairs])
+        return ItemVectors.build(self.config, paths, pairs, embedded)
+
+    # -- search -------------------------------------------------------------------
+
+    async def ranker(self, request: StoreSearchRequest) -> Ranker | None:
+        """How to rank ``request``'s query, or None in listing mode."""
+        query = request.search_query()
+        if query is None:
+            return None
+        vector = await self.client.embed_query(query)
+        return self._ranker(vector)
+
+    async def load_mirror(self) -> None:
+        """Load every vector into memory (and the HNSW index, for a large store)."""
+        await self.storage.read(lambda connection, _: self.mirror.catch_up(connection))
+
+    def _ranker(self, query: Vector) -> Ranker:
+        def rank(
+            connection: sqlite3.Connection,
+            scope_sql: str,
+            scope_params: list[Any],
+            bm25: Callable[[int], list[tuple[int, float]]],
+            request: StoreSearchRequest,
+        ) -> list[tuple[int, float]]:
+            depth = request.offset + request.limit
+            if self.config.ranking == "vector":
+                ranked = self._by_meaning(connection, scope_sql, scope_params, query, depth)
+                return ranked[request.offset : depth]
+            pool = depth * HYBRID_POOL_FACTOR
+            by_words = bm25(pool)
+            by_meaning = self._by_meaning(connection, scope_sql, scope_params, query, pool)
+            if self.config.fusion == "rrf":
+                fused = reciprocal_rank_fusion(
+                    [[item for item, _ in by_words], [item for item, _ in by_meaning]]
+                )
+            else:
+                fused = convex_fusion(by_words, by_meaning, self.config.hybrid_weight)
+            return fused[request.offset : depth]
+
+        return rank
+
+    def _by_meaning(
+        self,
+        connection: sqlite3.Connection,
+        scope_sql: str,
+        scope_params: list[Any],
+        query: Vector,
+        depth: int,
+    ) -> list[tuple[int, float]]:
+        # The mirror replays the change log inside this read transaction first, so it holds
+        # at least every vector this search's snapshot can see.
+        if self.mirror.catch_up(connection):
+            return self.mirror.ranking(connection, scope_sql, scope_params, query, depth)
+        # Only while another thread loads the mirror: read the vectors from SQLite.
+        return exact_ranking(connection, scope_sql, scope_params, query, self.config.dims, depth)
+
+    # -- re-indexing --------------------------------------------------------------
+
+    async def _claim_reindex_lease(self) -> bool:
+        now = time.time()
+        return await self.storage.write(
+            lambda connection: claim_lease(connection, _LEASE, self._owner, now, LEASE_SECONDS)
+        )
+
+    def _renew_lease(self, progress: ReindexProgress) -> None:
+        # A batch finished: keep the lease (a renewal that fails only risks a second
+        # process joining in, which is wasteful but safe).
+        task = asyncio.ensure_future(self._claim_reindex_lease())
+        self._lease_renewals.add(task)
+        task.add_done_callback(self._lease_renewals.discard)
+
+    async def stale_count(self, *, everything: bool = False) -> int:
+        """How many live items need (re-)embedding under the current configuration."""
+        sql, params = self._stale_sql(everything)
+        return await self.storage.read(
+            lambda connection, now: int(
+                connection.execute(f"SELECT count(*) {sql}", (*params, now)).fetchone()[0]
+            )
+        )
+
+    def _stale_sql(self, everything: bool) -> tuple[str, list[Any]]:
+        if everything:
+            joined = "FROM items AS i LEFT JOIN item_embeddings AS e ON e.item_id = i.id"
+            return f"{joined} WHERE {_LIVE}", []
+        return stale_items_sql(_LIVE), [
+            signature(self.config, None),
+            signature(self.config, []),
+        ]
+
+    async def reindex(
+        self,
+        *,
+        everything: bool = False,
+        on_progress: Callable[[ReindexProgress], None] | None = None,
+    ) -> ReindexProgress:
+        """Re-embed every stale item (every item with ``everything``); raises
+        ``EmbeddingUnavailable`` when the provider fails past its retries."""
+        progress = self.progress
+        progress.state = "running"
+        progress.done = 0
+        progress.last_error = None
+        progress.started_at = time.monotonic()
+        progress.total = await self.stale_count(everything=everything)
+        sql, params = self._stale_sql(everything)
+        last_id = 0
+        last_log = time.monotonic()
+        while True:
+            batch = await self.storage.read(functools.partial(_stale_batch, sql, params, last_id))
+            if not batch:
+                break
+            await self._reembed(batch)
+            last_id = batch[-1][0]
+            progress.done += len(batch)
+            progress.total = max(progress.total, progress.done)
+            if on_progress is not None:
+                on_progress(progress)
+            if time.monotonic() - last_log >= PROGRESS_LOG_SECONDS:
+                last_log = time.monotonic()
+                log.info("store re-index: %d of %d item(s)", progress.done, progress.total)
+        progress.state = "done"
+        return progress
+
+    async def _reembed(self, batch: list[tuple[int, str, str | None, float]]) -> None:
+        items = []
+        texts: list[str] = []
+        for item_id, value_json, paths_json, updated_at in batch:
+            paths = None if paths_json is None else list(json.loads(paths_json))
+            pairs = texts_to_embed(json.loads(value_json), paths, self.config)
+            items.append((item_id, paths, pairs, updated_at))
+            texts.extend(text for _, text in pairs)
+        embedded = await self.client.embed(texts)
+        writes = []
+        start = 0
+        for item_id, paths, pairs, updated_at in items:
+            vectors = ItemVectors.build(
+                self.config, paths, pairs, embedded[start : start + len(pairs)]
+            )
+            start += len(pairs)
+            writes.append((item_id, updated_at, vectors))
+
+        def write_unchanged(connection: sqlite3.Connection) -> None:
+            for item_id, updated_at, vectors in writes:
+                # A put that landed since the read embedded the item itself: keep its vectors.
+                found = connection.execute(
+                    "SELECT updated_at FROM items WHERE id = ?", (item_id,)
+                ).fetchone()
+                if found is not None and found[0] == updated_at:
+                    vectors.write(connection, item_id)
+
+        await self.storage.write(write_unchanged)
+
+    async def _reindex_until_done(self) -> None:
+        """The background re-index at start-up: one process at a time (a lease in the
+        database), waiting out provider outages."""
+        while True:
+            try:
+                stale = await self.stale_count()
+                if stale == 0:
+                    self.progress.state = "idle"
+                    return
+                if not await self._claim_reindex_lease():
+                    # Another worker or gateway on this file is on it; look again later.
+                    self.progress.state = "elsewhere"
+                    await asyncio.sleep(REINDEX_RETRY_SECONDS)
+                    continue
+                log.info(
+                    "store index (%s, %d dims) changed: re-embedding %d item(s) in the background",
+                    self.config.model,
+                    self.config.dims,
+                    stale,
+                )
+                try:
+                    progress = await self.reindex(on_progress=self._renew_lease)
+                finally:
+                    await self.storage.write(
+                        functools.partial(release_lease, name=_LEASE, owner=self._owner)
+                    )
+                log.info("store re-index done: %d item(s)", progress.done)
+                return
+            except EmbeddingUnavailable as exc:
+                self.progress.state = "waiting"
+                self.progress.last_error = exc.reason
+                log.warning(
+                    "store re-index paused (%s); retrying in %.0f s",
+                    exc.reason,
+                    REINDEX_RETRY_SECONDS,
+                )
+                await asyncio.sleep(REINDEX_RETRY_SECONDS)
+
+
+def _stale_batch(
+    sql: str, params: list[Any], after: int, connection: sqlite3.Connection, now: float
+) -> list[tuple[int, str, str | None, float]]:
+    rows = connection.execute(
+        f"SELECT i.id, i.value, e.paths, i.updated_at {sql} AND i.id > ? ORDER BY i.id LIMIT ?",
+        (*params, now, after, REINDEX_BATCH),
+    ).fetchall()
+    return [(int(r[0]), str(r[1]), r[2], float(r[3])) for r in rows]

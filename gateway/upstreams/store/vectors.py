@@ -1,0 +1,225 @@
+"""Item vectors in the Store's SQLite file: what is embedded, how it is stored, exact search.
+
+Each indexed field path of an item is embedded on its own (as the reference does); a path
+that selects several values (``items[*].text``) gives one vector per value. An item's score
+is its best vector's cosine similarity to the query.
+
+Tables (created next to ``items`` when an index is configured; the trigger removes an
+item's vectors in the same transaction as the item, whether deleted, replaced or swept):
+
+* ``item_vectors``: one row per vector, a compact float32 blob (4 bytes per dimension).
+* ``item_embeddings``: per item, the paths it was embedded with (NULL: the configured
+  default fields) and the signature (model, dims, fields) its vectors belong to, so a
+  changed configuration finds exactly the items to re-embed.
+* ``vector_leases``: which process runs the background re-index, so the workers of one
+  gateway (or several gateways on one file) do not all embed the same items.
+* ``vector_changes``: a log of items whose vectors changed, which the in-memory mirror
+  (mirror.py) replays to stay consistent with the table across processes and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.upstreams.store.index_config import IndexConfig
+from gateway.upstreams.store.text_index import PathStep, index_steps, nodes_at
+
+Vector = npt.NDArray[np.float32]
+
+# Entries the change log keeps (see mirror.py: a mirror further behind reloads).
+CHANGE_LOG_KEEP = 100_000
+
+VECTOR_SCHEMA = """
+CREATE TABLE IF NOT EXISTS item_vectors (
+    id INTEGER PRIMARY KEY,
+    item_id INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    vector BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS item_vectors_by_item ON item_vectors (item_id);
+CREATE TABLE IF NOT EXISTS item_embeddings (
+    item_id INTEGER PRIMARY KEY,
+    paths TEXT,
+    signature TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS vector_changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    item_id INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS vector_leases (
+    name TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS items_vectors_delete AFTER DELETE ON items BEGIN
+    DELETE FROM item_vectors WHERE item_id = old.id;
+    DELETE FROM item_embeddings WHERE item_id = old.id;
+    INSERT INTO vector_changes (item_id) VALUES (old.id);
+END;
+"""
+
+
+def encode(vector: Vector) -> bytes:
+    """The blob form: little-endian float32, 4 bytes per dimension."""
+    return np.ascontiguousarray(vector, dtype="<f4").tobytes()
+
+
+def decode_many(blobs: Sequence[bytes], dims: int) -> npt.NDArray[np.float32]:
+    """A (len(blobs), dims) matrix from blobs written by ``encode``."""
+    return np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(blobs), dims)
+
+
+def signature(config: IndexConfig, paths: list[str] | None) -> str:
+    """What an item's vectors depend on: the model, and the configured fields when the
+    item uses the default (explicit paths do not change with the configuration)."""
+    if paths is None:
+        return f"{config.signature}|{json.dumps(list(config.fields))}"
+    return config.signature
+
+
+def texts_to_embed(
+    value: dict[str, Any], paths: list[str] | None, config: IndexConfig
+) -> list[tuple[str, str]]:
+    """``(path, text)`` pairs to embed: one per value each path selects, as the reference
+    does (``$`` is the whole value as JSON, strings as they are, anything else as JSON)."""
+    chosen = list(config.fields) if paths is None else paths
+    steps = index_steps(chosen) or ()
+    pairs: list[tuple[str, str]] = []
+    for path, path_steps in zip(chosen, steps, strict=True):
+        for text in _texts(value, path_steps):
+            if text.strip():
+                pairs.append((path, text))
+    return pairs
+
+
+def _texts(value: Any, steps: tuple[PathStep, ...]) -> Iterator[str]:
+    for node in nodes_at(value, steps):
+        if isinstance(node, str):
+            yield node
+        elif node is not None:
+            yield json.dumps(node, sort_keys=True, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ItemVectors:
+    """An item's vectors, ready to be written in the same transaction as the item."""
+
+    paths_json: str | None
+    signature: str
+    vectors: tuple[tuple[str, bytes], ...]
+
+    @classmethod
+    def build(
+        cls,
+        config: IndexConfig,
+        paths: list[str] | None,
+        pairs: Sequence[tuple[str, str]],
+        embedded: Sequence[Vector],
+    ) -> ItemVectors:
+        blobs = tuple(
+            (path, encode(vector)) for (path, _), vector in zip(pairs, embedded, strict=True)
+        )
+        return cls(None if paths is None else json.dumps(paths), signature(config, paths), blobs)
+
+    def write(self, connection: sqlite3.Connection, item_id: int) -> None:
+        """Replace the item's vectors (inside the caller's transaction)."""
+        connection.execute("DELETE FROM item_vectors WHERE item_id = ?", (item_id,))
+        connection.executemany(
+            "INSERT INTO item_vectors (item_id, path, vector) VALUES (?, ?, ?)",
+            [(item_id, path, blob) for path, blob in self.vectors],
+        )
+        connection.execute(
+            "INSERT INTO item_embeddings (item_id, paths, signature) VALUES (?, ?, ?) "
+            "ON CONFLICT (item_id) DO UPDATE SET paths = excluded.paths, "
+            "signature = excluded.signature",
+            (item_id, self.paths_json, self.signature),
+        )
+        seq = connection.execute(
+            "INSERT INTO vector_changes (item_id) VALUES (?)", (item_id,)
+        ).lastrowid
+        # Bounded log: a reader further behind than this rebuilds from the table instead.
+        connection.execute(
+            "DELETE FROM vector_changes WHERE seq <= ?", (int(seq or 0) - CHANGE_LOG_KEEP,)
+        )
+
+
+def item_id(connection: sqlite3.Connection, namespace: str, key: str) -> int:
+    """The row id of an item just written in this transaction."""
+    found = connection.execute(
+        "SELECT id FROM items WHERE namespace = ? AND key = ?", (namespace, key)
+    ).fetchone()
+    return int(found[0])
+
+
+def best_per_item(
+    item_ids: npt.NDArray[np.int64], scores: npt.NDArray[np.float32], depth: int
+) -> list[tuple[int, float]]:
+    """The ``depth`` items with the best score of any of their vectors, best first."""
+    if len(scores) == 0:
+        return []
+    order = np.argsort(-scores, kind="stable")
+    # The first position of each item in best-first order is its best vector.
+    _, first = np.unique(item_ids[order], return_index=True)
+    first.sort()
+    top = order[first[:depth]]
+    return list(zip(item_ids[top].tolist(), scores[top].tolist(), strict=True))
+
+
+def exact_ranking(
+    connection: sqlite3.Connection,
+    where_sql: str,
+    params: Sequence[Any],
+    query: Vector,
+    dims: int,
+    depth: int,
+) -> list[tuple[int, float]]:
+    """Cosine similarity of ``query`` against every vector of the items ``where_sql`` (over
+    ``items AS i``) keeps, best item first; numpy does the arithmetic in one product."""
+    rows = connection.execute(
+        "SELECT v.item_id, v.vector FROM items AS i JOIN item_vectors AS v ON v.item_id = i.id "
+        f"WHERE {where_sql}",
+        params,
+    ).fetchall()
+    if not rows:
+        return []
+    ids, blobs = zip(*rows, strict=True)
+    matrix = decode_many(blobs, dims)
+    scores = matrix @ query
+    return best_per_item(np.asarray(ids, dtype=np.int64), scores, depth)
+
+
+def stale_items_sql(live_sql: str) -> str:
+    """Items whose vectors are missing or belong to another configuration (parameters:
+    default signature, explicit signature, then those of ``live_sql`` over ``items AS i``)."""
+    return (
+        "FROM items AS i LEFT JOIN item_embeddings AS e ON e.item_id = i.id "
+        "WHERE (e.item_id IS NULL OR e.signature != "
+        "CASE WHEN e.paths IS NULL THEN ? ELSE ? END) "
+        f"AND {live_sql}"
+    )
+
+
+def claim_lease(
+    connection: sqlite3.Connection, name: str, owner: str, now: float, seconds: float
+) -> bool:
+    """Take or renew the lease ``name`` for ``owner`` unless another owner holds it unexpired."""
+    connection.execute(
+        "INSERT INTO vector_leases (name, owner, expires_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, "
+        "expires_at = excluded.expires_at "
+        "WHERE vector_leases.owner = excluded.owner OR vector_leases.expires_at <= ?",
+        (name, owner, now + seconds, now),
+    )
+    found = connection.execute("SELECT owner FROM vector_leases WHERE name = ?", (name,)).fetchone()
+    return found is not None and found[0] == owner
+
+
+def release_lease(connection: sqlite3.Connection, name: str, owner: str) -> None:
+    connection.execute("DELETE FROM vector_leases WHERE name = ? AND owner = ?", (name, owner))
