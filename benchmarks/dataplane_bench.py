@@ -688,12 +688,17 @@ class Bench:
                 [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]
             )
             proc = self.procs.start(tag, cmd, cpus, cwd=src, env=env)
+            # With --workers, older checkouts bind one admin port per worker (admin + i);
+            # from issue 15 on the supervisor serves the admin port for all of them.
             last_admin = admin + row.workers - 1
             self.procs.wait_ready(
                 proc,
-                lambda: http_ok(f"http://127.0.0.1:{port}/ok") and tcp_open(last_admin),
+                lambda: http_ok(f"http://127.0.0.1:{port}/ok")
+                and (tcp_open(last_admin) or http_ok(f"http://127.0.0.1:{admin}/ok")),
                 f"gateway ({label or 'this checkout'})",
             )
+            if row.workers > 1:
+                time.sleep(1.0)  # the other workers start alongside the first to answer
         return proc, f"http://127.0.0.1:{port}", cpus
 
     def gateway_origin(self, src: Path) -> str:
