@@ -166,15 +166,7 @@ def _escaped(r: AccessRecord) -> AccessRecord:
     )
 
 
-MAX_REMEMBERED_IDENTITIES = 4096
-
-
-def _components(ids: RequestIdentity) -> tuple[str | None, str | None, str | None]:
-    """The request's identities for every kind, hashed, 12 hex (as ``identity`` shows)."""
-    key = None if ids.api_key is None else ids.key_for(_API_KEY)
-    user = None if ids.user_id is None else ids.key_for(_USER_IP)
-    ip = ids.key_for(_IP)
-    return (key and key[:12], user and user[:12], ip and ip[:12])
+MAX_REMEMBERED_ADDRESSES = 4096
 
 
 class AccessLogger:
@@ -187,10 +179,8 @@ class AccessLogger:
         self._format = json_line if mode == "json" else plain_line
         self._lines: list[str] = []
         self._flush_scheduled = False
-        # (api key, user id, client address) -> the short hashes, for one hasher
-        self._components: dict[
-            tuple[str | None, str | None, str], tuple[str | None, str | None, str | None]
-        ] = {}
+        # client address -> its ip identity's short hash, for one hasher
+        self._ip_hashes: dict[str, str] = {}
         self._hasher: object = None
         # (epoch seconds, region, rule, identity as logged) of the latest refusals, for the
         # operator console; kept whatever the log mode (one append per refusal).
@@ -208,17 +198,25 @@ class AccessLogger:
             record.time = utc_now_ms()
         ids = record.identities
         if ids is not None:
-            # The same client sends the same identity headers request after request: the
-            # three short hashes are kept per (key, user, address), not looked up thrice.
             if ids.hasher is not self._hasher:
-                self._hasher, self._components = ids.hasher, {}
-            who = (ids.api_key, ids.user_id, ids.client_ip)
-            found = self._components.get(who)
-            if found is None:
-                if len(self._components) >= MAX_REMEMBERED_IDENTITIES:
-                    self._components.clear()
-                found = self._components[who] = _components(ids)
-            record.key, record.user, record.ip = found
+                self._hasher, self._ip_hashes = ids.hasher, {}
+            # The api_key and user_ip hashes: the ones rule matching computed are kept by
+            # the RequestIdentity, the others come from the connection's memo. No cache
+            # keyed by raw API keys here: none is kept past its connection.
+            key = None if ids.api_key is None else ids.key_for(_API_KEY)
+            user = None if ids.user_id is None else ids.key_for(_USER_IP)
+            # The ip hash per client address (not a secret: the line carries the address),
+            # so a client sending many keys does not cost an HMAC per line.
+            client = ids.client_ip
+            ip = self._ip_hashes.get(client)
+            if ip is None:
+                if len(self._ip_hashes) >= MAX_REMEMBERED_ADDRESSES:
+                    self._ip_hashes.clear()
+                full = ids.key_for(_IP)
+                ip = self._ip_hashes[client] = full[:12] if full else ""
+            record.key = key and key[:12]
+            record.user = user and user[:12]
+            record.ip = ip or None
             record.start_us = int(time.time() * 1e6 - record.duration_ms * 1000)
         lines = self._lines
         lines.append(self._format(record))
