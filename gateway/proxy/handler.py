@@ -356,23 +356,11 @@ class Gateway:
         if tokens:
             req.connection_tokens = frozenset(tokens)
         if api_key is not None:
-            if api_keys > 1:
-                return Answer.error(400, f"send one x-api-key header, not {api_keys}")
-            # Named in Connection it is hop-by-hop for this request: the upstream never
-            # sees it, so it identifies nobody.
-            if not tokens or b"x-api-key" not in tokens:
-                try:
-                    req.api_key = valid_identity_header(api_key)
-                except ValueError as exc:
-                    return Answer.error(400, f"the x-api-key header {exc}")
+            problem = _identity_header(req, "x-api-key", api_key, api_keys, tokens)
+            if problem is not None:
+                return problem
         if user_id is not None:
-            if user_ids > 1:
-                return Answer.error(400, f"send one x-user-id header, not {user_ids}")
-            if not tokens or b"x-user-id" not in tokens:
-                try:
-                    req.user_id = valid_identity_header(user_id)
-                except ValueError as exc:
-                    return Answer.error(400, f"the x-user-id header {exc}")
+            return _identity_header(req, "x-user-id", user_id, user_ids, tokens)
         return None
 
     # --- after the decision
@@ -503,6 +491,27 @@ class Gateway:
             rules["last_reload_error"] = self.rules.last_error
             info["upstreams"] = [{"prefix": p, "upstream": u} for p, u in self.router.describe()]
         return info
+
+
+def _identity_header(
+    req: Incoming, name: str, raw: bytes, count: int, tokens: set[bytes] | None
+) -> Answer | None:
+    """Take an identity header (``x-api-key``, ``x-user-id``) into ``req``, or the 400."""
+    if count > 1:
+        return Answer.error(400, f"send one {name} header, not {count}")
+    if tokens and name.encode() in tokens:
+        # Named in Connection it is hop-by-hop for this request: the upstream never sees
+        # it, so it identifies nobody.
+        return None
+    try:
+        value = valid_identity_header(raw)
+    except ValueError as exc:
+        return Answer.error(400, f"the {name} header {exc}")
+    if name == "x-api-key":
+        req.api_key = value
+    else:
+        req.user_id = value
+    return None
 
 
 def backend_kind(name: str) -> str:
