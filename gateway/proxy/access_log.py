@@ -74,11 +74,12 @@ _milli = -1
 _milli_text = ""
 
 
-def utc_now_ms() -> str:
-    """The current time as ISO 8601 UTC with milliseconds: the seconds formatted once per
-    second, the whole text once per millisecond (a flood ends dozens of requests in one)."""
+def utc_now_ms(now: float | None = None) -> str:
+    """The current time (or ``now``, epoch seconds) as ISO 8601 UTC with milliseconds: the
+    seconds formatted once per second, the whole text once per millisecond (a flood ends
+    dozens of requests in one)."""
     global _second, _second_text, _milli, _milli_text
-    milli = int(time.time() * 1000)
+    milli = int((time.time() if now is None else now) * 1000)
     if milli == _milli:
         return _milli_text
     whole, frac = divmod(milli, 1000)
@@ -190,12 +191,13 @@ class AccessLogger:
 
     def emit(self, record: AccessRecord) -> None:
         """Format the record now; write it at the end of this loop turn at the latest."""
+        now = time.time()  # one clock read for the console, the line's time and start_us
         if record.decision == "limited":
-            self.recent_limited.append((time.time(), record.region, record.rule, record.identity))
+            self.recent_limited.append((now, record.region, record.rule, record.identity))
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
         if record.time is None:
-            record.time = utc_now_ms()
+            record.time = utc_now_ms(now)
         ids = record.identities
         if ids is not None:
             if ids.hasher is not self._hasher:
@@ -217,7 +219,7 @@ class AccessLogger:
             record.key = key and key[:12]
             record.user = user and user[:12]
             record.ip = ip or None
-            record.start_us = int(time.time() * 1e6 - record.duration_ms * 1000)
+            record.start_us = int(now * 1e6 - record.duration_ms * 1000)
         lines = self._lines
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:
