@@ -28,8 +28,13 @@ def index_config(server: EmbeddingServer, **overrides: Any) -> IndexConfig:
     return IndexConfig(**settings)
 
 
-def indexed_store_config(data_dir: Path, server: EmbeddingServer, **overrides: Any) -> StoreConfig:
-    return StoreConfig(data_dir=data_dir, index=index_config(server, **overrides))
+def indexed_store_config(
+    data_dir: Path, server: EmbeddingServer, database_url: str | None = None, **overrides: Any
+) -> StoreConfig:
+    """An indexed Store in ``data_dir`` (SQLite) or, with ``database_url``, in PostgreSQL."""
+    return StoreConfig(
+        data_dir=data_dir, database_url=database_url, index=index_config(server, **overrides)
+    )
 
 
 def with_index(config: StoreConfig, **overrides: Any) -> StoreConfig:

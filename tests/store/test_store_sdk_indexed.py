@@ -46,8 +46,10 @@ async def index_server() -> AsyncIterator[EmbeddingServer]:
 
 
 @pytest.fixture
-def store_config(tmp_path: Path, index_server: EmbeddingServer) -> StoreConfig:
-    return indexed_store_config(tmp_path / "store-data", index_server)
+def store_config(
+    tmp_path: Path, index_server: EmbeddingServer, store_database_url: str | None
+) -> StoreConfig:
+    return indexed_store_config(tmp_path / "store-data", index_server, store_database_url)
 
 
 async def test_indexed_query_ranks_best_first_with_scores_in_0_1(corpus: Any) -> None:

@@ -1,11 +1,11 @@
 """Search by meaning: the Store with an embedding index, against the deterministic
-embedding server (tests/support/embedding_server.py) on loopback."""
+embedding server (tests/support/embedding_server.py) on loopback. Every test that runs a
+Store runs on both backends (``store_database_url``: the SQLite file, then PostgreSQL)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +16,7 @@ import pytest
 from langgraph_sdk import get_client
 
 from gateway.upstreams.store import StoreConfig
-from gateway.upstreams.store.app import CONFIG_KEY, SEMANTIC_KEY
+from gateway.upstreams.store.app import SEMANTIC_KEY
 from gateway.upstreams.store.hybrid import convex_fusion, reciprocal_rank_fusion
 from gateway.upstreams.store.index_config import IndexConfig
 from tests.support.embedding_server import EmbeddingServer
@@ -43,6 +43,17 @@ class Indexed:
     def semantic(self) -> Any:
         return self.store.app[SEMANTIC_KEY]
 
+    async def rows(self, sql: str) -> list[Any]:
+        """``sql`` (``{vectors}``, ``{embeddings}``: the backend's table names) read through
+        the Store's own storage, so the same check runs on SQLite and PostgreSQL."""
+        dialect = self.semantic.dialect
+        query = sql.format(vectors=dialect.vectors, embeddings=dialect.embeddings)
+        return list(
+            await self.semantic.storage.read(
+                lambda connection, _: connection.execute(query).fetchall()
+            )
+        )
+
     async def close(self) -> None:
         await self.http.close()
         await self.client.aclose()
@@ -54,8 +65,10 @@ async def _open(config: StoreConfig, server: EmbeddingServer) -> Indexed:
 
 
 @pytest.fixture
-async def indexed(tmp_path: Path, embedding_server: EmbeddingServer) -> AsyncIterator[Indexed]:
-    config = indexed_store_config(tmp_path / "data", embedding_server)
+async def indexed(
+    tmp_path: Path, embedding_server: EmbeddingServer, store_database_url: str | None
+) -> AsyncIterator[Indexed]:
+    config = indexed_store_config(tmp_path / "data", embedding_server, store_database_url)
     running = await _open(config, embedding_server)
     try:
         yield running
@@ -64,8 +77,12 @@ async def indexed(tmp_path: Path, embedding_server: EmbeddingServer) -> AsyncIte
 
 
 @pytest.fixture
-async def vector_only(tmp_path: Path, embedding_server: EmbeddingServer) -> AsyncIterator[Indexed]:
-    config = indexed_store_config(tmp_path / "data", embedding_server, ranking="vector")
+async def vector_only(
+    tmp_path: Path, embedding_server: EmbeddingServer, store_database_url: str | None
+) -> AsyncIterator[Indexed]:
+    config = indexed_store_config(
+        tmp_path / "data", embedding_server, store_database_url, ranking="vector"
+    )
     running = await _open(config, embedding_server)
     try:
         yield running
@@ -146,8 +163,12 @@ def test_convex_fusion_keeps_the_size_of_the_scores() -> None:
     assert convex_fusion([(5, 3.0)], [], 1.0) == [(5, 1.0)]
 
 
-async def test_rrf_fusion_can_be_chosen(tmp_path: Path, embedding_server: EmbeddingServer) -> None:
-    config = indexed_store_config(tmp_path / "d", embedding_server, fusion="rrf")
+async def test_rrf_fusion_can_be_chosen(
+    tmp_path: Path, embedding_server: EmbeddingServer, store_database_url: str | None
+) -> None:
+    config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, fusion="rrf"
+    )
     running = await _open(config, embedding_server)
     try:
         await _put_memories(running.sdk)
@@ -168,11 +189,7 @@ async def test_each_field_path_is_embedded_on_its_own(indexed: Indexed) -> None:
         index=["title", "sections[*].t", "missing"],
     )
     assert server.requests[-1] == ["coffee", "car", "dog"]
-    database = sqlite3.connect(indexed.store.app[CONFIG_KEY].database_path)
-    try:
-        paths = database.execute("SELECT path FROM item_vectors ORDER BY id").fetchall()
-    finally:
-        database.close()
+    paths = await indexed.rows("SELECT path FROM {vectors} ORDER BY id")
     assert [p for (p,) in paths] == ["title", "sections[*].t", "sections[*].t"]
 
 
@@ -217,12 +234,8 @@ async def test_replacing_and_deleting_an_item_replaces_and_removes_its_vectors(
     assert len(found["items"]) == 1
     await sdk.delete_item(["n"], key="k")
     assert (await sdk.search_items(["n"], query="dog"))["items"] == []
-    database = sqlite3.connect(vector_only.store.app[CONFIG_KEY].database_path)
-    try:
-        assert database.execute("SELECT count(*) FROM item_vectors").fetchone()[0] == 0
-        assert database.execute("SELECT count(*) FROM item_embeddings").fetchone()[0] == 0
-    finally:
-        database.close()
+    assert await vector_only.rows("SELECT count(*) FROM {vectors}") == [(0,)]
+    assert await vector_only.rows("SELECT count(*) FROM {embeddings}") == [(0,)]
 
 
 async def test_a_provider_that_is_down_gives_503_and_stores_nothing(indexed: Indexed) -> None:
@@ -266,9 +279,13 @@ async def test_a_refusal_is_not_retried(indexed: Indexed) -> None:
 
 
 async def test_a_slow_provider_is_cut_off_by_the_timeout(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
-    config = indexed_store_config(tmp_path / "d", embedding_server, timeout_seconds=0.2, retries=0)
+    config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, timeout_seconds=0.2, retries=0
+    )
     running = await _open(config, embedding_server)
     try:
         embedding_server.delay_seconds = 2.0
@@ -295,10 +312,13 @@ async def test_concurrent_writes_share_embedding_requests(indexed: Indexed) -> N
 
 
 async def test_batches_never_exceed_the_configured_size(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
     running = await _open(
-        indexed_store_config(tmp_path / "d", embedding_server, batch_size=4), embedding_server
+        indexed_store_config(tmp_path / "d", embedding_server, store_database_url, batch_size=4),
+        embedding_server,
     )
     try:
         value = {"parts": [f"word{n}" for n in range(3)]}
@@ -326,10 +346,14 @@ async def test_a_repeated_query_is_embedded_once(indexed: Indexed) -> None:
 
 
 async def test_the_api_key_is_sent_and_never_shown(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
     secret = "sk-test-0123456789"
-    config = indexed_store_config(tmp_path / "d", embedding_server, api_key=secret)
+    config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, api_key=secret
+    )
     assert secret not in repr(config)
     running = await _open(config, embedding_server)
     try:
@@ -342,9 +366,13 @@ async def test_the_api_key_is_sent_and_never_shown(
 
 
 async def test_changing_the_fields_reembeds_existing_items_in_the_background(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
-    config = indexed_store_config(tmp_path / "d", embedding_server, ranking="vector")
+    config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, ranking="vector"
+    )
     first = await _open(config, embedding_server)
     try:
         for n in range(70):  # more than one re-index batch
@@ -376,9 +404,11 @@ async def test_changing_the_fields_reembeds_existing_items_in_the_background(
 
 
 async def test_reindex_waits_out_a_provider_outage_and_reports_it(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
-    config = indexed_store_config(tmp_path / "d", embedding_server)
+    config = indexed_store_config(tmp_path / "d", embedding_server, store_database_url)
     first = await _open(config, embedding_server)
     try:
         await first.sdk.put_item(["r"], key="k", value={"title": "car"})
@@ -403,10 +433,14 @@ async def test_reindex_waits_out_a_provider_outage_and_reports_it(
 
 
 async def test_the_approximate_index_answers_like_exact_search_and_follows_writes(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
     pytest.importorskip("usearch")  # the optional [vectors] extra; dev installs it
-    exact_config = indexed_store_config(tmp_path / "d", embedding_server, ranking="vector")
+    exact_config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, ranking="vector"
+    )
     running = await _open(with_index(exact_config, exact_search_max_vectors=5), embedding_server)
     try:
         await _put_memories(running.sdk, ["u", "a"])
@@ -483,10 +517,12 @@ def test_the_index_section_reads_the_key_from_the_environment(
 
 
 async def test_gateway_store_reindex_reembeds_with_a_progress_bar(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
     data_dir = tmp_path / "data"
-    config = indexed_store_config(data_dir, embedding_server)
+    config = indexed_store_config(data_dir, embedding_server, store_database_url)
     first = await _open(config, embedding_server)
     try:
         for n in range(5):
@@ -506,6 +542,8 @@ async def test_gateway_store_reindex_reembeds_with_a_progress_bar(
         sys.executable, "-m", "gateway", "store", "reindex",
         "--config", str(config_file), "--data-dir", str(data_dir),
     ]  # fmt: skip
+    if store_database_url is not None:
+        command += ["--database-url", store_database_url]
     process = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -540,10 +578,14 @@ async def test_gateway_store_reindex_without_an_index_says_so(tmp_path: Path) ->
     assert "no store.index" in stderr.decode()
 
 
-async def test_a_second_process_on_the_same_file_sees_every_write_by_meaning(
-    tmp_path: Path, embedding_server: EmbeddingServer
+async def test_a_second_process_on_the_same_store_sees_every_write_by_meaning(
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
-    config = indexed_store_config(tmp_path / "d", embedding_server, ranking="vector")
+    config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, ranking="vector"
+    )
     one = await _open(config, embedding_server)
     two = await _open(config, embedding_server)  # its own storage, threads and mirror
     try:
@@ -568,11 +610,14 @@ async def test_a_mirror_further_behind_than_the_change_log_reloads(
     embedding_server: EmbeddingServer,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    store_database_url: str | None,
 ) -> None:
     from gateway.upstreams.store import vectors
 
     monkeypatch.setattr(vectors, "CHANGE_LOG_KEEP", 3)
-    config = indexed_store_config(tmp_path / "d", embedding_server, ranking="vector")
+    config = indexed_store_config(
+        tmp_path / "d", embedding_server, store_database_url, ranking="vector"
+    )
     one = await _open(config, embedding_server)
     two = await _open(config, embedding_server)
     try:
@@ -619,10 +664,12 @@ async def test_a_selective_filter_in_a_broad_scope_still_finds_its_items(
     assert len(found["items"]) == 5
 
 
-async def test_only_one_process_on_a_file_runs_the_background_reindex(
-    tmp_path: Path, embedding_server: EmbeddingServer
+async def test_only_one_process_on_a_store_runs_the_background_reindex(
+    tmp_path: Path,
+    embedding_server: EmbeddingServer,
+    store_database_url: str | None,
 ) -> None:
-    config = indexed_store_config(tmp_path / "d", embedding_server)
+    config = indexed_store_config(tmp_path / "d", embedding_server, store_database_url)
     first = await _open(config, embedding_server)
     try:
         for n in range(30):

@@ -1,5 +1,6 @@
 """The embedding index through `gateway serve`: search by meaning through the proxy, the
-admin port's /info showing the index (never its key), and the key in no log line."""
+admin port's /info showing the index (never its key), and the key in no log line; on the
+SQLite Store and with --database-url on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.support.gateway import GatewayProcess
 
 
 async def test_gateway_serves_search_by_meaning_and_shows_the_index_in_admin_info(
-    tmp_path: Path, embedding_server: EmbeddingServer
+    tmp_path: Path, embedding_server: EmbeddingServer, store_database_url: str | None
 ) -> None:
     secret = "sk-never-shown-4b1f9"
     config = tmp_path / "gateway.yaml"
@@ -27,8 +28,11 @@ async def test_gateway_serves_search_by_meaning_and_shows_the_index_in_admin_inf
         "    fields: [text]\n"
     )
     log = tmp_path / "gateway.log"
+    args = ["--config", str(config), "--data-dir", str(tmp_path / "data"), "--log-level", "debug"]
+    if store_database_url is not None:
+        args += ["--database-url", store_database_url]
     gateway = GatewayProcess(
-        ["--config", str(config), "--data-dir", str(tmp_path / "data"), "--log-level", "debug"],
+        args,
         env={"TEST_EMBED_KEY": secret},
         log_path=log,
     )

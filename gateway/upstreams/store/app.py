@@ -32,7 +32,6 @@ from gateway.upstreams.store.models import (
     StoreSearchRequest,
 )
 from gateway.upstreams.store.semantic import SemanticIndex
-from gateway.upstreams.store.storage import SQLiteStorage
 from gateway.upstreams.store.sweeper import sweep_forever
 
 log = logging.getLogger("gateway.store")
@@ -239,13 +238,10 @@ def create_store_app(
     """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``."""
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
-    if config.index is None:
-        app[STORAGE_KEY] = create_storage(config, clock or time.time)
-    else:
-        # Hook (issue 12): the index runs its own SQL on the SQLite Store's threads;
-        # StoreConfig refuses an index together with a PostgreSQL database URL.
-        storage = SQLiteStorage(config, clock or time.time)
-        app[STORAGE_KEY] = storage
+    storage = create_storage(config, clock or time.time)
+    app[STORAGE_KEY] = storage
+    if config.index is not None:
+        # Hook (issue 12): the index runs its own SQL through the storage's read/write.
         app[SEMANTIC_KEY] = SemanticIndex(config.index, storage)
     app[OPENAPI_KEY] = document_bytes(API, ROUTES)
     app.cleanup_ctx.append(_storage_lifetime)

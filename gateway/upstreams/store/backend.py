@@ -7,16 +7,16 @@ only this Protocol.
 
 The embedding index (issue 12) reaches storage through two optional arguments: ``put``'s
 ``vectors`` (written in the item's transaction) and ``search``'s ``ranker`` (ranks a query by
-meaning inside the search's read transaction). Only ``SQLiteStorage`` implements them: the
-index's own SQL runs on its connections, and ``StoreConfig`` refuses ``store.index`` with a
-database URL, so ``PostgresStorage`` is never handed either.
+meaning inside the search's read transaction), and runs its own SQL (re-indexing, leases,
+loading the in-memory mirror) through ``read`` and ``write`` on a blocking DB-API connection,
+naming the tables of ``vector_dialect``. Both storages implement all of it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.hybrid import Ranker
@@ -28,11 +28,17 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
+from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import ItemVectors
+
+T = TypeVar("T")
 
 
 class StoreStorage(Protocol):
     """Items in namespaces: put, get, delete, listing and search, namespaces, TTL sweep."""
+
+    # The embedding index's tables and parameter mark on this backend.
+    vector_dialect: VectorDialect
 
     async def open(self) -> None: ...
 
@@ -55,6 +61,14 @@ class StoreStorage(Protocol):
     async def sweep_expired(self) -> int: ...
 
     async def count_items(self) -> int: ...
+
+    async def read(self, call: Callable[[IndexConnection, float], T]) -> T:
+        """``call(connection, now)`` in one read snapshot (the embedding index's reads)."""
+        ...
+
+    async def write(self, call: Callable[[IndexConnection], T]) -> T:
+        """``call(connection)`` in one committed transaction (the embedding index's writes)."""
+        ...
 
 
 def create_storage(config: StoreConfig, clock: Callable[[], float] = time.time) -> StoreStorage:

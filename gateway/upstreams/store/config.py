@@ -60,15 +60,6 @@ class StoreConfig:
                 f"store.sqlite_synchronous: must be 'full' or 'normal', "
                 f"got {self.sqlite_synchronous!r}"
             )
-        if self.index is not None and self.database_url is not None:
-            # The index's vectors, change log, mirror and re-index lease are SQLite SQL run on
-            # the SQLite Store's threads (semantic.py, mirror.py, vectors.py); PostgreSQL has
-            # no counterpart yet, so the pair is refused here rather than left to fail later.
-            raise ValueError(
-                "store.index needs the SQLite Store for now: remove the database URL "
-                "(--database-url, GATEWAY_DATABASE_URL or database_url) or the store.index "
-                "section"
-            )
         name = self.database_filename
         if not name or "/" in name or "\\" in name or name in (".", ".."):
             raise ValueError(f"store.database_filename: must be a plain file name, got {name!r}")

@@ -16,11 +16,11 @@ Two fusion functions, both giving a score in 0..1 (higher is better):
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from gateway.upstreams.store.models import StoreSearchRequest
+from gateway.upstreams.store.vector_dialect import IndexConnection
 
 # The usual RRF constant (Cormack et al. 2009).
 RRF_K = 60
@@ -39,7 +39,7 @@ class Ranker(Protocol):
 
     def __call__(
         self,
-        connection: sqlite3.Connection,
+        connection: IndexConnection,
         scope_sql: str,
         scope_params: list[Any],
         bm25: Callable[[int], list[tuple[int, float]]],

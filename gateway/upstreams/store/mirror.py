@@ -2,10 +2,11 @@
 
 Reading every candidate vector out of SQLite costs microseconds per row (measured: ~8 us,
 so ~0.8 s for a 100k-item store); one matrix product over vectors already in memory costs
-~0.1 us per row. So each Store process keeps a mirror of ``item_vectors``: a float32 matrix
-(4 bytes per dimension per vector) and the item id of each row.
+~0.1 us per row. So each Store process keeps a mirror of ``item_vectors`` (on PostgreSQL
+``store_item_vectors``, the same SQL through ``vector_dialect``): a float32 matrix (4 bytes
+per dimension per vector) and the item id of each row.
 
-The SQLite table stays the only truth. The mirror loads it at start, and before each search
+The database table stays the only truth. The mirror loads it at start, and before each search
 replays ``vector_changes`` (a log that every vector write and item delete appends to in the
 same transaction), inside the search's own read transaction. So it is consistent with the
 table through restarts (reloaded), crashes (nothing to repair: the log is transactional) and
@@ -27,13 +28,13 @@ selective filter), it ranks the scope's own items after all.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import best_per_item, decode_many
 
 log = logging.getLogger("gateway.store.vectors")
@@ -68,8 +69,9 @@ def approximate_available() -> bool:
 class VectorMirror:
     """Every vector of the Store in one matrix; slot = row of the matrix."""
 
-    def __init__(self, dims: int, exact_max: int) -> None:
+    def __init__(self, dims: int, exact_max: int, dialect: VectorDialect) -> None:
         self.dims = dims
+        self.dialect = dialect
         self.exact_max = exact_max
         self._lock = threading.Lock()
         self._matrix = np.zeros((0, dims), dtype=np.float32)
@@ -98,20 +100,22 @@ class VectorMirror:
 
     # -- keeping up with the table ------------------------------------------------
 
-    def catch_up(self, connection: sqlite3.Connection) -> bool:
+    def catch_up(self, connection: IndexConnection) -> bool:
         """Load or replay the change log up to what ``connection`` sees; False while another
         thread is loading (the caller then scans SQL)."""
-        latest = int(connection.execute("SELECT max(seq) FROM vector_changes").fetchone()[0] or 0)
+        changes = self.dialect.changes
+        latest = int(connection.execute(f"SELECT max(seq) FROM {changes}").fetchone()[0] or 0)
         with self._lock:
             if self._loading:
                 return False
             if self.loaded and latest <= self._cursor:
                 return True
-            oldest = connection.execute("SELECT min(seq) FROM vector_changes").fetchone()[0]
+            oldest = connection.execute(f"SELECT min(seq) FROM {changes}").fetchone()[0]
             behind = oldest is not None and oldest > self._cursor + 1
             if self.loaded and not behind:
                 changed = connection.execute(
-                    "SELECT DISTINCT item_id FROM vector_changes WHERE seq > ? AND seq <= ?",
+                    f"SELECT DISTINCT item_id FROM {changes} "
+                    f"WHERE seq > {self.dialect.mark} AND seq <= {self.dialect.mark}",
                     (self._cursor, latest),
                 ).fetchall()
                 self._replace([int(item) for (item,) in changed], connection)
@@ -125,8 +129,8 @@ class VectorMirror:
                 self._loading = False
         return True
 
-    def _load(self, connection: sqlite3.Connection, latest: int) -> None:
-        rows = connection.execute("SELECT item_id, vector FROM item_vectors").fetchall()
+    def _load(self, connection: IndexConnection, latest: int) -> None:
+        rows = connection.execute(f"SELECT item_id, vector FROM {self.dialect.vectors}").fetchall()
         count = len(rows)
         matrix = np.zeros((max(count, _INITIAL_CAPACITY), self.dims), dtype=np.float32)
         item_at = np.full(len(matrix), -1, dtype=np.int64)
@@ -196,7 +200,7 @@ class VectorMirror:
             self._approximate = index
         log.info("store approximate vector index ready: %d vector(s)", len(index))
 
-    def _replace(self, items: list[int], connection: sqlite3.Connection) -> None:
+    def _replace(self, items: list[int], connection: IndexConnection) -> None:
         """Swap in the current vectors of ``items`` (called with the lock held)."""
         for item in items:
             for slot in self._slots_of.pop(item, []):
@@ -208,9 +212,10 @@ class VectorMirror:
                     self._dirty.add(slot)
         if not items:
             return
-        marks = ",".join("?" * len(items))
         rows = connection.execute(
-            f"SELECT item_id, vector FROM item_vectors WHERE item_id IN ({marks})", items
+            f"SELECT item_id, vector FROM {self.dialect.vectors} "
+            f"WHERE item_id IN ({self.dialect.marks(len(items))})",
+            items,
         ).fetchall()
         for item, blob in rows:
             slot = self._free.pop() if self._free else self._grow()
@@ -239,7 +244,7 @@ class VectorMirror:
 
     def ranking(
         self,
-        connection: sqlite3.Connection,
+        connection: IndexConnection,
         scope_sql: str,
         scope_params: list[Any],
         query: npt.NDArray[np.float32],
@@ -247,7 +252,8 @@ class VectorMirror:
     ) -> list[tuple[int, float]]:
         """The best ``depth`` items in scope (cosine, best first)."""
         scoped = connection.execute(
-            f"SELECT i.id FROM items AS i WHERE {scope_sql} LIMIT ?",
+            f"SELECT i.id FROM {self.dialect.items} AS i WHERE {scope_sql} "
+            f"LIMIT {self.dialect.mark}",
             (*scope_params, SMALL_SCOPE_ITEMS + 1),
         ).fetchall()
         if len(scoped) <= SMALL_SCOPE_ITEMS:
@@ -262,13 +268,13 @@ class VectorMirror:
             for item, score in zip(items.tolist(), scores.tolist(), strict=True):
                 if item >= 0 and item not in best:
                     best[item] = score
-            allowed = _in_scope(connection, list(best), scope_sql, scope_params)
+            allowed = _in_scope(connection, self.dialect, list(best), scope_sql, scope_params)
             ranked = [(item, score) for item, score in best.items() if item in allowed]
             if len(ranked) >= depth or walk >= total:
                 return ranked[:depth]
             if walk >= MAX_WALK:
                 every = connection.execute(
-                    f"SELECT i.id FROM items AS i WHERE {scope_sql}", scope_params
+                    f"SELECT i.id FROM {self.dialect.items} AS i WHERE {scope_sql}", scope_params
                 ).fetchall()
                 return self._rank_items([item for (item,) in every], query, depth)
             walk = min(walk * 4, MAX_WALK)
@@ -307,13 +313,17 @@ class VectorMirror:
 
 
 def _in_scope(
-    connection: sqlite3.Connection, items: list[int], scope_sql: str, scope_params: list[Any]
+    connection: IndexConnection,
+    dialect: VectorDialect,
+    items: list[int],
+    scope_sql: str,
+    scope_params: list[Any],
 ) -> set[int]:
     if not items:
         return set()
-    marks = ",".join("?" * len(items))
     rows = connection.execute(
-        f"SELECT i.id FROM items AS i WHERE i.id IN ({marks}) AND {scope_sql}",
+        f"SELECT i.id FROM {dialect.items} AS i "
+        f"WHERE i.id IN ({dialect.marks(len(items))}) AND {scope_sql}",
         (*items, *scope_params),
     )
     return {int(item) for (item,) in rows}

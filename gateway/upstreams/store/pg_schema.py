@@ -10,6 +10,8 @@ namespace under a.b" is the index range ['a.b.', 'a.b/') as in SQLite.
 
 from __future__ import annotations
 
+from gateway.upstreams.store.vector_dialect import POSTGRES
+
 COMPONENT = "store"
 # English stemming (Snowball, close to SQLite's porter tokenizer) after unaccent, as
 # SQLite's remove_diacritics: "Zoë" is found by "zoe".
@@ -43,5 +45,47 @@ STEPS: tuple[str, ...] = (
         WHERE expires_at IS NOT NULL;
     CREATE INDEX store_items_search ON store_items USING gin (search_tsv);
     CREATE INDEX store_items_value ON store_items USING gin ((value::jsonb) jsonb_path_ops);
+    """,
+    # 2: the embedding index (issue 12), as SQLite's vectors.VECTOR_SCHEMA: vectors as
+    # little-endian float32 bytea, the paths and signature each item was embedded with,
+    # the change log the in-memory mirrors replay, and the re-index lease. Created on every
+    # database (the migration cannot know the config); the trigger does nothing for items
+    # without vectors, so a Store without an index pays one index probe per delete.
+    f"""
+    CREATE TABLE {POSTGRES.vectors} (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        item_id bigint NOT NULL,
+        path text NOT NULL,
+        vector bytea NOT NULL
+    );
+    CREATE INDEX store_item_vectors_by_item ON {POSTGRES.vectors} (item_id);
+    CREATE TABLE {POSTGRES.embeddings} (
+        item_id bigint PRIMARY KEY,
+        paths text,
+        signature text NOT NULL
+    );
+    CREATE TABLE {POSTGRES.changes} (
+        seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        item_id bigint NOT NULL
+    );
+    CREATE TABLE {POSTGRES.leases} (
+        name text PRIMARY KEY,
+        owner text NOT NULL,
+        expires_at double precision NOT NULL
+    );
+    CREATE FUNCTION store_items_vectors_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        DELETE FROM {POSTGRES.embeddings} WHERE item_id = OLD.id;
+        IF FOUND THEN
+            -- The lock every change-log writer takes (vector_dialect.lock_changes).
+            PERFORM pg_advisory_xact_lock({POSTGRES.change_lock_key});
+            DELETE FROM {POSTGRES.vectors} WHERE item_id = OLD.id;
+            INSERT INTO {POSTGRES.changes} (item_id) VALUES (OLD.id);
+        END IF;
+        RETURN OLD;
+    END
+    $$;
+    CREATE TRIGGER store_items_vectors_delete AFTER DELETE ON store_items
+        FOR EACH ROW EXECUTE FUNCTION store_items_vectors_delete();
     """,
 )

@@ -7,6 +7,13 @@ one gateway is read by every other at once. Concurrent puts of one key are one
 runs on every instance; it deletes in batches chosen ``FOR UPDATE SKIP LOCKED``, so two
 sweepers never wait on (or both count) the same row.
 
+With ``store.index`` (issue 12) the embedding index's statements (vectors.py, mirror.py,
+semantic.py) run on a second, small pool of psycopg's blocking connections, on worker
+threads: the index's code is synchronous (numpy, the in-memory mirror) and shared with the
+SQLite Store through ``vector_dialect``. A put with vectors writes the item and its vectors in
+one transaction there; a ranked search runs in one REPEATABLE READ snapshot there, so the
+mirror's catch-up, the scope and the word ranking all see the same state.
+
 Answers are built by the same code as SQLite's (``_Row``), from the value's JSON text as
 written. What differs is listed in docs/store.md: the search score (``ts_rank``, not BM25),
 and that U+0000 cannot be stored.
@@ -15,14 +22,15 @@ and that U+0000 cannot be stored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from gateway.upstreams.postgres.connection import (
     UNAVAILABLE_ERRORS,
@@ -53,6 +61,7 @@ from gateway.upstreams.store.storage import (
     _Row,
 )
 from gateway.upstreams.store.text_index import query_terms, searchable_text
+from gateway.upstreams.store.vector_dialect import POSTGRES, IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import ItemVectors
 
 log = logging.getLogger("gateway.store.postgres")
@@ -98,6 +107,9 @@ def _prefix_sql(prefix: Namespace) -> tuple[str, list[Any]]:
 class PostgresStorage:
     """Store items in PostgreSQL; the same async interface as ``SQLiteStorage``."""
 
+    # The embedding index's SQL names these tables.
+    vector_dialect: VectorDialect = POSTGRES
+
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
         if config.database_url is None:
             raise ValueError("PostgresStorage needs config.database_url")
@@ -106,6 +118,8 @@ class PostgresStorage:
         self._clock = clock
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._timeout = config.database_timeout_seconds
+        # Blocking connections for the embedding index (only with store.index).
+        self._index_pool: ConnectionPool[psycopg.Connection[Any]] | None = None
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -128,11 +142,58 @@ class PostgresStorage:
             open=False,
         )
         await self._pool.open(wait=False)
+        if self._config.index is not None:
+            self._index_pool = ConnectionPool(
+                self._url,
+                kwargs=kwargs,
+                min_size=1,
+                max_size=max(2, self._config.database_pool_size // 2),
+                timeout=self._timeout,
+                reconnect_timeout=0,
+                name="store-index",
+                open=False,
+            )
+            await asyncio.to_thread(self._index_pool.open, False)
 
     async def close(self) -> None:
+        if self._index_pool is not None:
+            index_pool, self._index_pool = self._index_pool, None
+            await asyncio.to_thread(index_pool.close)
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+
+    # -- the embedding index's hooks: blocking connections on worker threads ----------
+
+    async def _in_thread(
+        self, call: Callable[[psycopg.Connection[Any]], T], *, snapshot: bool
+    ) -> T:
+        """``call(connection)`` in one transaction on a worker thread: REPEATABLE READ (one
+        snapshot for every statement) when ``snapshot``, else READ COMMITTED."""
+        pool = self._index_pool
+        if pool is None:
+            raise RuntimeError("the store is not open with store.index")
+
+        def run() -> T:
+            with pool.connection() as conn, conn.transaction():
+                if snapshot:
+                    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                return call(conn)
+
+        try:
+            return await asyncio.to_thread(run)
+        except UNAVAILABLE_ERRORS as exc:
+            log.warning("store database unavailable: %s", type(exc).__name__)
+            raise unavailable("store") from exc
+
+    async def read(self, call: Callable[[IndexConnection, float], T]) -> T:
+        """Run ``call(connection, now)`` in one snapshot (the embedding index's reads)."""
+        now = self._clock()
+        return await self._in_thread(lambda conn: call(conn, now), snapshot=True)
+
+    async def write(self, call: Callable[[IndexConnection], T]) -> T:
+        """Run ``call(connection)`` in one transaction (the embedding index's writes)."""
+        return await self._in_thread(call, snapshot=False)
 
     async def _run(self, call: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
         if self._pool is None:
@@ -175,9 +236,8 @@ class PostgresStorage:
     async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None:
         """Insert or replace an item; ``created_at`` survives replacement.
 
-        ``vectors`` is the embedding index's argument, which this backend does not take.
+        ``vectors``: the item's embeddings, written in the same transaction.
         """
-        _refuse_index(vectors)
         namespace = _dotted(tuple(request.namespace))
         if "\x00" in namespace or "\x00" in request.key or has_nul(request.value):
             raise StoreRequestError(
@@ -193,7 +253,15 @@ class PostgresStorage:
             request.value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
         )
         params = (namespace, request.key, value_json, text, now, now, ttl, expires_at)
-        await self._execute(_PUT, params)
+        if vectors is None:
+            await self._execute(_PUT, params)
+            return
+
+        def put_with_vectors(conn: IndexConnection) -> None:
+            item_id = int(conn.execute(_PUT + " RETURNING id", params).fetchone()[0])
+            vectors.write(conn, item_id, POSTGRES)
+
+        await self.write(put_with_vectors)
 
     async def get(self, namespace: Namespace, key: str, refresh_ttl: bool | None) -> Item | None:
         """The live item, or None; optionally pushes its expiry forward."""
@@ -237,9 +305,8 @@ class PostgresStorage:
     ) -> list[SearchItem]:
         """Listing (newest update first) or, with a query, ranked matches (best first).
 
-        ``ranker`` is the embedding index's argument, which this backend does not take.
+        ``ranker``: ranks a query by meaning (vectors or hybrid) instead, see ``_ranked``.
         """
-        _refuse_index(ranker)
         now = self._clock()
         prefix = request.prefix()
         if any("\x00" in label for label in prefix):
@@ -258,55 +325,54 @@ class PostgresStorage:
             rows = [(_Row(*r), None) for r in found]
         else:
             terms = query_terms(query)
-            if not terms:
-                return []
-            # Terms are letters and digits only (text_index._TERM): no tsquery syntax.
-            tsquery = " | ".join(terms)
-            config = pg_schema.TEXT_SEARCH_CONFIG
-            # BM25's inverse document frequency, which ts_rank lacks: each term's ts_rank
-            # is weighted by FTS5's idf, max(ln((N - df + 0.5) / (df + 0.5)), 1e-6), df
-            # counted on the GIN index and N the planner's row estimate (no table scan).
-            # MATERIALIZED: computed once per query, not once per matching row.
-            found = await self._fetch(
-                f"""
-                WITH term AS (
-                    SELECT to_tsquery('{config}', t) AS q FROM unnest(%s::text[]) AS t
-                ), total AS (
-                    -- The planner's estimate once (auto)analyze has run; a count before.
-                    SELECT CASE WHEN reltuples > 0 THEN reltuples
-                                ELSE (SELECT count(*) FROM store_items) END AS n
-                    FROM pg_class WHERE oid = 'store_items'::regclass
-                ), weight AS MATERIALIZED (
-                    SELECT term.q, greatest(
-                        ln((greatest(total.n, d.df) - d.df + 0.5) / (d.df + 0.5)), 1e-6
-                    ) AS idf
-                    FROM term, total, LATERAL (
-                        SELECT count(*) AS df FROM store_items s WHERE s.search_tsv @@ term.q
-                    ) AS d
+            if ranker is not None:  # ranked by meaning even when no word is searchable
+                rows = await self.read(
+                    functools.partial(
+                        self._ranked, request, terms, prefix_sql, prefix_params, ranker
+                    )
                 )
-                SELECT {_COLUMNS},
-                       (SELECT sum(w.idf * ts_rank(i.search_tsv, w.q, {_RANK_NORMALIZATION}))
-                        FROM weight AS w) AS rank
-                FROM store_items AS i, to_tsquery('{config}', %s) AS q
-                WHERE i.search_tsv @@ q AND {prefix_sql} AND {_LIVE} AND {filter_sql}
-                ORDER BY rank DESC, i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s
-                """,
-                (
-                    terms,
-                    tsquery,
-                    *prefix_params,
-                    now,
-                    *filter_params,
-                    request.limit,
-                    request.offset,
-                ),
-            )
-            rows = [(_Row(*r[:-1]), float(r[-1])) for r in found]
+            elif not terms:
+                return []
+            else:
+                sql, params = _word_ranking(
+                    terms, prefix_sql, prefix_params, now, filter_sql, filter_params
+                )
+                found = await self._fetch(sql, (*params, request.limit, request.offset))
+                rows = [(_Row(*r[:-1]), float(r[-1])) for r in found]
         if self._refresh(request.refresh_ttl):
             expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
             if expiring:
                 await self._refresh_rows(expiring, now)
         return [row.as_search_item(score) for row, score in rows]
+
+    def _ranked(
+        self,
+        request: StoreSearchRequest,
+        terms: list[str],
+        prefix_sql: str,
+        prefix_params: list[Any],
+        ranker: Ranker,
+        conn: IndexConnection,
+        now: float,
+    ) -> list[tuple[_Row, float | None]]:
+        """A search ranked by meaning, in one snapshot on a blocking connection: the ranker
+        gets the scope as SQL over ``store_items AS i`` and the word ranking (ts_rank
+        weighted by BM25's idf, as ``search``) as (id, score) to any depth."""
+        filter_sql, filter_params = compile_pg_filter(request.clauses(), _DOC)
+        scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
+        scope_params = [*prefix_params, now, *filter_params]
+
+        def by_words(depth: int) -> list[tuple[int, float]]:
+            if not terms:
+                return []
+            sql, params = _word_ranking(
+                terms, prefix_sql, prefix_params, now, filter_sql, filter_params
+            )
+            found = conn.execute(sql, (*params, depth, 0)).fetchall()
+            return [(int(r[5]), float(r[-1])) for r in found]  # r[5]: i.id in _COLUMNS
+
+        page = ranker(conn, scope, scope_params, by_words, request)
+        return _rows_by_id(conn, page)
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
@@ -375,8 +441,61 @@ class PostgresStorage:
 __all__ = ["DatabaseUnavailable", "PostgresStorage"]
 
 
-def _refuse_index(argument: object) -> None:
-    # StoreConfig refuses store.index with a database URL, so reaching this is a wiring bug:
-    # fail loudly rather than store an item without its vectors or rank without meaning.
-    if argument is not None:
-        raise RuntimeError("store.index needs the SQLite Store: PostgreSQL has no vector index")
+def _word_ranking(
+    terms: list[str],
+    prefix_sql: str,
+    prefix_params: list[Any],
+    now: float,
+    filter_sql: str,
+    filter_params: list[Any],
+) -> tuple[str, list[Any]]:
+    """The matches of ``terms`` ranked by words, best first: SQL whose last two parameters
+    (LIMIT, OFFSET) the caller appends, and the parameters before them. Rows are
+    ``_COLUMNS`` and the score."""
+    # Terms are letters and digits only (text_index._TERM): no tsquery syntax.
+    tsquery = " | ".join(terms)
+    config = pg_schema.TEXT_SEARCH_CONFIG
+    # BM25's inverse document frequency, which ts_rank lacks: each term's ts_rank
+    # is weighted by FTS5's idf, max(ln((N - df + 0.5) / (df + 0.5)), 1e-6), df
+    # counted on the GIN index and N the planner's row estimate (no table scan).
+    # MATERIALIZED: computed once per query, not once per matching row.
+    sql = f"""
+    WITH term AS (
+        SELECT to_tsquery('{config}', t) AS q FROM unnest(%s::text[]) AS t
+    ), total AS (
+        -- The planner's estimate once (auto)analyze has run; a count before.
+        SELECT CASE WHEN reltuples > 0 THEN reltuples
+                    ELSE (SELECT count(*) FROM store_items) END AS n
+        FROM pg_class WHERE oid = 'store_items'::regclass
+    ), weight AS MATERIALIZED (
+        SELECT term.q, greatest(
+            ln((greatest(total.n, d.df) - d.df + 0.5) / (d.df + 0.5)), 1e-6
+        ) AS idf
+        FROM term, total, LATERAL (
+            SELECT count(*) AS df FROM store_items s WHERE s.search_tsv @@ term.q
+        ) AS d
+    )
+    SELECT {_COLUMNS},
+           (SELECT sum(w.idf * ts_rank(i.search_tsv, w.q, {_RANK_NORMALIZATION}))
+            FROM weight AS w) AS rank
+    FROM store_items AS i, to_tsquery('{config}', %s) AS q
+    WHERE i.search_tsv @@ q AND {prefix_sql} AND {_LIVE} AND {filter_sql}
+    ORDER BY rank DESC, i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s
+    """
+    return sql, [terms, tsquery, *prefix_params, now, *filter_params]
+
+
+def _rows_by_id(
+    conn: IndexConnection, page: Sequence[tuple[int, float]]
+) -> list[tuple[_Row, float | None]]:
+    """The item rows of a ranked page of ids, in the page's order."""
+    if not page:
+        return []
+    found = {
+        int(values[5]): _Row(*values)
+        for values in conn.execute(
+            f"SELECT {_COLUMNS} FROM store_items AS i WHERE i.id = ANY(%s)",
+            ([item for item, _ in page],),
+        ).fetchall()
+    }
+    return [(found[item], score) for item, score in page if item in found]

@@ -19,19 +19,19 @@ import functools
 import json
 import logging
 import os
-import sqlite3
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.upstreams.store.backend import StoreStorage
 from gateway.upstreams.store.embeddings import EmbeddingClient, EmbeddingUnavailable, Vector
 from gateway.upstreams.store.hybrid import Ranker, convex_fusion, reciprocal_rank_fusion
 from gateway.upstreams.store.index_config import IndexConfig
 from gateway.upstreams.store.mirror import VectorMirror
 from gateway.upstreams.store.models import StorePutRequest, StoreSearchRequest
-from gateway.upstreams.store.storage import SQLiteStorage
+from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import (
     ItemVectors,
     claim_lease,
@@ -54,7 +54,6 @@ _LEASE = "reindex"
 # Hybrid ranking takes this many times the requested depth from each ranking, so an item
 # a little further down one list can still be lifted by the other.
 HYBRID_POOL_FACTOR = 2
-_LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
 
 
 @dataclass
@@ -83,14 +82,15 @@ class SemanticIndex:
     def __init__(
         self,
         config: IndexConfig,
-        storage: SQLiteStorage,
+        storage: StoreStorage,
         client: EmbeddingClient | None = None,
     ) -> None:
         self.config = config
         self.storage = storage
         self.client = client or EmbeddingClient(config)
         self.progress = ReindexProgress()
-        self.mirror = VectorMirror(config.dims, config.exact_limit)
+        self.dialect: VectorDialect = storage.vector_dialect
+        self.mirror = VectorMirror(config.dims, config.exact_limit, self.dialect)
         self._reindex_task: asyncio.Task[None] | None = None
         self._build_task: asyncio.Task[None] | None = None
         self._owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -151,7 +151,7 @@ class SemanticIndex:
 
     def _ranker(self, query: Vector) -> Ranker:
         def rank(
-            connection: sqlite3.Connection,
+            connection: IndexConnection,
             scope_sql: str,
             scope_params: list[Any],
             bm25: Callable[[int], list[tuple[int, float]]],
@@ -176,7 +176,7 @@ class SemanticIndex:
 
     def _by_meaning(
         self,
-        connection: sqlite3.Connection,
+        connection: IndexConnection,
         scope_sql: str,
         scope_params: list[Any],
         query: Vector,
@@ -186,15 +186,19 @@ class SemanticIndex:
         # at least every vector this search's snapshot can see.
         if self.mirror.catch_up(connection):
             return self.mirror.ranking(connection, scope_sql, scope_params, query, depth)
-        # Only while another thread loads the mirror: read the vectors from SQLite.
-        return exact_ranking(connection, scope_sql, scope_params, query, self.config.dims, depth)
+        # Only while another thread loads the mirror: read the vectors from the table.
+        return exact_ranking(
+            connection, self.dialect, scope_sql, scope_params, query, self.config.dims, depth
+        )
 
     # -- re-indexing --------------------------------------------------------------
 
     async def _claim_reindex_lease(self) -> bool:
         now = time.time()
         return await self.storage.write(
-            lambda connection: claim_lease(connection, _LEASE, self._owner, now, LEASE_SECONDS)
+            lambda connection: claim_lease(
+                connection, self.dialect, _LEASE, self._owner, now, LEASE_SECONDS
+            )
         )
 
     def _renew_lease(self, progress: ReindexProgress) -> None:
@@ -215,9 +219,10 @@ class SemanticIndex:
 
     def _stale_sql(self, everything: bool) -> tuple[str, list[Any]]:
         if everything:
-            joined = "FROM items AS i LEFT JOIN item_embeddings AS e ON e.item_id = i.id"
-            return f"{joined} WHERE {_LIVE}", []
-        return stale_items_sql(_LIVE), [
+            d = self.dialect
+            joined = f"FROM {d.items} AS i LEFT JOIN {d.embeddings} AS e ON e.item_id = i.id"
+            return f"{joined} WHERE {d.live()}", []
+        return stale_items_sql(self.dialect), [
             signature(self.config, None),
             signature(self.config, []),
         ]
@@ -240,7 +245,9 @@ class SemanticIndex:
         last_id = 0
         last_log = time.monotonic()
         while True:
-            batch = await self.storage.read(functools.partial(_stale_batch, sql, params, last_id))
+            batch = await self.storage.read(
+                functools.partial(_stale_batch, self.dialect, sql, params, last_id)
+            )
             if not batch:
                 break
             await self._reembed(batch)
@@ -273,14 +280,16 @@ class SemanticIndex:
             start += len(pairs)
             writes.append((item_id, updated_at, vectors))
 
-        def write_unchanged(connection: sqlite3.Connection) -> None:
+        d = self.dialect
+
+        def write_unchanged(connection: IndexConnection) -> None:
             for item_id, updated_at, vectors in writes:
                 # A put that landed since the read embedded the item itself: keep its vectors.
                 found = connection.execute(
-                    "SELECT updated_at FROM items WHERE id = ?", (item_id,)
+                    f"SELECT updated_at FROM {d.items} WHERE id = {d.mark}", (item_id,)
                 ).fetchone()
                 if found is not None and found[0] == updated_at:
-                    vectors.write(connection, item_id)
+                    vectors.write(connection, item_id, d)
 
         await self.storage.write(write_unchanged)
 
@@ -308,7 +317,9 @@ class SemanticIndex:
                     progress = await self.reindex(on_progress=self._renew_lease)
                 finally:
                     await self.storage.write(
-                        functools.partial(release_lease, name=_LEASE, owner=self._owner)
+                        functools.partial(
+                            release_lease, dialect=self.dialect, name=_LEASE, owner=self._owner
+                        )
                     )
                 log.info("store re-index done: %d item(s)", progress.done)
                 return
@@ -324,10 +335,17 @@ class SemanticIndex:
 
 
 def _stale_batch(
-    sql: str, params: list[Any], after: int, connection: sqlite3.Connection, now: float
+    dialect: VectorDialect,
+    sql: str,
+    params: list[Any],
+    after: int,
+    connection: IndexConnection,
+    now: float,
 ) -> list[tuple[int, str, str | None, float]]:
+    m = dialect.mark
     rows = connection.execute(
-        f"SELECT i.id, i.value, e.paths, i.updated_at {sql} AND i.id > ? ORDER BY i.id LIMIT ?",
+        f"SELECT i.id, {dialect.value_text}, e.paths, i.updated_at {sql} "
+        f"AND i.id > {m} ORDER BY i.id LIMIT {m}",
         (*params, now, after, REINDEX_BATCH),
     ).fetchall()
     return [(int(r[0]), str(r[1]), r[2], float(r[3])) for r in rows]

@@ -45,6 +45,7 @@ from gateway.upstreams.store.models import (
 )
 from gateway.upstreams.store.schema import SCHEMA_VERSION, upgrade_script
 from gateway.upstreams.store.text_index import match_expression, searchable_text
+from gateway.upstreams.store.vector_dialect import SQLITE, IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import VECTOR_SCHEMA, ItemVectors, item_id
 
 T = TypeVar("T")
@@ -220,6 +221,9 @@ class StoreBusyError(StoreRequestError):
 class SQLiteStorage:
     """Items in one SQLite file; async methods, each one a short statement on a thread."""
 
+    # Hook (issue 12): the embedding index's SQL names these tables.
+    vector_dialect: VectorDialect = SQLITE
+
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
         self._config = config
         self._clock = clock
@@ -372,7 +376,7 @@ class SQLiteStorage:
 
     # -- hooks for the embedding index (issue 12): its own SQL, on these threads -------
 
-    async def read(self, call: Callable[[sqlite3.Connection, float], T]) -> T:
+    async def read(self, call: Callable[[IndexConnection, float], T]) -> T:
         """Run ``call(connection, now)`` in one read transaction on a reader thread."""
         now = self._clock()
 
@@ -382,7 +386,7 @@ class SQLiteStorage:
 
         return await self._run(self._readers, in_snapshot)
 
-    async def write(self, call: Callable[[sqlite3.Connection], T]) -> T:
+    async def write(self, call: Callable[[IndexConnection], T]) -> T:
         """Run ``call(connection)`` inside the writer's next group commit."""
         return await self._write(call)
 
@@ -680,7 +684,7 @@ def _put(
         params,
     )
     if vectors is not None:  # Hook (issue 12): the item's vectors, same transaction.
-        vectors.write(connection, item_id(connection, params[0], params[1]))
+        vectors.write(connection, item_id(connection, params[0], params[1]), SQLITE)
 
 
 def _rows_by_id(

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from gateway.upstreams.store.index_config import IndexConfig
 from gateway.upstreams.store.text_index import PathStep, index_steps, nodes_at
+from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 
 Vector = npt.NDArray[np.float32]
 
@@ -128,25 +129,33 @@ class ItemVectors:
         )
         return cls(None if paths is None else json.dumps(paths), signature(config, paths), blobs)
 
-    def write(self, connection: sqlite3.Connection, item_id: int) -> None:
-        """Replace the item's vectors (inside the caller's transaction)."""
-        connection.execute("DELETE FROM item_vectors WHERE item_id = ?", (item_id,))
-        connection.executemany(
-            "INSERT INTO item_vectors (item_id, path, vector) VALUES (?, ?, ?)",
-            [(item_id, path, blob) for path, blob in self.vectors],
-        )
+    def write(self, connection: IndexConnection, item_id: int, dialect: VectorDialect) -> None:
+        """Replace the item's vectors (inside the caller's transaction).
+
+        On PostgreSQL it first takes the change-log lock (``VectorDialect.lock_changes``), so
+        change-log sequence numbers are handed out in commit order, as SQLite's one writer
+        does.
+        """
+        d, m = dialect, dialect.mark
+        d.lock_changes(connection)
+        connection.execute(f"DELETE FROM {d.vectors} WHERE item_id = {m}", (item_id,))
+        for path, blob in self.vectors:
+            connection.execute(
+                f"INSERT INTO {d.vectors} (item_id, path, vector) VALUES ({m}, {m}, {m})",
+                (item_id, path, blob),
+            )
         connection.execute(
-            "INSERT INTO item_embeddings (item_id, paths, signature) VALUES (?, ?, ?) "
+            f"INSERT INTO {d.embeddings} (item_id, paths, signature) VALUES ({m}, {m}, {m}) "
             "ON CONFLICT (item_id) DO UPDATE SET paths = excluded.paths, "
             "signature = excluded.signature",
             (item_id, self.paths_json, self.signature),
         )
         seq = connection.execute(
-            "INSERT INTO vector_changes (item_id) VALUES (?)", (item_id,)
-        ).lastrowid
+            f"INSERT INTO {d.changes} (item_id) VALUES ({m}) RETURNING seq", (item_id,)
+        ).fetchone()[0]
         # Bounded log: a reader further behind than this rebuilds from the table instead.
         connection.execute(
-            "DELETE FROM vector_changes WHERE seq <= ?", (int(seq or 0) - CHANGE_LOG_KEEP,)
+            f"DELETE FROM {d.changes} WHERE seq <= {m}", (int(seq or 0) - CHANGE_LOG_KEEP,)
         )
 
 
@@ -173,7 +182,8 @@ def best_per_item(
 
 
 def exact_ranking(
-    connection: sqlite3.Connection,
+    connection: IndexConnection,
+    dialect: VectorDialect,
     where_sql: str,
     params: Sequence[Any],
     query: Vector,
@@ -183,8 +193,8 @@ def exact_ranking(
     """Cosine similarity of ``query`` against every vector of the items ``where_sql`` (over
     ``items AS i``) keeps, best item first; numpy does the arithmetic in one product."""
     rows = connection.execute(
-        "SELECT v.item_id, v.vector FROM items AS i JOIN item_vectors AS v ON v.item_id = i.id "
-        f"WHERE {where_sql}",
+        f"SELECT v.item_id, v.vector FROM {dialect.items} AS i "
+        f"JOIN {dialect.vectors} AS v ON v.item_id = i.id WHERE {where_sql}",
         params,
     ).fetchall()
     if not rows:
@@ -195,31 +205,43 @@ def exact_ranking(
     return best_per_item(np.asarray(ids, dtype=np.int64), scores, depth)
 
 
-def stale_items_sql(live_sql: str) -> str:
+def stale_items_sql(dialect: VectorDialect) -> str:
     """Items whose vectors are missing or belong to another configuration (parameters:
-    default signature, explicit signature, then those of ``live_sql`` over ``items AS i``)."""
+    default signature, explicit signature, then now for liveness), over ``items AS i``."""
+    m = dialect.mark
     return (
-        "FROM items AS i LEFT JOIN item_embeddings AS e ON e.item_id = i.id "
+        f"FROM {dialect.items} AS i LEFT JOIN {dialect.embeddings} AS e ON e.item_id = i.id "
         "WHERE (e.item_id IS NULL OR e.signature != "
-        "CASE WHEN e.paths IS NULL THEN ? ELSE ? END) "
-        f"AND {live_sql}"
+        f"CASE WHEN e.paths IS NULL THEN {m} ELSE {m} END) "
+        f"AND {dialect.live()}"
     )
 
 
 def claim_lease(
-    connection: sqlite3.Connection, name: str, owner: str, now: float, seconds: float
+    connection: IndexConnection,
+    dialect: VectorDialect,
+    name: str,
+    owner: str,
+    now: float,
+    seconds: float,
 ) -> bool:
     """Take or renew the lease ``name`` for ``owner`` unless another owner holds it unexpired."""
+    d, m = dialect, dialect.mark
     connection.execute(
-        "INSERT INTO vector_leases (name, owner, expires_at) VALUES (?, ?, ?) "
+        f"INSERT INTO {d.leases} AS l (name, owner, expires_at) VALUES ({m}, {m}, {m}) "
         "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, "
         "expires_at = excluded.expires_at "
-        "WHERE vector_leases.owner = excluded.owner OR vector_leases.expires_at <= ?",
+        f"WHERE l.owner = excluded.owner OR l.expires_at <= {m}",
         (name, owner, now + seconds, now),
     )
-    found = connection.execute("SELECT owner FROM vector_leases WHERE name = ?", (name,)).fetchone()
-    return found is not None and found[0] == owner
+    found = connection.execute(f"SELECT owner FROM {d.leases} WHERE name = {m}", (name,)).fetchone()
+    return found is not None and bool(found[0] == owner)
 
 
-def release_lease(connection: sqlite3.Connection, name: str, owner: str) -> None:
-    connection.execute("DELETE FROM vector_leases WHERE name = ? AND owner = ?", (name, owner))
+def release_lease(
+    connection: IndexConnection, dialect: VectorDialect, name: str, owner: str
+) -> None:
+    m = dialect.mark
+    connection.execute(
+        f"DELETE FROM {dialect.leases} WHERE name = {m} AND owner = {m}", (name, owner)
+    )
