@@ -3,7 +3,9 @@
 Every wait on PostgreSQL is bounded, so a request never hangs on a database that is gone:
 connecting (``connect_timeout``), waiting for a pooled connection (the pool's ``timeout``),
 one statement (``statement_timeout``) and silence on an established connection
-(``tcp_user_timeout`` and keepalives). A request that hits any of them is answered
+(``tcp_user_timeout`` and keepalives); and the server ends a transaction left open with
+nothing sent (``idle_in_transaction_session_timeout``), so a frozen gateway cannot hold
+locks that the others wait for. A request that hits any of them is answered
 ``503 {"detail": ...}``; the pool reconnects by itself once the database is back.
 """
 
@@ -46,12 +48,24 @@ def unavailable(service: str) -> DatabaseUnavailable:
 
 
 def connection_kwargs(timeout_seconds: float, application_name: str) -> dict[str, object]:
-    """Options for every connection: bounded connect, statement and network waits."""
+    """Options for every connection: bounded connect, statement and network waits, and a
+    bound on how long a transaction may sit open with nothing sent (see below)."""
     millis = int(timeout_seconds * 1000)
+    # A gateway that freezes (SIGSTOP, a hung host, a network partition that keeps the TCP
+    # connection up) mid-transaction would otherwise hold its locks, among them the control
+    # plane's write lock, until the server's TCP keepalive gives up (hours by default):
+    # every other instance's writes and revision steps would wait on it. Our transactions
+    # send their statements back to back, so one idle for twice a request's whole budget
+    # belongs to a request already answered 503 or to an instance that is gone: the server
+    # ends it (and the session), the locks go, and the others carry on.
+    idle_millis = 2 * millis
     return {
         "connect_timeout": max(1, int(timeout_seconds)),
         "application_name": application_name,
-        "options": f"-c statement_timeout={millis} -c lock_timeout={millis}",
+        "options": (
+            f"-c statement_timeout={millis} -c lock_timeout={millis} "
+            f"-c idle_in_transaction_session_timeout={idle_millis}"
+        ),
         "tcp_user_timeout": millis,
         "keepalives": 1,
         "keepalives_idle": 5,
