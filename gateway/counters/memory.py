@@ -63,9 +63,6 @@ class _Window:
         del flat[:drop]
         self.count -= dropped
 
-    def total(self) -> int:
-        return self.count
-
     def pairs(self) -> Iterator[tuple[int, int]]:
         flat = self.flat
         return zip(flat[0::2], flat[1::2], strict=True)
@@ -131,7 +128,7 @@ class MemoryBackend:
         for check in checks:
             window = self._window(check.key)
             window.prune(oldest_counted_bucket(now, check.window_ms, check.bucket_ms))
-            total = window.total()
+            total = window.count
             windows.append(window)
             totals.append(total)
             if check.enforce and total >= check.limit:
@@ -164,11 +161,7 @@ class MemoryBackend:
         """``hit_now`` for the common single limit, without the per-check lists (the
         same arithmetic; about half the cost on the data plane's hot path)."""
         key = check.key
-        window = self._windows.get(key)
-        if window is not None:
-            self._windows.move_to_end(key)
-        else:
-            window = self._window(key)
+        window = self._window(key)
         window_ms, bucket_ms, limit = check.window_ms, check.bucket_ms, check.limit
         window.prune(oldest_counted_bucket(now, window_ms, bucket_ms))
         total = window.count

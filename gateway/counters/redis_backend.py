@@ -101,24 +101,24 @@ class RedisBackend:
         if not checks:
             return HitResult(True, (), source="redis"), 0
         args = self._args(checks)
-        if not self._cluster:  # the same lean round trip as a pipeline's (see below)
-            self.round_trips += 1
-            reply = (await self._direct_pipeline([args]))[0]
-            if isinstance(reply, NoScriptError):
-                await self.load_script()
-                self.round_trips += 1
-                reply = (await self._direct_pipeline([args]))[0]
-            if isinstance(reply, Exception):
-                raise reply
-            return parse_reply(reply, len(checks))
         try:
             self.round_trips += 1
-            reply = await self._client.execute_command("EVALSHA", self._sha, *args)
+            reply = await self._evalsha(args)
         except NoScriptError:
             await self.load_script()
             self.round_trips += 1
-            reply = await self._client.execute_command("EVALSHA", self._sha, *args)
+            reply = await self._evalsha(args)
         return parse_reply(reply, len(checks))
+
+    async def _evalsha(self, args: list[str | int]) -> Any:
+        """One EVALSHA; an error reply raises. Standalone servers take the same lean
+        round trip as a pipeline (``_direct_pipeline``)."""
+        if self._cluster:
+            return await self._client.execute_command("EVALSHA", self._sha, *args)
+        reply = (await self._direct_pipeline([args]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     async def hit_many(self, batch: Sequence[Sequence[LimitCheck]]) -> list[HitResult | Exception]:
         """Run many independent ``hit`` calls in one pipeline.

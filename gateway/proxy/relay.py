@@ -119,10 +119,9 @@ _RESPONSE_SPECIAL = HOP_BY_HOP | {
 }  # fmt: skip
 # Of those, dropped outright (the gateway writes its own framing and X-Request-Id).
 _DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-id"}
-# Connection tokens that need no filtering pass: names never written, or no name at all.
-_ALREADY_DROPPED = (_RESPONSE_SPECIAL - {b"date", b"ratelimit", b"ratelimit-policy"}) | {b"close"}
 VIA_LINE = b"Via: " + VIA + CRLF
-# The Connection values nearly every upstream sends, which need no token parsing.
+# The Connection values nearly every upstream sends: they name nothing that is written, so
+# no token parsing and no filtering pass.
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"Keep-Alive", b"close", b"Close"})
 _STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
 
@@ -250,9 +249,8 @@ class Relay:
                 elif lower in _RATE_NAMES and rate_lines:
                     continue  # the gateway's own fields replace the upstream's
             append(name + b": " + value + CRLF)
-        if tokens and not tokens <= _ALREADY_DROPPED:
-            # Rare: names listed in Connection are hop-by-hop for this response (nginx's
-            # "Connection: keep-alive" names only what is dropped anyway).
+        if tokens:
+            # Rare: names listed in Connection are hop-by-hop for this response.
             lines = [lines[0], *(ln for ln in lines[1:] if _line_name(ln) not in tokens)]
             append = lines.append
         if via is None:

@@ -105,19 +105,10 @@ class Limiter:
         hit_now = self._hit_now[region]
         if hit_now is None:
             return None
-        identity = selection.identity
-        if not selection.shadows and rule is not None and identity is not None:
-            # The common case: one enforced rule, no shadow rules.
-            result: HitResult | None = hit_now(self._checks(region, rule, identity))
-            if result is None:
-                return None
-            if len(result.states) == 1:
-                return _one_limit(region, identity, rule, result)
-            return self._decision(region, selection, self._groups(region, selection), [result])
         groups = self._groups(region, selection)
         if len(groups) != 1:
             return None
-        result = hit_now(groups[0][2])
+        result: HitResult | None = hit_now(groups[0][2])
         if result is None:
             return None
         return self._decision(region, selection, groups, [result])
@@ -146,15 +137,8 @@ class Limiter:
         if (rule is None or rule.unlimited) and not selection.shadows:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         backend = self._backends[region]
-        identity = selection.identity
-        if not selection.shadows and rule is not None and identity is not None:
-            # The common case: one enforced rule, no shadow rules, one call.
-            result = await backend.hit(self._checks(region, rule, identity))
-            if len(result.states) == 1:
-                return _one_limit(region, identity, rule, result)
-            return self._decision(region, selection, self._groups(region, selection), [result])
         groups = self._groups(region, selection)
-        if len(groups) == 1:  # no task scheduling for one call
+        if len(groups) == 1:  # the common case: no task scheduling for one call
             results: Sequence[HitResult] = [await backend.hit(groups[0][2])]
         else:
             results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))

@@ -151,3 +151,22 @@ async def test_bad_checks_are_refused_before_reaching_redis(redis_server: RedisS
         assert (await backend.hit([LimitCheck(new_key(), 1, 1_000, 100)])).source == "redis"
     finally:
         await backend.close()
+
+
+async def test_pooled_connections_of_a_restarted_server_cost_no_failed_call(
+    own_redis: RedisServer,
+) -> None:
+    # The lean round trip (standalone servers) keeps redis-py's rule: a pooled connection
+    # that died with its server is replaced once, so the first calls after a restart
+    # succeed instead of failing (the script is loaded again on the new server too).
+    redis = RedisBackend(redis_client(parse_counter_url(own_redis.url)), name="redis")
+    try:
+        check = LimitCheck(new_key(), limit=10, window_ms=60_000, bucket_ms=1_000)
+        assert (await redis.hit([check])).states[0].remaining == 9
+        assert len(await redis.hit_many([[check]] * 3)) == 3
+        own_redis.restart()  # no persistence: counts start over, connections are stale
+        assert (await redis.hit([check])).states[0].remaining == 9  # single call path
+        batch = await redis.hit_many([[check]] * 3)  # pipeline path
+        assert [r.states[0].remaining for r in batch if not isinstance(r, Exception)] == [8, 7, 6]
+    finally:
+        await redis.close()
