@@ -130,6 +130,33 @@ async def test_script_is_reloaded_after_script_flush(redis_server: RedisServer) 
         await redis.close()
 
 
+async def test_a_changed_limit_is_sent_though_the_key_is_the_same(
+    redis_server: RedisServer,
+) -> None:
+    # The backend keeps each identity's EVALSHA bytes while the limiter hands it the
+    # same checks object; a reloaded rule hands new checks under the same key, and the
+    # new limit must be what Redis applies, on the single-call and the pipeline path.
+    redis = RedisBackend(redis_client(parse_counter_url(redis_server.url)), name="redis")
+    try:
+        key = new_key()
+        tight = [LimitCheck(key, limit=2, window_ms=60_000, bucket_ms=1_000)]
+        assert (await redis.hit(tight)).admitted
+        assert (await redis.hit(tight)).admitted
+        assert not (await redis.hit(tight)).admitted  # the same object: the kept call
+        loose = [LimitCheck(key, limit=5, window_ms=60_000, bucket_ms=1_000)]
+        result = await redis.hit(loose)
+        assert result.admitted and result.states[0].remaining == 2
+        batch = await redis.hit_many([loose, tight, loose])
+        assert [r.admitted for r in batch if not isinstance(r, Exception)] == [
+            True,
+            False,
+            True,
+        ]
+        assert not (await redis.hit(loose)).admitted  # 5 of 5 counted
+    finally:
+        await redis.close()
+
+
 async def test_cluster_refuses_keys_in_different_slots(redis_cluster: RedisClusterProcess) -> None:
     backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
     try:
