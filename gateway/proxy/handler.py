@@ -452,7 +452,9 @@ class Gateway:
 
     def finished(self, record: AccessRecord, started: float) -> None:
         """Metrics and the access-log line of a request that has ended."""
-        record.duration_ms = (time.perf_counter() - started) * 1000
+        # Whole microseconds: a float of few digits formats in under half the time of
+        # one carrying the clock's full precision, and the line is shorter.
+        record.duration_ms = int((time.perf_counter() - started) * 1e6) / 1000
         if record.status:
             status_class = _STATUS_CLASSES.get(record.status // 100) or "other"
             self.metrics.child(self.metrics.responses, record.region, status_class).inc()

@@ -570,7 +570,7 @@ class ClientConnection(asyncio.Protocol):
         metrics.child(metrics.upstream_latency, relay.upstream.name).observe(latency)
         record = relay.req.record
         if record is not None:
-            record.upstream_ms = latency * 1000
+            record.upstream_ms = int(latency * 1e6) / 1000  # whole µs, as duration_ms
         self.response_started = True
         self._set_deadline(RESPONSE, self.limits.upstream_read_timeout)
 

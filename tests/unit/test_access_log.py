@@ -86,6 +86,24 @@ def test_json_lines_have_every_field_in_order_and_match_json_dumps():
     assert parsed["status"] == 429 and parsed["duration_ms"] == 0.25
 
 
+def test_lines_sharing_their_repeated_fields_differ_only_where_the_records_do():
+    # json_line keeps the text of the repeated fields per combination: every field that
+    # changes (in the kept part or not) must still show in the line.
+    records = [
+        record(),
+        record(identity="api_key:ba9876543210", duration_ms=7.5, request_id="r2"),
+        record(status=200, decision="allowed", upstream="default", upstream_ms=1.25),
+        record(rule=None, decision=None, identity=None),
+        record(path="/other", client="10.0.0.9", region="eu", method="GET"),
+        record(upstream="store"),
+        record(),  # the first one again, from the kept text
+    ]
+    for r in records:
+        line = json_line(r)
+        assert line == json.dumps(logged(r), separators=(",", ":"))
+    assert json_line(records[0]) == json_line(records[-1])
+
+
 def test_plain_lines_are_as_before():
     assert plain_line(record()) == (
         '127.0.0.1 "POST /runs/query" 429 region=us rule=runs-query decision=limited '
