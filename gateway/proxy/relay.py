@@ -147,12 +147,27 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
     return b"".join(lines)
 
 
-# Response header names the loop in ``Relay.response_head`` looks at.
-_RESPONSE_SPECIAL = HOP_BY_HOP | {
-    b"via", b"content-length", b"date", b"x-request-id", b"ratelimit", b"ratelimit-policy",
-}  # fmt: skip
-# Of those, dropped outright (the gateway writes its own framing and X-Request-Id).
+# What ``Relay.response_head`` does with a response header, by name: write it as it came
+# (0), or one of the few special cases.
+_KEEP, _CONNECTION, _TRANSFER, _VIA, _LENGTH, _DATE, _DROP, _RATE = range(8)
+# Dropped outright (the gateway writes its own framing and X-Request-Id).
 _DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-id"}
+_SPECIAL_ACTIONS = {
+    b"connection": _CONNECTION, b"transfer-encoding": _TRANSFER, b"via": _VIA,
+    b"content-length": _LENGTH, b"date": _DATE,
+    **{name: _DROP for name in _DROPPED}, **{name: _RATE for name in _RATE_NAMES},
+}  # fmt: skip
+# The action per name as upstreams spell it ("Content-Length"), so a header costs one dict
+# lookup and no lower(); bounded, since an upstream may send any names.
+_ACTIONS: dict[bytes, int] = {}
+
+
+def _action(name: bytes) -> int:
+    action = _SPECIAL_ACTIONS.get(name.lower(), _KEEP)
+    if len(_ACTIONS) < 1024:
+        _ACTIONS[name] = action
+    return action
+
 VIA_LINE = b"Via: " + VIA + CRLF
 # The Connection values nearly every upstream sends: they name nothing that is written, so
 # no token parsing and no filtering pass.
@@ -255,33 +270,33 @@ class Relay:
         length: bytes | None = None
         chunked_in = has_date = False
         rate_lines = req.rate_lines
-        special = _RESPONSE_SPECIAL
+        actions = _ACTIONS
         for name, value in headers:
-            lower = name.lower()
-            if lower in special:
-                if lower == b"connection":
+            action = actions.get(name)
+            if action is None:
+                action = _action(name)
+            if action:
+                if action == _CONNECTION:
                     if value in _PLAIN_CONNECTION:
                         continue  # names nothing that is written anyway
                     names = {t.strip().lower() for t in value.split(b",")}
                     tokens = names if tokens is None else tokens | names
                     continue
-                if lower == b"transfer-encoding":
+                if action == _LENGTH:
+                    length = value
+                    continue
+                if action == _DATE:
+                    has_date = True
+                elif action == _TRANSFER:
                     chunked_in = True
                     continue
-                if lower == b"via":
+                elif action == _VIA:
                     if via is None:
                         via = []
                     via.append(value)
                     continue
-                if lower == b"content-length":
-                    length = value
-                    continue
-                if lower == b"date":
-                    has_date = True
-                elif lower in _DROPPED:
-                    continue
-                elif lower in _RATE_NAMES and rate_lines:
-                    continue  # the gateway's own fields replace the upstream's
+                elif action == _DROP or rate_lines:
+                    continue  # (_RATE: the gateway's own fields replace the upstream's)
             append(name + b": " + value + CRLF)
         if tokens:
             # Rare: names listed in Connection are hop-by-hop for this response.

@@ -1,0 +1,73 @@
+"""The response head the data plane writes to the client (``Relay.response_head``): which
+upstream fields pass, which are replaced, which are dropped, whatever their spelling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.proxy.relay import Relay
+from gateway.proxy.request import Incoming
+
+RATE = b'RateLimit-Policy: "r";q=10;w=60\r\nRateLimit: "r";r=9;t=60\r\n'
+
+
+class Client:
+    """The two things a Relay asks of its client connection here."""
+
+    def keep_alive_after(self, req: Incoming) -> bool:
+        return True
+
+    def forward_head(self, relay: Relay) -> None:
+        pass
+
+
+def head(headers: list[tuple[bytes, bytes]], rate: bytes = RATE, status: int = 200) -> list[str]:
+    req = Incoming()
+    req.rate_lines = rate
+    req.request_id = "rid-1"
+    relay = Relay(Client(), req, None, None)  # type: ignore[arg-type]
+    relay.response_head(status, b"OK", headers, True)
+    text = b"".join(relay.out).decode()
+    assert text.endswith("\r\n\r\n")
+    return text.split("\r\n")[:-2]
+
+
+def names(lines: list[str]) -> list[str]:
+    return [line.split(":", 1)[0].lower() for line in lines[1:]]
+
+
+@pytest.mark.parametrize("spelling", [str.title, str.lower, str.upper])
+def test_fields_are_kept_replaced_or_dropped_whatever_their_spelling(spelling: Any) -> None:
+    def h(name: str, value: str) -> tuple[bytes, bytes]:
+        return spelling(name).encode(), value.encode()
+
+    lines = head([
+        h("server", "up"), h("date", "Mon, 23 Nov 2026 15:00:00 GMT"),
+        h("content-length", "5"), h("connection", "keep-alive, x-hop"), h("x-hop", "1"),
+        h("keep-alive", "timeout=5"), h("x-request-id", "upstream-id"),
+        h("ratelimit", "forged"), h("ratelimit-policy", "forged"), h("via", "1.0 cache"),
+        h("x-kept", "yes"),
+    ])  # fmt: skip
+    assert lines[0] == "HTTP/1.1 200 OK"
+    got = names(lines)
+    assert got.count("date") == 1 and "server" in got and "x-kept" in got
+    assert "x-hop" not in got and "keep-alive" not in got and "connection" not in got
+    assert ("X-Request-Id: rid-1" in lines) and got.count("x-request-id") == 1
+    assert "forged" not in "".join(lines)
+    assert got.count("ratelimit") == 1 and got.count("ratelimit-policy") == 1
+    assert "Via: 1.0 cache, 1.1 ratelimit-gateway" in lines
+    assert "Content-Length: 5" in lines
+
+
+def test_upstream_rate_fields_pass_when_the_gateway_has_none() -> None:
+    lines = head([(b"RateLimit", b"upstream's"), (b"Content-Length", b"0")], rate=b"")
+    assert "RateLimit: upstream's" in lines
+
+
+def test_a_chunked_upstream_body_is_framed_again_and_a_date_added() -> None:
+    lines = head([(b"Transfer-Encoding", b"chunked")])
+    got = names(lines)
+    assert "Transfer-Encoding: chunked" in lines and got.count("transfer-encoding") == 1
+    assert "date" in got and "content-length" not in got
