@@ -18,9 +18,13 @@ N2 - N1 is reported: start-up cancels out, and the count is the same whatever el
 machine is doing (callgrind counts instructions, not time). ``--cpu`` instead reports
 process CPU time per request (quick, but as noisy as the machine). Kinds:
 
-* ``proxied``: ``GET /x`` with one of 10,000 API keys, counted in memory and forwarded
-  (the in-process proxied row of ``dataplane_bench.py``);
-* ``flood``: ``GET /flood`` with one key already over its limit (the flood rows).
+* ``proxied``: ``GET /x`` with one of 1,000 API keys (each seen once in the warm-up),
+  counted in memory and forwarded (the in-process proxied row of ``dataplane_bench.py``);
+* ``flood``: ``GET /flood`` with one key already over its limit (the flood rows);
+* ``redis``: ``GET /x`` as ``proxied`` but counted in Redis (the Redis proxied row): a
+  ``redis-server`` of its own on a free loopback port, and 50 client connections with one
+  request each in flight, as ``wrk -c50`` keeps them, so checks are coalesced into
+  pipelines as under load. Only the gateway process is measured, not Redis.
 
 Needs valgrind (Debian: ``apt-get install valgrind``) unless ``--cpu`` is given.
 """
@@ -34,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,8 +63,28 @@ RESPONSE = (
     b"Content-Type: application/json\r\nContent-Length: 104\r\nConnection: keep-alive\r\n\r\n"
     + b"x" * 104
 )
-KEYS = 10_000
-WARM = 500
+# Distinct API keys of the proxied and redis kinds: more than a connection's identity memo
+# holds (each request hashes its key, as under wrk's 10,000), few enough that the warm-up
+# (every key once) stays short under callgrind. The measured requests then meet known
+# identities, as in dataplane_bench.py, where wrk rotates over the same keys for seconds.
+KEYS = 1_000
+WARM = KEYS
+CONNECTIONS = 50  # the redis kind: requests in flight at once, one per connection
+KINDS = ("proxied", "flood", "redis")
+
+
+class Round:
+    """Answers still awaited in one round of the redis kind; ``done`` resolves at zero
+    (awaited, not polled: a polling loop would burn the CPU being measured)."""
+
+    def __init__(self, count: int) -> None:
+        self.left = count
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def answered(self) -> None:
+        self.left -= 1
+        if self.left == 0 and not self.done.done():
+            self.done.set_result(None)
 
 
 class ClientTransport:
@@ -69,10 +94,13 @@ class ClientTransport:
         self.written = 0
         self.last = b""
         self.closing = False
+        self.round: Round | None = None
 
     def write(self, data: bytes) -> None:
         self.written += 1
         self.last = data
+        if self.round is not None:
+            self.round.answered()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("127.0.0.1", 40000) if name == "peername" else default
@@ -137,7 +165,7 @@ async def drive(kind: str, count: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         rules = Path(tmp) / "rules.yaml"
         rules.write_text(RULES)
-        flags = {
+        flags: dict[str, Any] = {
             "rules": [str(rules)],
             "upstream": "http://127.0.0.1:9",
             "embedded": False,
@@ -145,6 +173,8 @@ async def drive(kind: str, count: int) -> dict[str, float]:
             "access_log": "json",
             "data_dir": tmp,
         }
+        if kind == "redis":
+            flags["redis_url"] = os.environ["INSTRUCTIONS_REDIS_URL"]
         settings = load_settings(flags, env={}, config_file=None)
         metrics = Metrics()
         source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
@@ -163,25 +193,49 @@ async def drive(kind: str, count: int) -> dict[str, float]:
             pool._all.add(upstream)
             pool.open += 1
             pool._idle[key] = deque([upstream])
-            conn = ClientConnection(plane)
-            transport = ClientTransport()
-            conn.connection_made(transport)  # type: ignore[arg-type]
-            for data in requests(kind, WARM):
-                conn.data_received(data)
-            await asyncio.sleep(0)
+            width = CONNECTIONS if kind == "redis" else 1
+            conns: list[tuple[Any, ClientTransport]] = []
+            for _ in range(width):
+                conn = ClientConnection(plane)
+                transport = ClientTransport()
+                conn.connection_made(transport)  # type: ignore[arg-type]
+                conns.append((conn, transport))
+
+            async def feed(batch: list[bytes]) -> None:
+                if width == 1:
+                    conn = conns[0][0]
+                    for i, data in enumerate(batch):
+                        conn.data_received(data)
+                        if i % 64 == 63:
+                            await asyncio.sleep(0)  # a loop turn: the access log is written
+                    await asyncio.sleep(0)
+                    return
+                # One request per connection in flight, as wrk -c50 keeps them; the next
+                # round starts when every answer of this one is written.
+                for start in range(0, len(batch), width):
+                    chunk = batch[start : start + width]
+                    waiting = Round(len(chunk))
+                    for (conn, transport), data in zip(conns, chunk, strict=False):
+                        transport.round = waiting
+                        conn.data_received(data)
+                    try:
+                        await asyncio.wait_for(waiting.done, 60)
+                    except TimeoutError:
+                        missing = f"{kind}: {waiting.left} answers missing after 60 s"
+                        raise SystemExit(missing) from None
+
+            await feed(requests(kind, WARM))
             batch = requests(kind, count)
-            before = transport.written
+            before = sum(t.written for _, t in conns)
             started = time.process_time()
-            for i, data in enumerate(batch):
-                conn.data_received(data)
-                if i % 64 == 63:
-                    await asyncio.sleep(0)  # a loop turn: the access log's batch is written
+            await feed(batch)
             await asyncio.sleep(0)
             cpu = time.process_time() - started
-            answered = transport.written - before
+            answered = sum(t.written for _, t in conns) - before
             want = b"HTTP/1.1 429" if kind == "flood" else b"HTTP/1.1 200"
-            if answered != count or not transport.last.startswith(want):
-                raise SystemExit(f"{kind}: {answered} of {count} answered, last {transport.last!r}")
+            last = conns[0][1].last
+            if answered != count or not last.startswith(want):
+                raise SystemExit(f"{kind}: {answered} of {count} answered, last {last!r}")
             return {"cpu_s": cpu, "answered": answered}
         finally:
             await proxy.stop(1)
@@ -225,7 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kinds", default="proxied,flood", help="proxied, flood")
+    parser.add_argument("--kinds", default="proxied,flood", help=", ".join(KINDS))
     parser.add_argument(
         "--gateway-src",
         action="append",
@@ -253,11 +307,47 @@ def main() -> None:
     n1 = n2 // 3
     kinds = [k for k in args.kinds.split(",") if k]
     unit = "instructions/request" if callgrind else "CPU µs/request"
+    redis = start_redis() if "redis" in kinds else None
+    try:
+        table(kinds, sources, n1, n2, callgrind, unit)
+    finally:
+        if redis is not None:
+            redis.terminate()
+            redis.wait(10)
+
+
+def start_redis() -> subprocess.Popen[bytes]:
+    """A redis-server of the harness's own on a free loopback port (never 6379)."""
+    server = shutil.which("redis-server")
+    if server is None:
+        raise SystemExit("the redis kind needs redis-server (Debian: apt-get install redis-server)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as conn:
+            if conn.connect_ex(("127.0.0.1", port)) == 0:
+                os.environ["INSTRUCTIONS_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+                return proc
+        time.sleep(0.05)
+    proc.terminate()
+    raise SystemExit("redis-server did not start")
+
+
+def table(
+    kinds: list[str], sources: list[tuple[str, Path]], n1: int, n2: int, callgrind: bool, unit: str
+) -> None:
     print(f"| kind | {' | '.join(label for label, _ in sources)} |  ({unit})")
     print("|---|" + "---:|" * len(sources))
     for kind in kinds:
-        if kind not in ("proxied", "flood"):
-            raise SystemExit(f"unknown kind {kind!r} (proxied, flood)")
+        if kind not in KINDS:
+            raise SystemExit(f"unknown kind {kind!r} ({', '.join(KINDS)})")
         cells = []
         for label, src in sources:
             print(f"  {kind} / {label} ...", file=sys.stderr, flush=True)
