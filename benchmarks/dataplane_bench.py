@@ -1,6 +1,8 @@
 """The data-plane comparison table, side by side in one run: Envoy, a minimal aiohttp
 proxy, the gateway (in-process and Redis counters), floods of over-limit requests, two
-workers, and a streamed 10 MB body — same upstream, same load, same CPU pinning.
+workers, a streamed 10 MB body, and a reference relay of ~300 lines
+(``benchmarks/reference_relay.py``: what Python itself does here, without the product's
+features) — same upstream, same load, same CPU pinning.
 
     .venv/bin/python benchmarks/dataplane_bench.py [--seconds 6] [--warmup 2]
         [--connections 50] [--rows envoy,gateway-memory,...] [--out benchmarks/results]
@@ -52,6 +54,7 @@ from benchmarks.machine import describe, machine_info  # noqa: E402
 PYTHON = sys.executable
 LUA = BENCH / "wrk" / "keys.lua"
 SERVERS = BENCH / "dataplane_servers.py"
+RELAY = BENCH / "reference_relay.py"
 LOADGEN = BENCH / "dataplane_load.py"
 IDENTITY_SECRET = "dataplane-bench-identity-secret0"  # 32 characters
 BIG_BYTES = 10_000_000  # the streamed body: 10 MB
@@ -164,8 +167,9 @@ class RowSpec:
     name: str  # what --rows selects
     title: str
     kind: str  # proxy | flood | stream
-    target: str  # envoy | aiohttp | bare | gateway
-    counters: str | None = None  # memory | redis (gateway rows)
+    target: str  # envoy | aiohttp | bare | gateway | relay
+    # memory | redis (gateway rows); memory | redis-pipelined | redis-awaited (relay rows)
+    counters: str | None = None
     workers: int = 1
     path: str = "/bench"
     keys: int = KEYS  # 1: one fixed key
@@ -221,6 +225,37 @@ ROWS = [
         "gateway",
         "redis",
         workers=2,
+    ),
+    # What Python itself does here: benchmarks/reference_relay.py, no product features.
+    RowSpec(
+        "relay-memory",
+        "reference: ~300-line relay (Protocols + httptools), dict window",
+        "proxy",
+        "relay",
+        "memory",
+    ),
+    RowSpec(
+        "relay-redis-pipelined",
+        "reference: the relay, one EVALSHA per request, one pipeline per loop turn",
+        "proxy",
+        "relay",
+        "redis-pipelined",
+    ),
+    RowSpec(
+        "relay-redis-awaited",
+        "reference: the relay, one EVALSHA per request awaited (redis-py asyncio)",
+        "proxy",
+        "relay",
+        "redis-awaited",
+    ),
+    RowSpec(
+        "flood-relay",
+        "flood: the reference relay refusing from its dict window",
+        "flood",
+        "relay",
+        "memory",
+        path="/flood",
+        keys=1,
     ),
     RowSpec("stream-envoy", "10 MB streamed body: Envoy", "stream", "envoy", path="/big"),
     RowSpec(
@@ -642,6 +677,14 @@ class Bench:
                 lambda: http_ok(f"http://127.0.0.1:{admin}/ready") and tcp_open(port),
                 "envoy",
             )
+        elif row.target == "relay":
+            counters = row.counters or "memory"
+            cmd = [PYTHON, str(RELAY), str(port), upstream, counters]
+            if counters.startswith("redis"):
+                redis_call(self.redis_port, "FLUSHALL")
+                cmd.append(f"redis://127.0.0.1:{self.redis_port}/0")
+            proc = self.procs.start(tag, cmd, cpus)
+            self.procs.wait_ready(proc, lambda: tcp_open(port), "reference relay")
         elif row.target in ("aiohttp", "bare"):
             kind = "proxy" if row.target == "aiohttp" else "flood"
             cmd = [PYTHON, str(SERVERS), kind, str(port)] + ([upstream] if kind == "proxy" else [])
@@ -799,7 +842,7 @@ class Bench:
     def run(self) -> list[Result]:
         wanted = self.selected_rows()
         self.start_nginx()
-        if any(r.counters == "redis" for r in wanted):
+        if any((r.counters or "").startswith("redis") for r in wanted):
             self.start_redis()
         results = []
         for row in wanted:
