@@ -295,8 +295,8 @@ class Relay:
                         via = []
                     via.append(value)
                     continue
-                elif action == _DROP or rate_lines:
-                    continue  # (_RATE: the gateway's own fields replace the upstream's)
+                elif action == _DROP or (action == _RATE and rate_lines):
+                    continue  # (RateLimit fields: the gateway's own replace the upstream's)
             append(name + b": " + value + CRLF)
         if tokens:
             # Rare: names listed in Connection are hop-by-hop for this response.
