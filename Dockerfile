@@ -8,10 +8,15 @@
 # in-process counters. Sidecar / Redis / several regions: see docs/deployment.md.
 
 # --- build: install the project and its dependencies into a virtualenv -----------------
+# gcc compiles the data plane's hot modules (mypyc, setup.py); the runtime image needs no
+# compiler.
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY gateway ./gateway
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --upgrade pip \

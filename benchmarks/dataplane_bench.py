@@ -542,6 +542,21 @@ def git_describe(src: Path) -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+def build_of(src: Path) -> str:
+    """Whether that checkout's data plane runs compiled (setup.py) or interpreted."""
+    probe = (
+        "import importlib.util as u\n"
+        "if u.find_spec('gateway.native') is None: print('interpreted')\n"
+        "else:\n import gateway.native as n\n c = n.compiled_modules()\n"
+        " print(f'compiled {len(c)}/{len(n.HOT_MODULES)}' if c else 'interpreted')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(src)), cwd=str(src), check=False,
+    )  # fmt: skip
+    return done.stdout.strip() or "unknown"
+
+
 def run_text(cmd: list[str]) -> str:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
@@ -1047,7 +1062,7 @@ def main() -> None:
         f"{versions['load_generator']}: -t1 -c{args.connections} (streamed rows -c"
         f"{STREAM_CONNECTIONS}), {args.warmup} s warm-up then {args.seconds} s measured per row"
     )
-    commits = {src: git_describe(src) for _, src in bench.sources}
+    commits = {src: f"{git_describe(src)} ({build_of(src)})" for _, src in bench.sources}
     header_lines = [
         f"machine: {describe()}",
         "gateway: "

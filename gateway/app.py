@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from gateway import __version__
+from gateway import __version__, native
 from gateway.counters.base import CounterBackend
 from gateway.counters.memory import MemoryBackend
 from gateway.metrics import (
@@ -339,7 +339,7 @@ def wait_for_stop(
 
 def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: str = "") -> None:
     table = rules.table
-    log.info("ratelimit-gateway %s%s", __version__, worker)
+    log.info("ratelimit-gateway %s%s; %s", __version__, worker, native.describe())
     log.info(
         "rules: %d rules from %s (table %s)%s",
         len(table.rules),

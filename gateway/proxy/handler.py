@@ -19,7 +19,7 @@ from gateway import __version__
 from gateway.counters.base import CounterBackend
 from gateway.metrics import CounterChild, HistogramChild, Metrics
 from gateway.policy.matcher import select
-from gateway.policy.model import IdentityKind
+from gateway.policy.model import IdentityKind, RuleTable
 from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
 from gateway.proxy.reload import RuleSource
@@ -124,7 +124,7 @@ class Gateway:
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
     _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
-    _refusals_table: object = None
+    _refusals_table: RuleTable | None = None
 
     # --- the synchronous part: everything up to the rate-limit decision
 

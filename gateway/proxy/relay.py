@@ -10,7 +10,7 @@ response head. Replaces aiohttp's client and ``StreamResponse`` on the proxy pat
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.proxy.request import Incoming
 from gateway.proxy.upstream_pool import UpstreamConnection
@@ -18,7 +18,6 @@ from gateway.proxy.wire import CHUNKED_END, CLOSE, CRLF, chunk, date_line, statu
 
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
-    from gateway.proxy.server import ClientConnection
     from gateway.proxy.upstream_pool import Upstream
 
 log = logging.getLogger("gateway.proxy")
@@ -189,6 +188,19 @@ def _line_name(line: bytes) -> bytes:
     return line.split(b":", 1)[0].lower()
 
 
+class ClientSide(Protocol):
+    """What a Relay asks of the client connection it answers (``ClientConnection``)."""
+
+    def write(self, data: bytes) -> None: ...
+    def set_paused(self, reason: str, paused: bool) -> None: ...
+    def body_sink_ready(self) -> None: ...
+    def keep_alive_after(self, req: Incoming) -> bool: ...
+    def forward_head(self, relay: Relay) -> None: ...
+    def response_progress(self) -> None: ...
+    def forward_done(self, relay: Relay, outcome: int) -> None: ...
+    def forward_failed(self, relay: Relay, exc: BaseException) -> None: ...
+
+
 class Relay:
     """The response side of one forwarded request (a ``ResponseSink``).
 
@@ -206,7 +218,7 @@ class Relay:
 
     def __init__(
         self,
-        conn: ClientConnection,
+        conn: ClientSide,
         req: Incoming,
         upstream: Upstream,
         metrics: Metrics,

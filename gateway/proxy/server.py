@@ -402,13 +402,16 @@ class ClientConnection(asyncio.Protocol):
             return
         self.draining = True
         try:
-            while self.active is None and self.pipeline and not self.lost:
+            # (_idle() here and below, not "self.active is None": type narrowing takes
+            # that for always true after the assignment above, and compiled code trusts
+            # narrowing, so _start setting it would be an error there)
+            while self._idle() and self.pipeline and not self.lost:
                 self._start(self.pipeline.popleft())
                 if "pipeline" in self.paused and len(self.pipeline) < MAX_PIPELINED:
                     self.set_paused("pipeline", False)
         finally:
             self.draining = False
-        if self.active is None:
+        if self._idle():
             if self.paused:
                 # Pauses that belonged to the request just answered end with it.
                 self.paused.discard("buffer")
@@ -423,6 +426,9 @@ class ClientConnection(asyncio.Protocol):
             else:  # the rest of an answered request's body is being read and dropped
                 self.deadline = 0.0
                 self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+
+    def _idle(self) -> bool:
+        return self.active is None
 
     def keep_alive_after(self, req: Incoming) -> bool:
         # While stopping, requests already read (pipelined) are still answered; the last

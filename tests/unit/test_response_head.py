@@ -9,6 +9,7 @@ import pytest
 
 from gateway.proxy.relay import Relay
 from gateway.proxy.request import Incoming
+from gateway.proxy.upstream_pool import Upstream
 
 RATE = b'RateLimit-Policy: "r";q=10;w=60\r\nRateLimit: "r";r=9;t=60\r\n'
 
@@ -27,7 +28,8 @@ def head(headers: list[tuple[bytes, bytes]], rate: bytes = RATE, status: int = 2
     req = Incoming()
     req.rate_lines = rate
     req.request_id = "rid-1"
-    relay = Relay(Client(), req, None, None)  # type: ignore[arg-type]
+    upstream = Upstream("default", "http://127.0.0.1:9")
+    relay = Relay(Client(), req, upstream, None)  # type: ignore[arg-type]
     relay.response_head(status, b"OK", headers, True)
     text = b"".join(relay.out).decode()
     assert text.endswith("\r\n\r\n")

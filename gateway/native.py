@@ -1,0 +1,67 @@
+"""Which of the data plane's hot modules run compiled (mypyc, see setup.py), and whether
+any compiled one is older than its source (edited since the last install: the old code
+would run). ``gateway serve`` logs both at start-up."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib.machinery import EXTENSION_SUFFIXES
+
+# setup.py compiles these (it reads this list; this module imports nothing but the
+# standard library so that it can).
+HOT_MODULES = (
+    "gateway.proxy.server",
+    "gateway.proxy.handler",
+    "gateway.proxy.relay",
+    "gateway.proxy.request",
+    "gateway.proxy.wire",
+    "gateway.proxy.access_log",
+    "gateway.proxy.upstream_pool",
+    "gateway.proxy.request_id",
+    "gateway.ratelimit.decision",
+    "gateway.ratelimit.limiter",
+    "gateway.ratelimit.identity",
+    "gateway.ratelimit.window",
+    "gateway.counters.memory",
+    "gateway.policy.matcher",
+    "gateway.policy.paths",
+)
+
+
+def module_file(name: str) -> str:
+    return str(getattr(importlib.import_module(name), "__file__", "") or "")
+
+
+def is_compiled(name: str) -> bool:
+    return module_file(name).endswith(tuple(EXTENSION_SUFFIXES))
+
+
+def compiled_modules() -> list[str]:
+    return [name for name in HOT_MODULES if is_compiled(name)]
+
+
+def stale_modules() -> list[str]:
+    """Compiled modules whose .py beside them changed after they were built."""
+    stale = []
+    for name in compiled_modules():
+        built = module_file(name)
+        source = os.path.join(os.path.dirname(built), name.rsplit(".", 1)[1] + ".py")
+        if os.path.exists(source) and os.path.getmtime(source) > os.path.getmtime(built):
+            stale.append(name)
+    return stale
+
+
+def describe() -> str:
+    """One line for the start-up log."""
+    compiled = compiled_modules()
+    if not compiled:
+        return "data plane: interpreted (not compiled; see setup.py to compile it)"
+    text = f"data plane: compiled with mypyc ({len(compiled)} of {len(HOT_MODULES)} modules)"
+    stale = stale_modules()
+    if stale:
+        text += (
+            f"; WARNING: {', '.join(stale)} changed since it was compiled and runs the old "
+            "code: install again (pip install -e .)"
+        )
+    return text

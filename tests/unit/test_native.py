@@ -1,0 +1,43 @@
+"""What the start-up log says about the compiled data plane (gateway/native.py)."""
+
+from __future__ import annotations
+
+import os
+import runpy
+from pathlib import Path
+
+from gateway import native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_setup_compiles_exactly_the_listed_modules_and_they_exist() -> None:
+    listed = runpy.run_path(str(ROOT / "gateway" / "native.py"))["HOT_MODULES"]
+    for name in listed:
+        assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+    assert "gateway/native.py" in (ROOT / "setup.py").read_text()
+
+
+def test_the_start_up_line_says_what_runs_and_flags_a_stale_build(tmp_path: Path) -> None:
+    compiled = native.compiled_modules()
+    text = native.describe()
+    # The install compiles every hot module unless told not to (setup.py): a build that
+    # fell back to interpreted code without being asked to fails here.
+    if os.environ.get("GATEWAY_COMPILE", "1") != "0":
+        assert compiled == list(native.HOT_MODULES), text
+        assert f"compiled with mypyc ({len(compiled)} of {len(native.HOT_MODULES)}" in text
+        # A source edited after its build: the line says the old code runs.
+        source = Path(native.module_file(compiled[0])).with_name(
+            compiled[0].rsplit(".", 1)[1] + ".py"
+        )
+        built = os.path.getmtime(native.module_file(compiled[0]))
+        before = os.path.getmtime(source)
+        os.utime(source, (before, built + 10))
+        try:
+            assert native.stale_modules() == [compiled[0]]
+            assert "changed since it was compiled" in native.describe()
+        finally:
+            os.utime(source, (before, before))
+    else:
+        assert text.startswith("data plane: interpreted")
+        assert native.stale_modules() == []
