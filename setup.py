@@ -35,13 +35,13 @@ class OptionalBuildExt(build_ext):
     def run(self) -> None:
         try:
             super().run()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
+        except Exception as exc:  # any compiler failure: fall back
             _fallback_warning(exc)
 
     def build_extension(self, ext):  # type: ignore[no-untyped-def]
         try:
             super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             _fallback_warning(exc)
 
 
@@ -67,7 +67,7 @@ def _ext_modules() -> list[object]:
     options = ["--ignore-missing-imports", "--allow-subclassing-any", "--allow-untyped-calls"]
     try:
         return list(mypycify([*options, *HOT_MODULES], opt_level="3", debug_level="1"))
-    except BaseException as exc:  # noqa: BLE001 - mypyc exits on type errors
+    except BaseException as exc:  # mypyc exits (SystemExit) on type errors
         _fallback_warning(exc)
         return []
 
