@@ -24,8 +24,7 @@ from setuptools.command.build_ext import build_ext
 # The modules every proxied or refused request runs through, as gateway/native.py lists
 # them for the start-up log (read from there: one list).
 HOT_MODULES = [
-    name.replace(".", "/") + ".py"
-    for name in runpy.run_path("gateway/native.py")["HOT_MODULES"]
+    name.replace(".", "/") + ".py" for name in runpy.run_path("gateway/native.py")["HOT_MODULES"]
 ]
 
 
