@@ -14,6 +14,7 @@ interpreted, only slower. ``gateway serve`` logs which of the two it runs.
 
 from __future__ import annotations
 
+import glob
 import os
 import runpy
 import sys
@@ -53,7 +54,21 @@ def _fallback_warning(exc: BaseException) -> None:
     )
 
 
+def _remove_old_builds() -> None:
+    """An editable install leaves compiled modules beside their sources; they are removed
+    first, so a build that falls back to interpreted code never runs an older compile."""
+    for old in glob.glob("gateway/**/*.cpython-*", recursive=True) + glob.glob("*__mypyc.*"):
+        os.remove(old)
+
+
+# setup.py also runs for metadata only (pip asks for it first): no compiling then.
+_METADATA_ONLY = {"egg_info", "dist_info", "sdist", "--version", "--name"}
+
+
 def _ext_modules() -> list[object]:
+    if set(sys.argv[1:2]) <= _METADATA_ONLY and len(sys.argv) > 1:
+        return []
+    _remove_old_builds()
     if os.environ.get("GATEWAY_COMPILE", "1") == "0":
         return []
     try:

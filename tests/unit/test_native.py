@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import runpy
 from pathlib import Path
@@ -41,3 +42,24 @@ def test_the_start_up_line_says_what_runs_and_flags_a_stale_build(tmp_path: Path
     else:
         assert text.startswith("data plane: interpreted")
         assert native.stale_modules() == []
+
+
+def test_compiled_modules_never_await_inside_except_or_finally() -> None:
+    """Compiled (mypyc) coroutines that await inside an ``except`` or ``finally`` block
+    can raise the exception being handled again after the await: a NOSCRIPT reply once
+    failed its own retry that way. The compiled modules keep such awaits out."""
+    found = []
+    for name in native.HOT_MODULES:
+        path = ROOT / (name.replace(".", "/") + ".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            blocks = []
+            if isinstance(node, ast.ExceptHandler):
+                blocks.append(node.body)
+            if isinstance(node, ast.Try):
+                blocks.append(node.finalbody)
+            for block in blocks:
+                for statement in block:
+                    for inner in ast.walk(statement):
+                        if isinstance(inner, ast.Await | ast.AsyncWith | ast.AsyncFor):
+                            found.append(f"{path.relative_to(ROOT)}:{inner.lineno}")
+    assert found == []
