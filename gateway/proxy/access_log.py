@@ -12,10 +12,12 @@ and none is computed with the log off.
 
 Lines are formatted with one f-string each and written in batches: ``emit`` appends to a
 buffer, and the buffer goes out as ONE record of the ``gateway.access`` logger (its message
-is the lines joined by newlines) at the end of the event loop's current turn, when it
-holds ``max_batch`` lines, or on ``flush()`` (the app calls it when it stops): a logging
-call per request was about a tenth of the time spent refusing a flood of requests.
-Outside an event loop (command-line tools) every line is written at once.
+is the lines joined by newlines) ``flush_seconds`` (50 ms) after its first line, as soon as
+it holds ``max_batch`` lines, or on ``flush()`` (the app calls it when it stops): a logging
+call per request was about a tenth of the time spent refusing a flood of requests, and
+one per event-loop turn still about 5 % of a proxied request's (a few requests end per
+turn; ``benchmarks/README.md``, "Compiled data plane"). Outside an event loop
+(command-line tools) every line is written at once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ log = logging.getLogger("gateway.access")
 _IP, _API_KEY, _USER_IP = IdentityKind.IP, IdentityKind.API_KEY, IdentityKind.USER_IP
 
 MAX_BATCH = 256
+FLUSH_SECONDS = 0.05  # the longest a line waits in the buffer
 RECENT_LIMITED = 200  # refusals the operator console lists, newest last
 
 
@@ -197,9 +200,12 @@ class AccessLogger:
     """Formats access records (``mode``: ``plain``, ``json`` or ``off``) and writes them
     through the ``gateway.access`` logger in batches."""
 
-    def __init__(self, mode: str, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self, mode: str, max_batch: int = MAX_BATCH, flush_seconds: float = FLUSH_SECONDS
+    ) -> None:
         self.mode = mode
         self.max_batch = max_batch
+        self.flush_seconds = flush_seconds
         self._format = json_line if mode == "json" else plain_line
         self._lines: list[str] = []
         self._flush_scheduled = False
@@ -213,7 +219,7 @@ class AccessLogger:
         )
 
     def emit(self, record: AccessRecord) -> None:
-        """Format the record now; write it at the end of this loop turn at the latest."""
+        """Format the record now; write it within ``flush_seconds`` at the latest."""
         now = time.time()  # one clock read for the console, the line's time and start_us
         if record.decision == "limited":
             self.recent_limited.append((now, record.region, record.rule, record.identity))
@@ -253,7 +259,7 @@ class AccessLogger:
             except RuntimeError:  # no event loop: a command-line tool
                 self.flush()
                 return
-            loop.call_soon(self.flush)
+            loop.call_later(self.flush_seconds, self.flush)
             self._flush_scheduled = True
 
     def flush(self) -> None:

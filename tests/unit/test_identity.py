@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import pytest
 
 from gateway.policy.model import IdentityKind
@@ -74,3 +77,15 @@ def test_hash_is_keyed_and_never_contains_the_key():
 def test_bad_cidr_is_a_clear_error():
     with pytest.raises(ValueError, match="bad trusted-proxy CIDR 'ten'"):
         ClientAddressPolicy.parse(["ten"])
+
+
+@pytest.mark.parametrize("secret_length", [16, 32, 63, 64, 65, 200])
+def test_identity_hashes_are_hmac_sha256_of_kind_and_value(secret_length: int) -> None:
+    secret = bytes(range(256))[:secret_length]
+    hasher = IdentityHasher(secret)
+    for kind in IdentityKind:
+        for value in ["", "k", "sk-" + "x" * 300, "bob\0198.51.100.7", "ключ"]:
+            expected = hmac.new(
+                secret, kind.value.encode() + b"\0" + value.encode(), hashlib.sha256
+            ).hexdigest()[:32]
+            assert hasher.digest(kind, value) == expected

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.metrics import Metrics
 from gateway.proxy.relay import Relay
 from gateway.proxy.request import Incoming
 from gateway.proxy.upstream_pool import Upstream
@@ -29,7 +30,7 @@ def head(headers: list[tuple[bytes, bytes]], rate: bytes = RATE, status: int = 2
     req.rate_lines = rate
     req.request_id = "rid-1"
     upstream = Upstream("default", "http://127.0.0.1:9")
-    relay = Relay(Client(), req, upstream, None)  # type: ignore[arg-type]
+    relay = Relay(Client(), req, upstream, Metrics())
     relay.response_head(status, b"OK", headers, True)
     text = b"".join(relay.out).decode()
     assert text.endswith("\r\n\r\n")
