@@ -77,8 +77,12 @@ def _ext_modules() -> list[object]:
         _fallback_warning(exc)
         return []
     # The build environment has mypy but not the project's dependencies: their types are
-    # not needed to compile these modules (they are called through the Python API).
-    options = ["--ignore-missing-imports", "--allow-subclassing-any", "--allow-untyped-calls"]
+    # not needed to compile these modules (they are called through the Python API). No
+    # mypy cache either: a checkout's .mypy_cache (from mypy runs with the dependencies
+    # installed) would make a local build succeed where a clean one fails.
+    # Not --allow-subclassing-any: a compiled class whose base is such an unknown type
+    # is miscompiled (it crashed at run time), so that must fail the build instead.
+    options = ["--ignore-missing-imports", "--allow-untyped-calls", "--cache-dir", os.devnull]
     try:
         return list(mypycify([*options, *HOT_MODULES], opt_level="3", debug_level="1"))
     except BaseException as exc:  # mypyc exits (SystemExit) on type errors

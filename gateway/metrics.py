@@ -20,7 +20,7 @@ import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, mmap_dict, multiprocess
 from prometheus_client.metrics_core import (
@@ -261,8 +261,11 @@ class ScalarGauge(Family):
         return GaugeMetricFamily(self.name, self.documentation, value=float(self.value))
 
 
-class FamilyCollector(Collector):
-    """Exports a fixed list of families, in order, whenever the registry is collected."""
+class FamilyCollector:
+    """Exports a fixed list of families, in order, whenever the registry is collected.
+
+    A ``Collector`` by shape, not by subclassing: this module is compiled (mypyc), and a
+    compiled class cannot take prometheus-client's class as its base."""
 
     def __init__(self, families: Iterable[Family]) -> None:
         self._families = tuple(families)
@@ -364,7 +367,7 @@ class Metrics:
             self.rule_reloads, self.rules_loaded, self.rules_count, self.inflight,
         )  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(FamilyCollector(self.families))
+        self.registry.register(cast(Collector, FamilyCollector(self.families)))
 
     def child(self, metric: LabelledFamily[ChildT], *labels: str) -> ChildT:
         """``metric.labels(*labels)``: one dict lookup once the child exists. Kept so the

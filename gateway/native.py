@@ -50,7 +50,12 @@ def compiled_modules() -> list[str]:
 
 
 def stale_modules() -> list[str]:
-    """Compiled modules whose .py beside them changed after they were built."""
+    """Compiled modules whose .py beside them changed after they were built. Only in a
+    source checkout (an editable install: setup.py beside the package), where the .py is
+    what a developer edits; an installed wheel writes its files in no particular order."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(os.path.join(os.path.dirname(package), "setup.py")):
+        return []
     stale = []
     for name in compiled_modules():
         built = module_file(name)

@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
 from importlib.resources import files
-from typing import Any
+from typing import Any, TypeAlias
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -27,7 +27,7 @@ SCRIPT_RESOURCE = "sliding_window.lua"
 HEALTH_TIMEOUT_SECONDS = 1.0
 MAX_CACHED_CALLS = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
 
-RedisClient = Redis | RedisCluster
+RedisClient: TypeAlias = Redis | RedisCluster
 
 
 @lru_cache(maxsize=1)
