@@ -20,7 +20,7 @@ import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, mmap_dict, multiprocess
 from prometheus_client.metrics_core import (
@@ -106,25 +106,24 @@ class HistogramChild:
 ChildT = TypeVar("ChildT", CounterChild, GaugeChild, HistogramChild)
 
 
-class Family:
-    """A metric as Prometheus sees it: a name, a help text, label names, a type."""
+class Family(Protocol):
+    """A metric as Prometheus sees it: a name, a help text, label names, a type. (A
+    protocol, not a base class: ScalarGauge is a gauge child too, and compiled classes
+    take one base.)"""
 
-    __slots__ = ()
-    kind: ClassVar[str]
+    kind: str  # counter, gauge, histogram
     name: str
     documentation: str
     labelnames: tuple[str, ...]
 
     def export(self) -> Metric:
         """The metric family with every current sample (called at scrape time)."""
-        raise NotImplementedError
 
     def describe(self) -> Metric:
         """The metric family without samples (for the registry's name checks)."""
-        raise NotImplementedError
 
 
-class LabelledFamily(Family, Generic[ChildT]):
+class LabelledFamily(Generic[ChildT]):
     """A metric with label names; ``labels(*values)`` gives (and keeps) one child per set of
     values."""
 
@@ -230,29 +229,19 @@ class Histogram(LabelledFamily[HistogramChild]):
         return family
 
 
-class ScalarGauge(Family):
+class ScalarGauge(GaugeChild):
     """A gauge without labels: the metric is its own (only) series, so ``inc``/``set`` on it
-    cost no lookup at all. (A gauge child's methods written again rather than inherited:
-    compiled modules allow one base class.)"""
+    cost no lookup at all."""
 
     kind = "gauge"
-    __slots__ = ("documentation", "mode", "name", "value")
+    __slots__ = ("documentation", "mode", "name")
     labelnames: tuple[str, ...] = ()
 
     def __init__(self, name: str, documentation: str, mode: str = "liveall") -> None:
-        self.value: float = 0.0
+        super().__init__()
         self.name = name
         self.documentation = documentation
         self.mode = mode  # as ``Gauge.mode``
-
-    def inc(self, amount: float = 1) -> None:
-        self.value += amount
-
-    def dec(self, amount: float = 1) -> None:
-        self.value -= amount
-
-    def set(self, value: float) -> None:
-        self.value = value
 
     def describe(self) -> Metric:
         return GaugeMetricFamily(self.name, self.documentation, labels=())
