@@ -37,6 +37,11 @@ CLIENT_ENV = {"GATEWAY_CONTROL_PLANE_URL"}
 ENV_NAME = re.compile(r"\bGATEWAY_[A-Z0-9_]+\b")
 
 
+def build_env_names() -> set[str]:
+    """The GATEWAY_* variables the build reads (setup.py: GATEWAY_COMPILE)."""
+    return set(ENV_NAME.findall((ROOT / "setup.py").read_text()))
+
+
 def setting_env_names() -> set[str]:
     """Every GATEWAY_* variable the gateway reads (config-file-only fields excluded:
     the environment cannot set them)."""
