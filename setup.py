@@ -18,6 +18,7 @@ import glob
 import os
 import runpy
 import sys
+from importlib.machinery import EXTENSION_SUFFIXES
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -30,19 +31,22 @@ HOT_MODULES = [
 
 
 class OptionalBuildExt(build_ext):
-    """Compile if possible; a failure leaves the interpreted modules in place."""
+    """Compile if possible. On any failure every compiled output is removed, so that no
+    module is left compiled beside a missing shared library: all interpreted, or all
+    compiled."""
 
     def run(self) -> None:
         try:
             super().run()
         except Exception as exc:  # any compiler failure: fall back
             _fallback_warning(exc)
-
-    def build_extension(self, ext):  # type: ignore[no-untyped-def]
-        try:
-            super().build_extension(ext)
-        except Exception as exc:
-            _fallback_warning(exc)
+            for ext in self.extensions:
+                for path in (
+                    self.get_ext_fullpath(ext.name),
+                    os.path.join(self.build_lib, self.get_ext_filename(ext.name)),
+                ):
+                    if os.path.exists(path):
+                        os.remove(path)
 
 
 def _fallback_warning(exc: BaseException) -> None:
@@ -57,8 +61,11 @@ def _fallback_warning(exc: BaseException) -> None:
 def _remove_old_builds() -> None:
     """An editable install leaves compiled modules beside their sources; they are removed
     first, so a build that falls back to interpreted code never runs an older compile."""
-    for old in glob.glob("gateway/**/*.cpython-*", recursive=True) + glob.glob("*__mypyc.*"):
-        os.remove(old)
+    for suffix in EXTENSION_SUFFIXES:
+        for old in glob.glob(f"gateway/**/*{suffix}", recursive=True):
+            os.remove(old)
+        for old in glob.glob(f"*__mypyc{suffix}"):
+            os.remove(old)
 
 
 # setup.py also runs for metadata only (pip asks for it first): no compiling then.

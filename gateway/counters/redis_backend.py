@@ -120,7 +120,6 @@ class RedisBackend:
             return HitResult(True, (), source="redis"), 0
         call = self._call(checks)
         self.round_trips += 1
-        reply: Any = None
         try:
             reply = await self._evalsha(call)
         except NoScriptError:
