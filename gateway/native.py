@@ -32,6 +32,7 @@ HOT_MODULES = (
     "gateway.counters.resilient",
     "gateway.counters.coalesce",
     "gateway.counters.redis_backend",
+    "gateway.counters.resp",
     "gateway.proxy.plane",
     "gateway.metrics",
 )

@@ -4,9 +4,11 @@
 ``DenyCacheBackend(ResilientBackend(CoalescingBackend(RedisBackend)))``. For a Redis
 Cluster the middle of it is built once per master (``PerNodeBackend``), so a master
 that is down or hung opens only its own breaker: keys on the other masters keep
-being counted in Redis. Nothing here connects: redis-py connects on first use and
-the script is loaded on the first ``NOSCRIPT``, so the factory may run before the
-event loop does.
+being counted in Redis. One server (``redis://``, ``rediss://``, ``unix://``) is
+reached over the lean ``RespClient`` (``gateway/counters/resp.py``), Sentinel and
+Cluster over redis-py. Nothing here connects: both connect on first use and the
+script is loaded on the first ``NOSCRIPT``, so the factory may run before the event
+loop does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gateway.counters.deny_cache import DenyCacheBackend, monotonic_ms
 from gateway.counters.memory import MemoryBackend
 from gateway.counters.redis_backend import RedisBackend
 from gateway.counters.resilient import CLOSED, HALF_OPEN, OPEN, ResilientBackend
+from gateway.counters.resp import RespClient, tls_context
 
 MAX_URL_LENGTH = 2048
 MAX_CONNECTIONS = 32
@@ -252,6 +255,34 @@ def _connection_kwargs(parsed: CounterUrl) -> dict[str, Any]:
             else:
                 kwargs[key] = value
     return kwargs
+
+
+def store_client(parsed: CounterUrl) -> RespClient | Redis | RedisCluster:
+    """The client the counter path uses: the lean ``RespClient`` for one server
+    (``redis://``, ``rediss://``, ``unix://``), redis-py for Sentinel and Cluster."""
+    if parsed.scheme not in ("redis", "rediss", "unix"):
+        return redis_client(parsed)
+    tls = None
+    if parsed.tls:
+        tls_kwargs = _connection_kwargs(parsed)  # checks the files, as for redis-py
+        tls = tls_context(
+            ca_certs=tls_kwargs.get("ssl_ca_certs"),
+            certfile=tls_kwargs.get("ssl_certfile"),
+            keyfile=tls_kwargs.get("ssl_keyfile"),
+            cert_reqs=tls_kwargs.get("ssl_cert_reqs", "required"),
+            check_hostname=tls_kwargs.get("ssl_check_hostname", True),
+        )
+    host, port = parsed.hosts[0] if parsed.hosts else ("", 0)
+    return RespClient(
+        host=host,
+        port=port,
+        path=parsed.path if parsed.scheme == "unix" else "",
+        tls=tls,
+        username=parsed.username,
+        password=parsed.password,
+        db=parsed.db,
+        connect_timeout=SOCKET_TIMEOUT_SECONDS,
+    )
 
 
 def redis_client(parsed: CounterUrl) -> Redis | RedisCluster:
@@ -506,7 +537,7 @@ def open_counter_backend(
             events=store_events,
         )
 
-    client = redis_client(parsed)
+    client = store_client(parsed)
     resilient: CounterBackend
     if isinstance(client, RedisCluster):
         resilient = PerNodeBackend(client, build, name=name, events=events)

@@ -22,6 +22,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.counters.base import HitResult, LimitCheck, LimitState
+from gateway.counters.resp import RespClient, pack, reply_error
 
 SCRIPT_RESOURCE = "sliding_window.lua"
 HEALTH_TIMEOUT_SECONDS = 1.0
@@ -84,14 +85,18 @@ class _Call:
 
 
 class RedisBackend:
-    """A ``CounterBackend`` on one redis-py asyncio client (standalone or cluster).
+    """A ``CounterBackend`` on one client: the lean ``RespClient`` (standalone servers)
+    or a redis-py asyncio client (Sentinel, Cluster).
 
     ``hit_many`` sends several requests' checks in one pipeline (one round trip per
     node); ``CoalescingBackend`` uses it to batch concurrent requests.
     """
 
-    def __init__(self, client: RedisClient, *, name: str, close_client: bool = True) -> None:
+    def __init__(
+        self, client: RedisClient | RespClient, *, name: str, close_client: bool = True
+    ) -> None:
         self._client = client
+        self._wire = client if isinstance(client, RespClient) else None
         self._name = name
         # False when several backends share one client (one per cluster master); the
         # owner closes it.
@@ -108,7 +113,7 @@ class RedisBackend:
         return self._name
 
     @property
-    def client(self) -> RedisClient:
+    def client(self) -> RedisClient | RespClient:
         return self._client
 
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
@@ -136,8 +141,12 @@ class RedisBackend:
         """One EVALSHA; an error reply raises. Standalone servers take the same lean
         round trip as a pipeline (``_direct_pipeline``)."""
         if self._cluster:
-            return await self._client.execute_command("EVALSHA", self._sha, *call.args)
-        reply = (await self._direct_pipeline([call]))[0]
+            cluster: Any = self._client
+            return await cluster.execute_command("EVALSHA", self._sha, *call.args)
+        if self._wire is not None:
+            reply = (await self._wire_pipeline(self._wire, [call]))[0]
+        else:
+            reply = (await self._direct_pipeline([call]))[0]
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -182,12 +191,31 @@ class RedisBackend:
 
     async def _pipeline(self, commands: Sequence[_Call]) -> list[Any]:
         self.round_trips += 1
+        if self._wire is not None:
+            return await self._wire_pipeline(self._wire, commands)
         if not self._cluster:
             return await self._direct_pipeline(commands)
-        pipe: Any = self._client.pipeline(transaction=False)
+        cluster: Any = self._client
+        pipe: Any = cluster.pipeline(transaction=False)
         for call in commands:
             pipe.execute_command("EVALSHA", self._sha, *call.args)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
+
+    async def _wire_pipeline(self, wire: RespClient, commands: Sequence[_Call]) -> list[Any]:
+        """The EVALSHA calls in one write on the lean connection; an error reply is that
+        call's result alone (``NoScriptError`` for a script the server lost)."""
+        sha = self._sha
+        wire_bytes: list[bytes] = []
+        for call in commands:
+            packed = call.packed
+            if packed is None:
+                packed = call.packed = pack(("EVALSHA", sha, *call.args))
+            wire_bytes.append(packed)
+        replies = await wire.call(b"".join(wire_bytes), len(wire_bytes))
+        for k, reply in enumerate(replies):
+            if isinstance(reply, ResponseError):
+                replies[k] = reply_error(reply)
         return replies
 
     async def _direct_pipeline(self, commands: Sequence[_Call]) -> list[Any]:
@@ -241,7 +269,12 @@ class RedisBackend:
         """Load the script (on every primary, for a cluster); normally done on demand."""
         self.round_trips += 1
         self.script_loads += 1
-        sha: Any = await self._client.script_load(script_text())
+        sha: Any
+        if self._wire is not None:
+            sha = await self._wire.command("SCRIPT", "LOAD", script_text())
+        else:
+            redis: Any = self._client
+            sha = await redis.script_load(script_text())
         if isinstance(sha, bytes):
             sha = sha.decode("ascii")
         if sha != self._sha:
@@ -270,10 +303,18 @@ class RedisBackend:
     async def healthy(self) -> bool:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_SECONDS):
-                return bool(await self._client.ping())
+                if self._wire is not None:
+                    return bool(await self._wire.command("PING") == b"PONG")
+                redis: Any = self._client
+                return bool(await redis.ping())
         except Exception:
             return False
 
     async def close(self) -> None:
-        if self._close_client:
-            await self._client.aclose()
+        if not self._close_client:
+            return
+        client = self._client
+        if isinstance(client, RespClient):
+            await client.close()
+        else:
+            await client.aclose()

@@ -19,6 +19,7 @@ from gateway.counters.factory import (  # noqa: E402
     open_counter_backend,
     parse_counter_url,
     redis_client,
+    store_client,
 )
 from gateway.counters.memory import MemoryBackend  # noqa: E402
 from gateway.counters.redis_backend import RedisBackend  # noqa: E402
@@ -51,7 +52,9 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 # The contract suite runs against each of these.
-BACKENDS = ("memory", "redis", "redis-stack", "cluster-stack")
+# "redis" is the script over redis-py (what Sentinel uses), "redis-wire" over the lean
+# connection (what redis://, rediss:// and unix:// use).
+BACKENDS = ("memory", "redis", "redis-wire", "redis-stack", "cluster-stack")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -63,6 +66,9 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[CounterBacken
     elif kind == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         made = RedisBackend(redis_client(parse_counter_url(server.url)), name="redis")
+    elif kind == "redis-wire":
+        server = request.getfixturevalue("redis_server")
+        made = RedisBackend(store_client(parse_counter_url(server.url)), name="redis")
     elif kind == "redis-stack":
         server = request.getfixturevalue("redis_server")
         made = open_counter_backend(server.url, region="us", timeout_seconds=2.0)

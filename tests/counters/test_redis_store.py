@@ -6,13 +6,19 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from gateway.counters.base import CounterBackend, LimitCheck
-from gateway.counters.factory import open_counter_backend, parse_counter_url, redis_client
+from gateway.counters.factory import (
+    open_counter_backend,
+    parse_counter_url,
+    redis_client,
+    store_client,
+)
 from gateway.counters.memory import MemoryBackend
 from gateway.counters.redis_backend import RedisBackend
 from tests.counters.helpers import keys_sharing_tag, new_key
@@ -43,6 +49,15 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     yield Store(backend, raw, [])
     await backend.close()
     await raw.aclose()
+
+
+# The script's callers over both clients: redis-py (Sentinel) and the lean connection.
+CLIENTS = {"redis-py": redis_client, "wire": store_client}
+
+
+@pytest.fixture(params=sorted(CLIENTS))
+def make_client(request: pytest.FixtureRequest) -> object:
+    return CLIENTS[request.param]
 
 
 async def stored_keys(raw: Redis | RedisCluster) -> set[str]:
@@ -107,8 +122,10 @@ async def test_script_matches_the_in_process_arithmetic(redis_server: RedisServe
         await redis.close()
 
 
-async def test_script_is_reloaded_after_script_flush(redis_server: RedisServer) -> None:
-    redis = RedisBackend(redis_client(parse_counter_url(redis_server.url)), name="redis")
+async def test_script_is_reloaded_after_script_flush(
+    redis_server: RedisServer, make_client: Any
+) -> None:
+    redis = RedisBackend(make_client(parse_counter_url(redis_server.url)), name="redis")
     try:
         check = LimitCheck(new_key(), limit=10, window_ms=1_000, bucket_ms=100)
         await redis.hit([check])
@@ -131,12 +148,12 @@ async def test_script_is_reloaded_after_script_flush(redis_server: RedisServer) 
 
 
 async def test_a_changed_limit_is_sent_though_the_key_is_the_same(
-    redis_server: RedisServer,
+    redis_server: RedisServer, make_client: Any
 ) -> None:
     # The backend keeps each identity's EVALSHA bytes while the limiter hands it the
     # same checks object; a reloaded rule hands new checks under the same key, and the
     # new limit must be what Redis applies, on the single-call and the pipeline path.
-    redis = RedisBackend(redis_client(parse_counter_url(redis_server.url)), name="redis")
+    redis = RedisBackend(make_client(parse_counter_url(redis_server.url)), name="redis")
     try:
         key = new_key()
         tight = [LimitCheck(key, limit=2, window_ms=60_000, bucket_ms=1_000)]
@@ -181,12 +198,12 @@ async def test_bad_checks_are_refused_before_reaching_redis(redis_server: RedisS
 
 
 async def test_pooled_connections_of_a_restarted_server_cost_no_failed_call(
-    own_redis: RedisServer,
+    own_redis: RedisServer, make_client: Any
 ) -> None:
     # The lean round trip (standalone servers) keeps redis-py's rule: a pooled connection
     # that died with its server is replaced once, so the first calls after a restart
     # succeed instead of failing (the script is loaded again on the new server too).
-    redis = RedisBackend(redis_client(parse_counter_url(own_redis.url)), name="redis")
+    redis = RedisBackend(make_client(parse_counter_url(own_redis.url)), name="redis")
     try:
         check = LimitCheck(new_key(), limit=10, window_ms=60_000, bucket_ms=1_000)
         assert (await redis.hit([check])).states[0].remaining == 9

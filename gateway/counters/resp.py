@@ -1,0 +1,317 @@
+"""A lean Redis connection for the counter path: an asyncio Protocol, replies parsed by hiredis.
+
+Why not redis-py here: for standalone servers (``redis://``, ``rediss://``, ``unix://``)
+the counter path sends pre-packed EVALSHA pipelines and reads back flat integer
+arrays, and redis-py's asyncio connection wraps each reply in a stream read, a parser
+call and its bookkeeping, and each round trip in a pool checkout and a retry wrapper:
+~67 us of CPU per round trip and ~1.8 us per reply, against ~31 and ~0.3 here
+(``benchmarks/README.md``, "Counter wire"; the Redis rows of ``dataplane_bench.py``).
+Sentinel and Cluster keep redis-py, which knows their topology.
+
+One connection carries every round trip: Redis answers in the order it was asked, so
+the replies are handed back in order (pipelining), and a round trip costs one write
+and the reads its replies arrive in. What redis-py's pool did for the counter path is
+kept:
+
+* a connection that died (a restarted server) is replaced once within the same call
+  when the call had been sent on a connection made before it, so the first calls after
+  a restart succeed;
+* a call given up while its replies are outstanding (its caller's hard bound ran out
+  on a hung server) drops the connection: the next call starts on a fresh one rather
+  than behind a reply that may never come;
+* connecting (TCP or Unix socket, TLS, ``AUTH``, ``SELECT``) is bounded by
+  ``connect_timeout``; reads are bounded by the caller around the whole round trip.
+
+Errors are redis-py's, so the resilience wrapper classifies them as before: a lost or
+refused connection is ``ConnectionError``, an error reply is ``ResponseError`` (``NoScriptError``
+for ``NOSCRIPT``), a failed ``AUTH`` is ``AuthenticationError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import Any, cast
+
+import hiredis
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    NoScriptError,
+    ResponseError,
+)
+
+__all__ = ["RespClient", "RespConnection", "pack", "reply_error", "tls_context"]
+
+
+def pack(args: tuple[str | int | bytes, ...]) -> bytes:
+    """One command in RESP, packed by hiredis (C)."""
+    packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]  # its stub says 1-tuple
+    return packed
+
+
+def reply_error(exc: ResponseError) -> Exception:
+    """The redis-py class for an error reply, by its code (only ``NOSCRIPT`` matters here)."""
+    text = str(exc)
+    if text.startswith("NOSCRIPT"):
+        return NoScriptError(text)
+    if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+        return AuthenticationError(text)
+    return exc
+
+
+class _Waiter:
+    """One round trip: how many replies it expects, and what has arrived."""
+
+    __slots__ = ("count", "future", "replies")
+
+    def __init__(self, future: asyncio.Future[list[Any]], count: int) -> None:
+        self.future = future
+        self.count = count
+        self.replies: list[Any] = []
+
+
+class RespConnection(asyncio.Protocol):
+    """One connection to a Redis server; ``request`` writes packed commands and returns
+    a future of their replies (error replies as ``ResponseError`` values, in place)."""
+
+    def __init__(self) -> None:
+        self._reader = hiredis.Reader(replyError=ResponseError)
+        self._waiting: deque[_Waiter] = deque()
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        reader.feed(data)
+        waiting = self._waiting
+        while True:
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError:
+                self.abort("the counter store sent a reply that is not RESP")
+                return
+            if reply is False:
+                return
+            if not waiting:
+                self.abort("the counter store sent a reply no one asked for")
+                return
+            waiter = waiting[0]
+            waiter.replies.append(reply)
+            if len(waiter.replies) == waiter.count:
+                waiting.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_result(waiter.replies)
+
+    def eof_received(self) -> bool | None:
+        return False  # close: the server hung up
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail("lost the connection to the counter store")
+
+    def request(self, data: bytes, count: int) -> asyncio.Future[list[Any]]:
+        """Send ``data`` (``count`` packed commands); the future gets their replies."""
+        future: asyncio.Future[list[Any]] = self._loop.create_future()
+        if self.closed or self._transport is None:
+            future.set_exception(ConnectionError("the connection to the counter store is closed"))
+            return future
+        self._waiting.append(_Waiter(future, count))
+        self._transport.write(data)
+        return future
+
+    def abort(self, why: str) -> None:
+        """Drop the connection now; every round trip in flight fails with ``why``."""
+        transport = self._transport
+        self._fail(why)
+        if transport is not None:
+            transport.abort()
+
+    def _fail(self, why: str) -> None:
+        self.closed = True
+        waiting = self._waiting
+        while waiting:
+            waiter = waiting.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(ConnectionError(why))
+
+
+def tls_context(
+    *,
+    ca_certs: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    cert_reqs: str = "required",
+    check_hostname: bool = True,
+) -> ssl.SSLContext:
+    """The client TLS context, with the same defaults and options as redis-py's."""
+    context = ssl.create_default_context()
+    verify = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+    mode = verify[cert_reqs]
+    context.check_hostname = check_hostname and mode != ssl.CERT_NONE
+    context.verify_mode = mode
+    if certfile or keyfile:
+        context.load_cert_chain(certfile=certfile or "", keyfile=keyfile)
+    if ca_certs:
+        context.load_verify_locations(cafile=ca_certs)
+    return context
+
+
+class RespClient:
+    """The connection to one standalone server, made on first use and replaced when lost.
+
+    ``host``/``port`` or ``path`` (a Unix socket); ``tls`` for ``rediss://``.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "",
+        port: int = 6379,
+        path: str = "",
+        tls: ssl.SSLContext | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        db: int = 0,
+        connect_timeout: float = 1.0,
+    ) -> None:
+        if not host and not path:
+            raise ValueError("a host or a socket path is needed")
+        self._host = host
+        self._port = port
+        self._path = path
+        self._tls = tls
+        self._username = username
+        self._password = password
+        self._db = db
+        self._connect_timeout = connect_timeout
+        self._conn: RespConnection | None = None
+        self._connecting: asyncio.Task[RespConnection] | None = None
+        self._closed = False
+        # Connections made, for tests and /info-style checks.
+        self.connects = 0
+
+    @property
+    def where(self) -> str:
+        """The address, for messages (never the credentials)."""
+        return f"unix://{self._path}" if self._path else f"{self._host}:{self._port}"
+
+    async def call(self, data: bytes, count: int) -> list[Any]:
+        """Send ``count`` packed commands and return their replies, in order.
+
+        An error reply is that command's entry (a ``ResponseError``); a lost connection
+        raises ``ConnectionError``, once more only when it also fails on a new one.
+        """
+        conn = self._conn
+        fresh = conn is None or conn.closed
+        if fresh:
+            conn = await self._connection()
+        assert conn is not None
+        replies: list[Any] | None = None
+        try:
+            replies = await self._await(conn, conn.request(data, count))
+        except ConnectionError:
+            if fresh or self._closed:
+                raise
+        if replies is not None:
+            return replies
+        # A connection made before this call died under it (a restarted server):
+        # one more try on a new one, as redis-py's pool retries once.
+        conn = await self._connection()
+        return await self._await(conn, conn.request(data, count))
+
+    async def _await(self, conn: RespConnection, future: asyncio.Future[list[Any]]) -> list[Any]:
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Given up with replies outstanding: they would come, if ever, before any
+            # later call's. A fresh connection for the next call instead.
+            conn.abort("a call to the counter store was given up")
+            raise
+
+    async def command(self, *args: str | int | bytes) -> Any:
+        """One command; an error reply raises."""
+        reply = (await self.call(pack(args), 1))[0]
+        if isinstance(reply, ResponseError):
+            raise reply_error(reply)
+        return reply
+
+    async def _connection(self) -> RespConnection:
+        if self._closed:
+            raise ConnectionError("the counter store client is closed")
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        task = self._connecting
+        if task is None or task.done():
+            task = self._connecting = asyncio.ensure_future(self._connect())
+        # Shielded: one caller giving up does not stop the connect the others wait for.
+        return await asyncio.shield(task)
+
+    async def _connect(self) -> RespConnection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                if self._path:
+                    _, conn = await loop.create_unix_connection(RespConnection, self._path)
+                else:
+                    _, conn = await loop.create_connection(
+                        RespConnection,
+                        self._host,
+                        self._port,
+                        ssl=self._tls,
+                        server_hostname=self._host if self._tls is not None else None,
+                    )
+                await self._handshake(conn)
+        except TimeoutError:
+            raise ConnectionError(
+                f"no connection to the counter store at {self.where} "
+                f"within {self._connect_timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise ConnectionError(
+                f"cannot connect to the counter store at {self.where}: {exc.strerror or exc}"
+            ) from None
+        self.connects += 1
+        if self._closed:
+            conn.abort("the counter store client is closed")
+            raise ConnectionError("the counter store client is closed")
+        self._conn = conn
+        return conn
+
+    async def _handshake(self, conn: RespConnection) -> None:
+        commands: list[tuple[str | int, ...]] = []
+        if self._password is not None:
+            if self._username:
+                commands.append(("AUTH", self._username, self._password))
+            else:
+                commands.append(("AUTH", self._password))
+        if self._db:
+            commands.append(("SELECT", self._db))
+        if not commands:
+            return
+        data = b"".join(pack(c) for c in commands)
+        replies = await conn.request(data, len(commands))
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                conn.abort("the handshake with the counter store failed")
+                error = reply_error(reply)
+                if isinstance(error, AuthenticationError) or "AUTH" in str(error):
+                    raise AuthenticationError(f"the counter store refused the credentials: {error}")
+                raise ConnectionError(f"the counter store refused the connection setup: {error}")
+
+    async def close(self) -> None:
+        self._closed = True
+        task = self._connecting
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        conn = self._conn
+        self._conn = None
+        if conn is not None:
+            conn.abort("the counter store client is closed")
