@@ -8,9 +8,9 @@ the request against all of them or none, so a rejected request uses up no quota.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 
 # Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
@@ -59,6 +59,11 @@ class HitResult:
     certain_ms: int = 0
 
 
+# What a backend's ``submit`` hands its answer to: the result, or the exception ``hit``
+# would have raised.
+HitSettled: TypeAlias = Callable[[HitResult | Exception], None]
+
+
 class CounterUnavailableError(Exception):
     """The counter store cannot answer and a check asked to fail closed."""
 
@@ -77,6 +82,12 @@ class CounterBackend(Protocol):
         A backend may also offer ``hit_now(checks) -> HitResult | None``: the same
         answer when it is known without waiting (in-process counts, a cached refusal),
         None otherwise. The data plane uses it to answer without a task.
+
+        And ``submit(checks, done: HitSettled) -> bool``: the same call, answered by
+        calling ``done`` once, later (never before ``submit`` returns), with the result
+        or the exception ``hit`` would raise. False means it cannot (then nothing was
+        started and ``done`` is never called; use ``hit``). The data plane uses it to
+        wait for the store without a task.
 
         The request is admitted when every enforced check has room; then every
         enforced check, and every shadow check that has room, is counted. When it is

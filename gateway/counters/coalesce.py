@@ -22,20 +22,25 @@ Two clocks, kept apart (``call_timeout_seconds`` and ``queue_timeout_seconds``):
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from gateway.counters.base import CounterUnavailableError, HitResult, LimitCheck
+from gateway.counters.base import CounterUnavailableError, HitResult, HitSettled, LimitCheck
 from gateway.counters.errors import StoreTimeoutError
 
 __all__ = ["CoalescerOverloadedError", "CoalescingBackend", "StoreTimeoutError"]
 
 T = TypeVar("T")
+log = logging.getLogger("gateway.counters")
 
 # A timer that fires later than this was held up by the event loop, not the store.
 LAG_SLACK_SECONDS = 0.002
+
+
+# What ``send_many`` hands back: one result or exception per entry, or why all failed.
+BatchSettled = Callable[[list[HitResult | Exception] | Exception], None]
 
 
 class BatchCounterBackend(Protocol):
@@ -59,11 +64,53 @@ class CoalescerOverloadedError(CounterUnavailableError):
     """Too many checks are waiting, or one waited too long for its turn (local overload)."""
 
 
-@dataclass(slots=True)
 class _Pending:
-    checks: Sequence[LimitCheck]
-    future: asyncio.Future[HitResult]
-    deadline: float  # loop time after which it gives up waiting for a turn
+    """One queued check: answered through its caller's future (``hit``) or callback
+    (``submit``), exactly once."""
+
+    __slots__ = ("checks", "deadline", "done", "future", "settled")
+
+    def __init__(
+        self,
+        checks: Sequence[LimitCheck],
+        deadline: float,  # loop time after which it gives up waiting for a turn
+        future: asyncio.Future[HitResult] | None,
+        done: HitSettled | None,
+    ) -> None:
+        self.checks = checks
+        self.deadline = deadline
+        self.future = future
+        self.done = done
+        self.settled = False
+
+    def wanted(self) -> bool:
+        """Not answered yet, and its caller still waits (a cancelled ``hit`` does not)."""
+        future = self.future
+        return not self.settled and (future is None or not future.done())
+
+    def settle(self, outcome: HitResult | Exception) -> None:
+        if not self.wanted():
+            return
+        self.settled = True
+        future = self.future
+        if future is not None:
+            if isinstance(outcome, HitResult):
+                future.set_result(outcome)
+            else:
+                future.set_exception(outcome)
+            return
+        done = self.done
+        assert done is not None
+        try:
+            done(outcome)
+        except Exception:  # one caller's bug must not cost the others of its batch
+            log.exception("a counter check's callback failed")
+
+    def cancel(self) -> None:
+        if self.future is not None:
+            self.future.cancel()
+        else:
+            self.settle(CounterUnavailableError("the counter backend is closed"))
 
 
 def _watch(
@@ -109,6 +156,73 @@ def _watch(
     return verdict
 
 
+class _Round:
+    """One pipeline sent without a task (``send_many``): its checks, and the two clocks
+    of the awaited way, as timers. The store timeout runs from the send (re-armed for as
+    long as its timer fired late, up to the hard bound); when it runs out every check
+    fails with ``StoreTimeoutError`` and the round no longer holds its slot; at the hard
+    bound the connection is dropped, as the awaited way cancels its round trip."""
+
+    __slots__ = ("handle", "items", "owner", "sent_at", "timed_out")
+
+    def __init__(self, owner: CoalescingBackend, items: list[_Pending]) -> None:
+        self.owner = owner
+        self.items = items
+        self.handle: asyncio.TimerHandle | None = None
+        self.sent_at = 0.0
+        self.timed_out = False
+
+    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.sent_at = now = loop.time()
+        timeout = self.owner._call_timeout
+        if timeout is not None:
+            self.handle = loop.call_at(now + timeout, self._check, now + timeout)
+        else:
+            self.handle = loop.call_at(now + self.owner._batch_timeout, self._hard_bound)
+
+    def replied(self, outcome: list[HitResult | Exception] | Exception) -> None:
+        handle = self.handle
+        if handle is not None:
+            handle.cancel()
+            self.handle = None
+        self.owner._round_done(self)
+        if isinstance(outcome, Exception):
+            for item in self.items:
+                item.settle(outcome)
+        else:
+            for item, result in zip(self.items, outcome, strict=True):
+                item.settle(result)
+
+    def _check(self, when: float) -> None:
+        owner = self.owner
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        give_up = self.sent_at + owner._batch_timeout
+        late = now - when
+        if late > LAG_SLACK_SECONDS and now < give_up:
+            again = min(now + late, give_up)
+            self.handle = loop.call_at(again, self._check, again)
+            return
+        owner.wire_timeouts += 1
+        self.timed_out = True
+        failure = StoreTimeoutError(
+            f"the counter store did not answer within {owner._call_timeout:g}s"
+        )
+        for item in self.items:
+            item.settle(failure)
+        owner._round_done(self)  # it no longer holds a slot; the reply is still awaited
+        self.handle = loop.call_at(max(give_up, now), self._hard_bound)
+
+    def _hard_bound(self) -> None:
+        self.handle = None
+        owner = self.owner
+        drop = owner._drop
+        if drop is not None:
+            drop("a pipeline to the counter store ran past its hard bound")
+        else:  # pragma: no cover - send_many comes with drop_connection
+            self.replied(StoreTimeoutError("the counter store did not answer"))
+
+
 class CoalescingBackend:
     """A ``CounterBackend`` that batches concurrent ``hit`` calls into pipelines."""
 
@@ -149,6 +263,17 @@ class CoalescingBackend:
         # between would wait for a drain that never comes.
         self._draining = 0
         self._closed = False
+        # The lean way: pipelines written at the end of the loop turn that queued their
+        # checks, answered from the read that completes them, no task on the way
+        # (``RedisBackend.send_many`` over the lean connection; benchmarks/README.md,
+        # "Counter callbacks"). Rounds in flight that still hold a slot, and the turn's
+        # flush once scheduled.
+        self._send_many: Callable[[Sequence[Sequence[LimitCheck]], BatchSettled], bool] | None = (
+            getattr(inner, "send_many", None) if getattr(inner, "lean", False) else None
+        )
+        self._drop: Callable[[str], None] | None = getattr(inner, "drop_connection", None)
+        self._rounds: set[_Round] = set()
+        self._flush_handle: asyncio.Handle | None = None
         # Pipelines sent and checks carried; for benchmarks and /info.
         self.batches = 0
         self.batched_calls = 0
@@ -180,13 +305,70 @@ class CoalescingBackend:
             return await self._hit_alone(checks)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[HitResult] = loop.create_future()
-        deadline = loop.time() + (self._queue_timeout or 0.0)
-        self._pending.append(_Pending(checks, future, deadline))
-        if self._queue_timeout is not None and self._expiry is None:
-            self._expiry = loop.call_at(deadline, self._expire)
-        if self._draining < self._max_in_flight:
-            self._start_drain()
+        self._queue(
+            loop, _Pending(checks, loop.time() + (self._queue_timeout or 0.0), future, None)
+        )
         return await future
+
+    def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
+        """``hit`` without a coroutine: ``done`` gets the result or the exception, once,
+        later (never before this returns). Saves each request that waits for the store
+        a task and a chain of coroutines (benchmarks/README.md, "Counter callbacks")."""
+        loop = asyncio.get_running_loop()
+        item = _Pending(checks, loop.time() + (self._queue_timeout or 0.0), None, done)
+        if self._closed:
+            loop.call_soon(item.settle, CounterUnavailableError("the counter backend is closed"))
+        elif len(self._pending) >= self._max_pending:
+            loop.call_soon(item.settle, CoalescerOverloadedError("too many counter checks waiting"))
+        else:
+            self._queue(loop, item)
+        return True
+
+    def _queue(self, loop: asyncio.AbstractEventLoop, item: _Pending) -> None:
+        self._pending.append(item)
+        if self._queue_timeout is not None and self._expiry is None:
+            self._expiry = loop.call_at(item.deadline, self._expire)
+        if self._send_many is not None:
+            if self._flush_handle is None:
+                self._flush_handle = loop.call_soon(self._flush)
+        elif self._draining < self._max_in_flight:
+            self._start_drain()
+
+    def _flush(self) -> None:
+        """Send what this loop turn queued, in pipelines of up to ``max_batch``, without
+        a task; falls back to the awaited way when the lean connection is not open."""
+        self._flush_handle = None
+        send_many = self._send_many
+        if self._closed or send_many is None:
+            return
+        loop = asyncio.get_running_loop()
+        pending = self._pending
+        while pending and len(self._rounds) + self._draining < self._max_in_flight:
+            batch: list[_Pending] = []
+            while pending and len(batch) < self._max_batch:
+                item = pending.popleft()
+                if item.wanted():
+                    batch.append(item)
+            if not batch:
+                continue
+            round_ = _Round(self, batch)
+            if not send_many([item.checks for item in batch], round_.replied):
+                # No open connection (first use, or after a failure): the awaited way
+                # connects. What was taken goes back to the head of the queue.
+                pending.extendleft(reversed(batch))
+                self._start_drain()
+                return
+            self.batches += 1
+            self.batched_calls += len(batch)
+            self._rounds.add(round_)
+            round_.arm(loop)
+
+    def _round_done(self, round_: _Round) -> None:
+        # A round answered or timed out: its slot is free for what queued meanwhile.
+        if round_ in self._rounds:
+            self._rounds.discard(round_)
+            if self._pending and self._flush_handle is None and not self._closed:
+                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
 
     def _expire(self) -> None:
         # The queue is in arrival order, so the oldest checks expire first.
@@ -194,9 +376,9 @@ class CoalescingBackend:
         now = asyncio.get_running_loop().time()
         while self._pending and self._pending[0].deadline <= now:
             item = self._pending.popleft()
-            if not item.future.done():
+            if item.wanted():
                 self.queue_timeouts += 1
-                item.future.set_exception(
+                item.settle(
                     CoalescerOverloadedError(
                         f"a counter check waited over {self._queue_timeout:g}s for its turn"
                     )
@@ -240,7 +422,10 @@ class CoalescingBackend:
         # The single call answered or ran out of time (it may still be running).
         self._draining -= 1
         if self._pending and self._draining < self._max_in_flight and not self._closed:
-            self._start_drain()
+            if self._send_many is not None:
+                self._flush()
+            else:
+                self._start_drain()
 
     def _start_drain(self) -> None:
         self._draining += 1
@@ -253,6 +438,14 @@ class CoalescingBackend:
             await self._drain_queue()
         finally:
             self._draining -= 1
+            # The lean way takes over again once the awaited way has connected.
+            if (
+                self._send_many is not None
+                and self._pending
+                and not self._closed
+                and self._flush_handle is None
+            ):
+                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
 
     async def _drain_queue(self) -> None:
         # Runs on a later loop turn than the ``hit`` that started it, so every check
@@ -261,7 +454,7 @@ class CoalescingBackend:
             batch: list[_Pending] = []
             while self._pending and len(batch) < self._max_batch:
                 item = self._pending.popleft()
-                if not item.future.done():  # a caller that timed out or was cancelled
+                if item.wanted():  # not a caller that timed out or was cancelled
                     batch.append(item)
             if not batch:
                 continue
@@ -285,28 +478,21 @@ class CoalescingBackend:
                     f"the counter store did not answer within {self._call_timeout:g}s"
                 )
                 for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(failure)
+                    item.settle(failure)
 
     async def _send(self, batch: list[_Pending]) -> None:
         try:
             results = await self._bounded(self._inner.hit_many([item.checks for item in batch]))
         except asyncio.CancelledError:
             for item in batch:
-                item.future.cancel()
+                item.cancel()
             raise
         except Exception as exc:
             for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+                item.settle(exc)
             return
         for item, result in zip(batch, results, strict=True):
-            if item.future.done():
-                continue
-            if isinstance(result, Exception):
-                item.future.set_exception(result)
-            else:
-                item.future.set_result(result)
+            item.settle(result)
 
     async def healthy(self) -> bool:
         return await self._inner.healthy()
@@ -316,12 +502,16 @@ class CoalescingBackend:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        closed = CounterUnavailableError("the counter backend is closed")
+        for round_ in list(self._rounds):
+            round_.replied(closed)
         tasks: list[asyncio.Task[Any]] = [*self._tasks, *self._alone]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         while self._pending:
-            item = self._pending.popleft()
-            if not item.future.done():
-                item.future.set_exception(CounterUnavailableError("the counter backend is closed"))
+            self._pending.popleft().settle(CounterUnavailableError("the counter backend is closed"))
         await self._inner.close()

@@ -15,6 +15,7 @@ earlier than that, so it is never earlier than the real reset).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from gateway.counters.base import (
     CounterBackend,
     CounterEvents,
     HitResult,
+    HitSettled,
     LimitCheck,
     LimitState,
     NoEvents,
@@ -68,6 +70,9 @@ class DenyCacheBackend:
         self._sources = cache_sources
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.hits = 0
+        self._inner_submit: Callable[[Sequence[LimitCheck], HitSettled], bool] | None = getattr(
+            inner, "submit", None
+        )
 
     @property
     def name(self) -> str:
@@ -100,6 +105,30 @@ class DenyCacheBackend:
         if not result.admitted and result.source in self._sources:
             self._remember(checks, result, now, self._clock())
         return result
+
+    def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
+        """``hit`` by callback (``CounterBackend``): refusals are remembered the same way."""
+        inner_submit = self._inner_submit
+        if inner_submit is None:
+            return False
+        now = self._clock()
+        cached = self._lookup(checks, now)
+        if cached is not None:
+            self.hits += 1
+            self._events.deny_cache_hit()
+            asyncio.get_running_loop().call_soon(done, cached)
+            return True
+
+        def settled(outcome: HitResult | Exception) -> None:
+            if (
+                isinstance(outcome, HitResult)
+                and not outcome.admitted
+                and outcome.source in self._sources
+            ):
+                self._remember(checks, outcome, now, self._clock())
+            done(outcome)
+
+        return inner_submit(checks, settled)
 
     def _lookup(self, checks: Sequence[LimitCheck], now: int) -> HitResult | None:
         if not checks or not self._entries:

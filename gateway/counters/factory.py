@@ -27,7 +27,14 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.maint_notifications import MaintNotificationsConfig
 
-from gateway.counters.base import CounterBackend, CounterEvents, HitResult, LimitCheck, NoEvents
+from gateway.counters.base import (
+    CounterBackend,
+    CounterEvents,
+    HitResult,
+    HitSettled,
+    LimitCheck,
+    NoEvents,
+)
 from gateway.counters.coalesce import CoalescingBackend
 from gateway.counters.deny_cache import DenyCacheBackend, monotonic_ms
 from gateway.counters.memory import MemoryBackend
@@ -475,6 +482,13 @@ class PerNodeBackend:
         if not checks:
             return HitResult(True, (), source="redis")
         return await self.stack_for(checks[0].key).hit(checks)
+
+    def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
+        """``hit`` by callback, through the stack of the master that serves the keys."""
+        if not checks:
+            return False
+        submit = getattr(self.stack_for(checks[0].key), "submit", None)
+        return bool(submit(checks, done)) if submit is not None else False
 
     async def healthy(self) -> bool:
         return await self._probe.healthy()

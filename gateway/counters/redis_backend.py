@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from functools import lru_cache
 from importlib.resources import files
 from typing import Any, TypeAlias
@@ -22,13 +22,15 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.counters.base import HitResult, LimitCheck, LimitState
-from gateway.counters.resp import RespClient, pack, reply_error
+from gateway.counters.resp import GivenUpError, RespClient, pack, reply_error
 
 SCRIPT_RESOURCE = "sliding_window.lua"
 HEALTH_TIMEOUT_SECONDS = 1.0
 MAX_CACHED_CALLS = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
 
 RedisClient: TypeAlias = Redis | RedisCluster
+# What ``send_many`` hands back: one result or exception per entry, or why all failed.
+BatchSettled: TypeAlias = Callable[[list[HitResult | Exception] | Exception], None]
 
 
 @lru_cache(maxsize=1)
@@ -104,6 +106,7 @@ class RedisBackend:
         self._cluster = isinstance(client, RedisCluster)
         self._sha = script_sha()
         self._calls: dict[str, _Call] = {}  # first key of the checks -> their call
+        self._tasks: set[asyncio.Task[None]] = set()  # the rare awaited follow-ups of send_many
         # Round trips started (single calls, pipelines, script loads); for benchmarks.
         self.round_trips = 0
         self.script_loads = 0
@@ -115,6 +118,11 @@ class RedisBackend:
     @property
     def client(self) -> RedisClient | RespClient:
         return self._client
+
+    @property
+    def lean(self) -> bool:
+        """Whether ``send_many`` can send (the lean connection, not redis-py)."""
+        return self._wire is not None
 
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         return (await self.hit_timed(checks))[0]
@@ -188,6 +196,109 @@ class RedisBackend:
             except ResponseError as exc:
                 results[index] = exc
         return results
+
+    def send_many(self, batch: Sequence[Sequence[LimitCheck]], done: BatchSettled) -> bool:
+        """``hit_many`` without a coroutine, on the lean connection already open: the
+        pipeline is written now and ``done`` gets the results later, from the read that
+        completes them. False, and nothing sent, without an open lean connection (then
+        ``hit_many``, which connects).
+
+        The rare cases that need to wait for something else go on in a task, with the
+        same outcome as ``hit_many``: a script the server lost (``NOSCRIPT``: loaded,
+        then those calls sent again) and a connection that died under the round trip
+        (sent once more on a new connection, as ``hit_many`` retries once).
+        """
+        wire = self._wire
+        if wire is None:
+            return False
+        results: list[HitResult | Exception] = [HitResult(True, (), source="redis")] * len(batch)
+        todo: list[int] = []
+        packed: list[bytes] = []
+        sha = self._sha
+        for index, checks in enumerate(batch):
+            if not checks:
+                continue
+            try:
+                call = self._call(checks)
+            except ValueError as exc:
+                results[index] = exc
+                continue
+            if call.packed is None:
+                call.packed = pack(("EVALSHA", sha, *call.args))
+            packed.append(call.packed)
+            todo.append(index)
+
+        def replied(replies: list[Any] | Exception) -> None:
+            if isinstance(replies, Exception):
+                if isinstance(replies, GivenUpError):
+                    done(replies)
+                else:
+                    self._follow_up(self._again(batch, done))
+                return
+            missing: list[int] = []
+            for k, index in enumerate(todo):
+                reply = replies[k]
+                if isinstance(reply, ResponseError):
+                    error = reply_error(reply)
+                    if isinstance(error, NoScriptError):
+                        missing.append(index)
+                    else:
+                        results[index] = error
+                    continue
+                try:
+                    results[index] = parse_reply(reply, len(batch[index]))[0]
+                except ResponseError as exc:
+                    results[index] = exc
+            if missing:
+                self._follow_up(self._reload_then(batch, missing, results, done))
+                return
+            done(results)
+
+        if not todo:  # nothing to ask the store
+            asyncio.get_running_loop().call_soon(done, results)
+            return True
+        if not wire.send_now(b"".join(packed), len(packed), replied):
+            return False
+        self.round_trips += 1
+        return True
+
+    def drop_connection(self, why: str) -> None:
+        """Drop the lean connection (a round trip on it was given up)."""
+        if self._wire is not None:
+            self._wire.drop(why)
+
+    def _follow_up(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _again(self, batch: Sequence[Sequence[LimitCheck]], done: BatchSettled) -> None:
+        # The connection died under the round trip (a restarted server): once more on
+        # a new one, as the awaited way retries once.
+        outcome: list[HitResult | Exception] | Exception
+        try:
+            outcome = await self.hit_many(batch)
+        except Exception as exc:
+            outcome = exc
+        done(outcome)
+
+    async def _reload_then(
+        self,
+        batch: Sequence[Sequence[LimitCheck]],
+        missing: list[int],
+        results: list[HitResult | Exception],
+        done: BatchSettled,
+    ) -> None:
+        outcome: list[HitResult | Exception] | Exception = results
+        try:
+            await self.load_script()
+            again = await self.hit_many([batch[i] for i in missing])
+        except Exception as exc:
+            outcome = exc
+        else:
+            for index, result in zip(missing, again, strict=True):
+                results[index] = result
+        done(outcome)
 
     async def _pipeline(self, commands: Sequence[_Call]) -> list[Any]:
         self.round_trips += 1
@@ -311,6 +422,8 @@ class RedisBackend:
             return False
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if not self._close_client:
             return
         client = self._client

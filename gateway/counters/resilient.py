@@ -31,6 +31,7 @@ from gateway.counters.base import (
     CounterEvents,
     CounterUnavailableError,
     HitResult,
+    HitSettled,
     LimitCheck,
     NoEvents,
 )
@@ -149,6 +150,11 @@ class ResilientBackend:
         # watched round trip, a queue expiry), so the outer timer (a Timeout object and
         # a timer handle per request, ~7% of the Redis row's profile) is not armed.
         self._outer_timeout = inner_bound is None
+        # ``submit`` needs every call to end by itself: only over a coalescer with both
+        # clocks set (no outer timer to arm).
+        self._inner_submit = inner.submit if isinstance(inner, CoalescingBackend) else None
+        if self._outer_timeout:
+            self._inner_submit = None
         self._monotonic = monotonic
         self._overloaded = 0
         self._overload_logged_at: float | None = None
@@ -185,23 +191,61 @@ class ResilientBackend:
             except asyncio.CancelledError:
                 self._breaker.release()
                 raise
-            except (ValueError, TypeError):
-                # A malformed check is the caller's bug, not an outage of the store.
-                self._breaker.release()
-                raise
-            except CoalescerOverloadedError:
-                # Waited too long for a turn here: local overload, not the store's fault.
-                self._breaker.release()
-                self._note_overload()
             except Exception as exc:
-                kind = failure_kind(exc)
-                self._events.store_error(kind)
-                log.debug("counter store call failed: %s (%s)", kind, type(exc).__name__)
-                self._breaker.failure()
+                if self._failed(exc):
+                    raise
             else:
                 self._breaker.success()
                 return result
         return self._fallback_hit(checks)
+
+    def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
+        """``hit`` by callback (``CounterBackend``): the same breaker, fallback and
+        error handling, with no coroutine while the store answers."""
+        inner_submit = self._inner_submit
+        if inner_submit is None:
+            return False
+        if self._breaker.allow():
+
+            def settled(outcome: HitResult | Exception) -> None:
+                if isinstance(outcome, HitResult):
+                    self._breaker.success()
+                    done(outcome)
+                elif self._failed(outcome):
+                    done(outcome)
+                else:
+                    done(self._fallback_outcome(checks))
+
+            if inner_submit(checks, settled):
+                return True
+            self._breaker.release()
+            return False
+        asyncio.get_running_loop().call_soon(done, self._fallback_outcome(checks))
+        return True
+
+    def _failed(self, exc: Exception) -> bool:
+        """Book a failed store call. True: the caller's own fault, raised as it is;
+        False: answered by the fallback (or refused when the check fails closed)."""
+        if isinstance(exc, ValueError | TypeError):
+            # A malformed check is the caller's bug, not an outage of the store.
+            self._breaker.release()
+            return True
+        if isinstance(exc, CoalescerOverloadedError):
+            # Waited too long for a turn here: local overload, not the store's fault.
+            self._breaker.release()
+            self._note_overload()
+            return False
+        kind = failure_kind(exc)
+        self._events.store_error(kind)
+        log.debug("counter store call failed: %s (%s)", kind, type(exc).__name__)
+        self._breaker.failure()
+        return False
+
+    def _fallback_outcome(self, checks: Sequence[LimitCheck]) -> HitResult | Exception:
+        try:
+            return self._fallback_hit(checks)
+        except CounterUnavailableError as exc:
+            return exc
 
     def _note_overload(self) -> None:
         self._overloaded += 1

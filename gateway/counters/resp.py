@@ -30,8 +30,10 @@ for ``NOSCRIPT``), a failed ``AUTH`` is ``AuthenticationError``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any, cast
 
 import hiredis
@@ -42,7 +44,17 @@ from redis.exceptions import (
     ResponseError,
 )
 
-__all__ = ["RespClient", "RespConnection", "pack", "reply_error", "tls_context"]
+__all__ = [
+    "GivenUpError",
+    "Replied",
+    "RespClient",
+    "RespConnection",
+    "pack",
+    "reply_error",
+    "tls_context",
+]
+
+log = logging.getLogger("gateway.counters")
 
 
 def pack(args: tuple[str | int | bytes, ...]) -> bytes:
@@ -61,20 +73,51 @@ def reply_error(exc: ResponseError) -> Exception:
     return exc
 
 
+# What a round trip sent by ``send_now`` hands back: its replies, or why it failed.
+Replied = Callable[[list[Any] | Exception], None]
+
+
+class GivenUpError(ConnectionError):
+    """The connection was dropped on purpose (a caller gave up, or the client closed):
+    the round trips in flight on it are not worth sending again."""
+
+
 class _Waiter:
-    """One round trip: how many replies it expects, and what has arrived."""
+    """One round trip: how many replies it expects, what has arrived, and who gets them
+    (a future for ``call``, a callback for ``send_now``)."""
 
-    __slots__ = ("count", "future", "replies")
+    __slots__ = ("callback", "count", "future", "replies")
 
-    def __init__(self, future: asyncio.Future[list[Any]], count: int) -> None:
-        self.future = future
+    def __init__(
+        self, count: int, future: asyncio.Future[list[Any]] | None, callback: Replied | None
+    ) -> None:
         self.count = count
+        self.future = future
+        self.callback = callback
         self.replies: list[Any] = []
+
+    def finish(self, outcome: list[Any] | Exception) -> None:
+        future = self.future
+        if future is not None:
+            if future.done():
+                return
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+            return
+        callback = self.callback
+        assert callback is not None
+        try:
+            callback(outcome)
+        except Exception:  # the connection's state must survive a caller's bug
+            log.exception("a counter store reply's callback failed")
 
 
 class RespConnection(asyncio.Protocol):
     """One connection to a Redis server; ``request`` writes packed commands and returns
-    a future of their replies (error replies as ``ResponseError`` values, in place)."""
+    a future of their replies, ``request_cb`` hands them to a callback (error replies as
+    ``ResponseError`` values, in place, either way)."""
 
     def __init__(self) -> None:
         self._reader = hiredis.Reader(replyError=ResponseError)
@@ -106,14 +149,13 @@ class RespConnection(asyncio.Protocol):
             waiter.replies.append(reply)
             if len(waiter.replies) == waiter.count:
                 waiting.popleft()
-                if not waiter.future.done():
-                    waiter.future.set_result(waiter.replies)
+                waiter.finish(waiter.replies)
 
     def eof_received(self) -> bool | None:
         return False  # close: the server hung up
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail("lost the connection to the counter store")
+        self._fail(ConnectionError("lost the connection to the counter store"))
 
     def request(self, data: bytes, count: int) -> asyncio.Future[list[Any]]:
         """Send ``data`` (``count`` packed commands); the future gets their replies."""
@@ -121,24 +163,32 @@ class RespConnection(asyncio.Protocol):
         if self.closed or self._transport is None:
             future.set_exception(ConnectionError("the connection to the counter store is closed"))
             return future
-        self._waiting.append(_Waiter(future, count))
+        self._waiting.append(_Waiter(count, future, None))
         self._transport.write(data)
         return future
 
-    def abort(self, why: str) -> None:
+    def request_cb(self, data: bytes, count: int, callback: Replied) -> bool:
+        """Send ``data``; ``callback`` gets the replies (or the failure) later, from the
+        read that completes them. False, and nothing sent, on a closed connection."""
+        transport = self._transport
+        if self.closed or transport is None:
+            return False
+        self._waiting.append(_Waiter(count, None, callback))
+        transport.write(data)
+        return True
+
+    def abort(self, why: str, given_up: bool = False) -> None:
         """Drop the connection now; every round trip in flight fails with ``why``."""
         transport = self._transport
-        self._fail(why)
+        self._fail(GivenUpError(why) if given_up else ConnectionError(why))
         if transport is not None:
             transport.abort()
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, error: ConnectionError) -> None:
         self.closed = True
         waiting = self._waiting
         while waiting:
-            waiter = waiting.popleft()
-            if not waiter.future.done():
-                waiter.future.set_exception(ConnectionError(why))
+            waiting.popleft().finish(error)
 
 
 def tls_context(
@@ -231,8 +281,25 @@ class RespClient:
         except asyncio.CancelledError:
             # Given up with replies outstanding: they would come, if ever, before any
             # later call's. A fresh connection for the next call instead.
-            conn.abort("a call to the counter store was given up")
+            conn.abort("a call to the counter store was given up", given_up=True)
             raise
+
+    def send_now(self, data: bytes, count: int, callback: Replied) -> bool:
+        """``call`` without a coroutine, on the connection already open: ``callback``
+        gets the replies or the failure later, from the read that completes them (no
+        retry: a failed round trip is the caller's to send again). False, and nothing
+        sent, when no connection is open (then ``call``, which connects)."""
+        conn = self._conn
+        if conn is None or self._closed:
+            return False
+        return conn.request_cb(data, count, callback)
+
+    def drop(self, why: str) -> None:
+        """Drop the open connection (a round trip on it was given up); the next call
+        connects anew."""
+        conn = self._conn
+        if conn is not None:
+            conn.abort(why, given_up=True)
 
     async def command(self, *args: str | int | bytes) -> Any:
         """One command; an error reply raises."""
@@ -279,7 +346,7 @@ class RespClient:
             ) from None
         self.connects += 1
         if self._closed:
-            conn.abort("the counter store client is closed")
+            conn.abort("the counter store client is closed", given_up=True)
             raise ConnectionError("the counter store client is closed")
         self._conn = conn
         return conn
@@ -314,4 +381,4 @@ class RespClient:
         conn = self._conn
         self._conn = None
         if conn is not None:
-            conn.abort("the counter store client is closed")
+            conn.abort("the counter store client is closed", given_up=True)

@@ -13,6 +13,7 @@ import datetime as dt
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway import __version__
@@ -95,6 +96,8 @@ class KnownRefusal:
     overhead: HistogramChild
     wait: int = 0
     answer: Answer | None = None
+
+
 # The 429 bodies differ only by rule and wait: kept once each, bounded.
 _MAX_CACHED_429 = 4096
 
@@ -370,6 +373,11 @@ class Gateway:
         when the store is down and the rule fails closed)."""
         assert req.selection is not None
         return await self.limiter.decide(req.region, req.selection)
+
+    def decide_later(self, req: Incoming, done: Callable[[Decision | Exception], None]) -> bool:
+        """``decide`` by callback, when the counter backend can (``Limiter.decide_later``)."""
+        assert req.selection is not None
+        return self.limiter.decide_later(req.region, req.selection, done)
 
     def unavailable(self, req: Incoming) -> Answer:
         selection, record = req.selection, req.record

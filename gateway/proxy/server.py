@@ -312,7 +312,8 @@ class ClientConnection(asyncio.Protocol):
                     self.body_deadline = self.loop.time() + self.limits.body_read_timeout
                 decision = req.decision
                 if decision is None:
-                    self.plane.spawn(self._decide(req))
+                    if not self.gateway.decide_later(req, lambda got: self._decided(req, got)):
+                        self.plane.spawn(self._decide(req))
                     return
                 self._go(req, decision)
                 return
@@ -332,25 +333,31 @@ class ClientConnection(asyncio.Protocol):
 
     async def _decide(self, req: Incoming) -> None:
         try:
-            decision = await self.gateway.decide(req)
-        except CounterUnavailableError:
-            if self.active is req:
-                self._answer(req, self.gateway.unavailable(req))
-            return
+            decision: Decision | Exception = await self.gateway.decide(req)
+        except Exception as exc:
+            decision = exc
+        self._decided(req, decision)
+
+    def _decided(self, req: Incoming, decision: Decision | Exception) -> None:
+        """Go on with ``req`` once the counter store has answered (by callback, or at
+        the end of ``_decide``); never raises, since it runs inside the store's reply."""
+        try:
+            if isinstance(decision, CounterUnavailableError):
+                if self.active is req:
+                    self._answer(req, self.gateway.unavailable(req))
+                return
+            if isinstance(decision, Exception):
+                log.error("error while deciding about a request", exc_info=decision)
+                if self.active is req:
+                    self._answer(req, Answer.error(500, "the gateway failed on this request"))
+                return
+            if self.active is not req or self.lost:
+                return
+            self._go(req, decision)
         except Exception:
-            log.exception("error while deciding about a request")
-            if self.active is req:
+            log.exception("error while handling a request")
+            if self.active is req and not self.lost:
                 self._answer(req, Answer.error(500, "the gateway failed on this request"))
-            return
-        if self.active is not req or self.lost:
-            return
-        step = self.gateway.after_decision(req, decision)
-        if isinstance(step, Answer):
-            self._answer(req, step)
-        elif step is None:
-            await self._info(req)
-        else:
-            self._forward(req, step)
 
     async def _info(self, req: Incoming) -> None:
         answer = await self.gateway.info_answer(req)
@@ -488,8 +495,10 @@ class ClientConnection(asyncio.Protocol):
             self.plane.end_upload(client)
 
     def _body_progress(self, req: Incoming) -> None:
-        if self.waiting_body and req is self.active and (
-            req.body_done or req.body_size >= BUFFER_BEFORE_FORWARD
+        if (
+            self.waiting_body
+            and req is self.active
+            and (req.body_done or req.body_size >= BUFFER_BEFORE_FORWARD)
         ):
             self.waiting_body = False
             self._connect(req)
@@ -670,9 +679,7 @@ class ClientConnection(asyncio.Protocol):
                 relay.fail(TimeoutError())
             elif self.active is not None and self.upstream is not None:
                 # still opening a connection
-                self._forward_error(
-                    self.active, self._upstream_timeout(self.active, self.upstream)
-                )
+                self._forward_error(self.active, self._upstream_timeout(self.active, self.upstream))
         elif kind == RESPONSE:
             relay = self.relay
             if relay is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from gateway.counters.base import CounterBackend, HitResult, LimitCheck
 
 
 class RecordingEvents:
@@ -48,3 +50,46 @@ async def eventually(seconds: float, condition: Callable[[], bool], what: str) -
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {seconds}s: {what}")
         await asyncio.sleep(0.02)
+
+
+class ViaSubmit:
+    """A backend called through ``submit`` (how the data plane waits for the store)
+    instead of ``hit``; checks that every answer comes once, and never before
+    ``submit`` has returned."""
+
+    def __init__(self, backend: CounterBackend) -> None:
+        self.backend = backend
+        self.inner = getattr(backend, "inner", None)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        future: asyncio.Future[HitResult] = asyncio.get_running_loop().create_future()
+        returned = False
+
+        def done(outcome: HitResult | Exception) -> None:
+            assert returned, "submit answered before it returned"
+            assert not future.done(), "submit answered twice"
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        submit = getattr(self.backend, "submit", None)
+        assert submit is not None, f"{self.backend!r} has no submit"
+        assert submit(checks, done), "submit declined"
+        returned = True
+        return await future
+
+    async def healthy(self) -> bool:
+        return await self.backend.healthy()
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+def called(backend: CounterBackend, via: str) -> CounterBackend:
+    """``backend`` as the tests call it: by ``hit`` or through ``submit``."""
+    return ViaSubmit(backend) if via == "submit" else backend

@@ -6,20 +6,24 @@ import asyncio
 import math
 from collections.abc import Sequence
 
+import pytest
+
 from gateway.counters.base import HitResult, LimitCheck
 from gateway.counters.deny_cache import DenyCacheBackend
 from gateway.counters.factory import open_counter_backend
 from gateway.counters.memory import MemoryBackend
-from tests.counters.helpers import RecordingEvents, keys_sharing_tag, new_key
+from tests.counters.helpers import RecordingEvents, called, keys_sharing_tag, new_key
 from tests.support.redis_servers import RedisServer
 
 
+@pytest.mark.parametrize("via", ["hit", "submit"])
 async def test_a_flood_from_one_identity_does_not_reach_redis(
-    redis_server: RedisServer,
+    redis_server: RedisServer, via: str
 ) -> None:
     events = RecordingEvents()
-    backend = open_counter_backend(
-        redis_server.url, region="us", timeout_seconds=2.0, events=events
+    backend = called(
+        open_counter_backend(redis_server.url, region="us", timeout_seconds=2.0, events=events),
+        via,
     )
     try:
         check = LimitCheck(new_key(1), limit=3, window_ms=1_000, bucket_ms=100)

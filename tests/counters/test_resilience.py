@@ -12,10 +12,13 @@ import pytest
 from gateway.counters.base import CounterBackend, CounterUnavailableError, LimitCheck
 from gateway.counters.factory import open_counter_backend
 from gateway.counters.resilient import CircuitBreaker, ResilientBackend, failure_kind
-from tests.counters.helpers import RecordingEvents, eventually, new_key
+from tests.counters.helpers import RecordingEvents, called, eventually, new_key
 from tests.support.redis_servers import RedisServer
 
 WAIT_SECONDS = 10.0
+# The outage tests run through both ways of calling the stack: ``hit`` (tools, cluster
+# tests) and ``submit`` (the data plane's callback path).
+VIA = pytest.mark.parametrize("via", ["hit", "submit"])
 
 
 @dataclass
@@ -56,10 +59,14 @@ def resilient_of(backend: CounterBackend) -> ResilientBackend:
     return inner
 
 
-async def test_kill9_under_load_falls_back_then_returns_to_redis(own_redis: RedisServer) -> None:
+@VIA
+async def test_kill9_under_load_falls_back_then_returns_to_redis(
+    own_redis: RedisServer, via: str
+) -> None:
     events = RecordingEvents()
-    backend = open_counter_backend(
-        own_redis.url, region="us", events=events, breaker_reset_seconds=0.2
+    backend = called(
+        open_counter_backend(own_redis.url, region="us", events=events, breaker_reset_seconds=0.2),
+        via,
     )
     load = Load(backend)
     load.start()
@@ -106,10 +113,12 @@ async def test_kill9_under_load_falls_back_then_returns_to_redis(own_redis: Redi
     assert load.slowest < 1.0  # generous: the timeout is 50 ms
 
 
-async def test_hung_server_times_out_and_recovers(own_redis: RedisServer) -> None:
+@VIA
+async def test_hung_server_times_out_and_recovers(own_redis: RedisServer, via: str) -> None:
     events = RecordingEvents()
-    backend = open_counter_backend(
-        own_redis.url, region="us", events=events, breaker_reset_seconds=0.2
+    backend = called(
+        open_counter_backend(own_redis.url, region="us", events=events, breaker_reset_seconds=0.2),
+        via,
     )
     load = Load(backend, workers=8)
     load.start()
@@ -139,10 +148,11 @@ async def test_hung_server_times_out_and_recovers(own_redis: RedisServer) -> Non
     assert load.slowest < 1.0
 
 
-async def test_store_down_from_the_start(tmp_path: Path) -> None:
+@VIA
+async def test_store_down_from_the_start(tmp_path: Path, via: str) -> None:
     server = RedisServer(tmp_path / "never-started")  # a free port nobody listens on
     events = RecordingEvents()
-    backend = open_counter_backend(server.url, region="eu", events=events)
+    backend = called(open_counter_backend(server.url, region="eu", events=events), via)
     try:
         check = LimitCheck(new_key(region="eu"), 2, 60_000, 1_000)
         results = [await backend.hit([check]) for _ in range(3)]
@@ -210,14 +220,15 @@ def test_failure_kinds() -> None:
     assert failure_kind(ResponseError("WRONGTYPE")) == "error"
 
 
+@VIA
 async def test_a_burst_on_a_healthy_store_admits_exactly_the_limit(
-    redis_server: RedisServer,
+    redis_server: RedisServer, via: str
 ) -> None:
     # Regression: the 50 ms store timeout used to cover the wait in the coalescing
     # queue, so a burst timed out locally, fell back to local counts (over-admitting)
     # and opened the breaker against a perfectly healthy store.
     events = RecordingEvents()
-    backend = open_counter_backend(redis_server.url, region="us", events=events)
+    backend = called(open_counter_backend(redis_server.url, region="us", events=events), via)
     try:
         check = LimitCheck(new_key(10), limit=15, window_ms=10_000, bucket_ms=1_000)
         results = await asyncio.wait_for(

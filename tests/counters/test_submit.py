@@ -1,0 +1,272 @@
+"""The counter call by callback (``submit``), which the data plane uses to wait for Redis
+without a task: the same answers as ``hit``, given once and never before ``submit`` returns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.counters.base import CounterUnavailableError, HitResult, LimitCheck
+from gateway.counters.coalesce import (
+    CoalescerOverloadedError,
+    CoalescingBackend,
+    StoreTimeoutError,
+)
+from gateway.counters.factory import open_counter_backend, parse_counter_url, store_client
+from gateway.counters.memory import MemoryBackend
+from gateway.counters.redis_backend import RedisBackend
+from gateway.counters.resp import RespClient
+from gateway.policy.loader import load_rules_from_texts
+from gateway.policy.matcher import Selection, select
+from gateway.policy.model import IdentityKind
+from gateway.ratelimit.decision import Decision, Outcome
+from gateway.ratelimit.limiter import Limiter
+from tests.counters.helpers import ViaSubmit, new_key
+from tests.support.redis_servers import RedisServer
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisBackend]:
+    backend = RedisBackend(store_client(parse_counter_url(redis_server.url)), name="redis")
+    await backend.load_script()
+    yield backend
+    await backend.close()
+
+
+class Answers:
+    """Collects what ``submit`` hands back, and whether it came before ``submit`` returned."""
+
+    def __init__(self) -> None:
+        self.got: list[HitResult | Exception] = []
+        self.early = 0
+        self.submitting = False
+
+    def done(self, outcome: HitResult | Exception) -> None:
+        if self.submitting:
+            self.early += 1
+        self.got.append(outcome)
+
+    def submit(self, backend: CoalescingBackend, checks: list[LimitCheck]) -> bool:
+        self.submitting = True
+        try:
+            return backend.submit(checks, self.done)
+        finally:
+            self.submitting = False
+
+    async def wait_for(self, count: int) -> None:
+        async with asyncio.timeout(5):
+            while len(self.got) < count:
+                await asyncio.sleep(0.001)
+
+
+async def test_a_burst_of_submits_leaves_in_one_pipeline(
+    store: RedisBackend, redis_server: RedisServer
+) -> None:
+    coalescing = CoalescingBackend(store)
+    check = LimitCheck(new_key(), limit=50, window_ms=60_000, bucket_ms=1_000)
+    answers = Answers()
+    redis_server.cli("CONFIG", "RESETSTAT")
+    assert all(answers.submit(coalescing, [check]) for _ in range(200))
+    assert answers.got == []  # nothing is answered inside submit
+    await answers.wait_for(200)
+    results = [r for r in answers.got if isinstance(r, HitResult)]
+    assert len(results) == 200 and answers.early == 0
+    assert sum(r.admitted for r in results) == 50
+    assert coalescing.batches == 1 and coalescing.batched_calls == 200
+    assert redis_server.commandstats()["evalsha"] == 200
+    await coalescing.close()
+
+
+async def test_submit_refuses_by_callback_when_closed_or_overloaded(store: RedisBackend) -> None:
+    check = LimitCheck(new_key(), limit=5, window_ms=60_000, bucket_ms=1_000)
+    crowded = CoalescingBackend(store, max_pending=1)
+    answers = Answers()
+    answers.submit(crowded, [check])
+    answers.submit(crowded, [check])  # the queue holds one: this one is refused
+    await answers.wait_for(2)
+    assert answers.early == 0
+    assert sum(isinstance(r, CoalescerOverloadedError) for r in answers.got) == 1
+    assert sum(isinstance(r, HitResult) for r in answers.got) == 1
+    await crowded.close()
+
+    closed = CoalescingBackend(store)
+    await closed.close()
+    late = Answers()
+    late.submit(closed, [check])
+    await late.wait_for(1)
+    assert late.early == 0 and isinstance(late.got[0], CounterUnavailableError)
+
+
+async def test_a_failing_callback_does_not_cost_the_rest_of_its_batch(
+    store: RedisBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    coalescing = CoalescingBackend(store)
+    check = LimitCheck(new_key(), limit=10, window_ms=60_000, bucket_ms=1_000)
+    answers = Answers()
+
+    def broken(outcome: HitResult | Exception) -> None:
+        raise RuntimeError("a bug in one caller")
+
+    with caplog.at_level(logging.ERROR, logger="gateway.counters"):
+        answers.submit(coalescing, [check])
+        coalescing.submit([check], broken)
+        answers.submit(coalescing, [check])
+        await answers.wait_for(2)
+    assert [r.states[0].remaining for r in answers.got if isinstance(r, HitResult)] == [9, 7]
+    assert "callback failed" in caplog.text
+    await coalescing.close()
+
+
+async def test_a_malformed_check_is_the_callers_error_not_an_outage(
+    redis_server: RedisServer,
+) -> None:
+    backend = ViaSubmit(open_counter_backend(redis_server.url, region="us", timeout_seconds=2.0))
+    try:
+        with pytest.raises(ValueError):
+            await backend.hit([LimitCheck(new_key(), 1, window_ms=0, bucket_ms=100)])
+        assert (await backend.hit([LimitCheck(new_key(), 1, 1_000, 100)])).source == "redis"
+    finally:
+        await backend.close()
+
+
+RULES = """
+rules:
+  - id: keyed
+    match: {path: /x}
+    identity: api_key
+    limits: {us: 3/60}
+  - id: watched
+    match: {path: /both}
+    identity: api_key
+    shadow: true
+    limits: {us: 1/60}
+  - id: both
+    match: {path: /both}
+    identity: api_key
+    limits: {us: 5/60}
+"""
+
+
+async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
+    redis_server: RedisServer,
+) -> None:
+    table = load_rules_from_texts([("rules.yaml", RULES)])
+    stack = open_counter_backend(redis_server.url, region="us", timeout_seconds=2.0)
+    limiter = Limiter({"us": stack})
+    memory_limiter = Limiter({"us": MemoryBackend()})
+    key = new_key()[-16:]
+
+    def selection(path: str) -> Selection:
+        return select(
+            table, "us", "GET", path, lambda kind: key if kind is IdentityKind.API_KEY else None
+        )
+
+    async def later(path: str) -> Decision:
+        got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+
+        def done(outcome: Decision | Exception) -> None:
+            if isinstance(outcome, Exception):
+                got.set_exception(outcome)
+            else:
+                got.set_result(outcome)
+
+        assert limiter.decide_later("us", selection(path), done)
+        return await got
+
+    try:
+        by_callback = [await later("/x") for _ in range(4)]
+        assert [d.outcome for d in by_callback] == [Outcome.ALLOWED] * 3 + [Outcome.LIMITED]
+        assert [d.reports[0].remaining for d in by_callback] == [2, 1, 0, 0]
+        assert by_callback[-1].retry_after >= 1 and by_callback[0].source == "redis"
+        # Shadow rules make several calls: those go through ``decide``, and so does a
+        # backend without ``submit``.
+        assert not limiter.decide_later("us", selection("/both"), lambda _: None)
+        assert not memory_limiter.decide_later("us", selection("/x"), lambda _: None)
+        both = await limiter.decide("us", selection("/both"))
+        assert both.outcome is Outcome.ALLOWED and len(both.reports) == 2
+    finally:
+        await stack.close()
+
+
+async def test_the_lean_way_reloads_a_lost_script_and_survives_a_restart(
+    own_redis: RedisServer,
+) -> None:
+    store = RedisBackend(store_client(parse_counter_url(own_redis.url)), name="redis")
+    coalescing = CoalescingBackend(store, call_timeout_seconds=2.0, queue_timeout_seconds=2.0)
+    check = LimitCheck(new_key(), limit=100, window_ms=60_000, bucket_ms=1_000)
+    try:
+        await store.load_script()  # the lean connection is open from here on
+        answers = Answers()
+        for _ in range(5):
+            answers.submit(coalescing, [check])
+        await answers.wait_for(5)
+        assert [r.states[0].remaining for r in answers.got if isinstance(r, HitResult)] == [
+            99,
+            98,
+            97,
+            96,
+            95,
+        ]
+        own_redis.cli("SCRIPT", "FLUSH")
+        loads = store.script_loads
+        flushed = Answers()
+        for _ in range(3):
+            flushed.submit(coalescing, [check])
+        await flushed.wait_for(3)
+        assert [r.states[0].remaining for r in flushed.got if isinstance(r, HitResult)] == [
+            94,
+            93,
+            92,
+        ]
+        assert store.script_loads == loads + 1
+        own_redis.restart()  # no persistence: counts start over; the connection is dead
+        restarted = Answers()
+        for _ in range(3):
+            restarted.submit(coalescing, [check])
+        await restarted.wait_for(3)
+        assert [r.states[0].remaining for r in restarted.got if isinstance(r, HitResult)] == [
+            99,
+            98,
+            97,
+        ]
+        assert coalescing.wire_timeouts == 0
+    finally:
+        await coalescing.close()
+        await store.close()
+
+
+async def test_the_lean_way_times_out_on_a_hung_store_and_recovers(own_redis: RedisServer) -> None:
+    store = RedisBackend(store_client(parse_counter_url(own_redis.url)), name="redis")
+    coalescing = CoalescingBackend(
+        store, call_timeout_seconds=0.05, queue_timeout_seconds=1.0, batch_timeout_seconds=0.3
+    )
+    check = LimitCheck(new_key(), limit=100, window_ms=60_000, bucket_ms=1_000)
+    wire = store.client
+    assert isinstance(wire, RespClient)
+    try:
+        await store.load_script()
+        own_redis.pause()
+        try:
+            hung = Answers()
+            started = asyncio.get_running_loop().time()
+            for _ in range(4):
+                hung.submit(coalescing, [check])
+            await hung.wait_for(4)
+            waited = asyncio.get_running_loop().time() - started
+            assert all(isinstance(r, StoreTimeoutError) for r in hung.got)
+            assert waited < 0.25  # the store timeout, not the hard bound
+            assert coalescing.wire_timeouts == 1
+            await asyncio.sleep(0.4)  # past the hard bound: the connection is dropped
+        finally:
+            own_redis.resume()
+        back = Answers()
+        back.submit(coalescing, [check])
+        await back.wait_for(1)
+        assert isinstance(back.got[0], HitResult) and back.got[0].admitted
+        assert wire.connects == 2
+    finally:
+        await coalescing.close()
+        await store.close()
