@@ -170,7 +170,7 @@ async def drive(kind: str, count: int) -> dict[str, float]:
             "upstream": "http://127.0.0.1:9",
             "embedded": False,
             "watch_rules": False,
-            "access_log": "json",
+            "access_log": os.environ.get("INSTR_ACCESS_LOG", "json"),
             "data_dir": tmp,
         }
         if kind == "redis":

@@ -20,7 +20,7 @@ import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, mmap_dict, multiprocess
 from prometheus_client.metrics_core import (
@@ -34,12 +34,12 @@ from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("gateway.counters")
 
-LATENCY_BUCKETS = (
+LATENCY_BUCKETS: Final = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 
-BREAKER_STATES = {"closed": 0, "open": 1, "half_open": 2}
+BREAKER_STATES: Final = {"closed": 0, "open": 1, "half_open": 2}
 
 _go_float: Callable[[float], str] = floatToGoString  # untyped upstream
 # prometheus-client's multiprocess pieces, untyped upstream too
@@ -403,7 +403,7 @@ class RegionCounterEvents:
 # counts are not lost; its replacement writes files of its own, so nothing is counted
 # twice); its "live" gauges are dropped (``worker_gone``).
 
-SYNC_INTERVAL_SECONDS = 1.0
+SYNC_INTERVAL_SECONDS: Final = 1.0
 
 
 class SharedMetricsWriter:

@@ -25,10 +25,10 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from gateway.counters.base import CounterUnavailableError, HitResult, HitSettled, LimitCheck
-from gateway.counters.errors import StoreTimeoutError
+from gateway.counters.errors import StoreTimeoutError, seconds_text
 
 __all__ = ["CoalescerOverloadedError", "CoalescingBackend", "StoreTimeoutError"]
 
@@ -36,7 +36,7 @@ T = TypeVar("T")
 log = logging.getLogger("gateway.counters")
 
 # A timer that fires later than this was held up by the event loop, not the store.
-LAG_SLACK_SECONDS = 0.002
+LAG_SLACK_SECONDS: Final = 0.002
 
 
 # What ``send_many`` hands back: one result or exception per entry, or why all failed.
@@ -206,7 +206,7 @@ class _Round:
         owner.wire_timeouts += 1
         self.timed_out = True
         failure = StoreTimeoutError(
-            f"the counter store did not answer within {owner._call_timeout:g}s"
+            f"the counter store did not answer within {seconds_text(owner._call_timeout)}s"
         )
         for item in self.items:
             item.settle(failure)
@@ -380,7 +380,8 @@ class CoalescingBackend:
                 self.queue_timeouts += 1
                 item.settle(
                     CoalescerOverloadedError(
-                        f"a counter check waited over {self._queue_timeout:g}s for its turn"
+                        "a counter check waited over "
+                        f"{seconds_text(self._queue_timeout)}s for its turn"
                     )
                 )
         if self._pending and not self._closed:
@@ -409,7 +410,7 @@ class CoalescingBackend:
         if not await asyncio.shield(verdict):
             self.wire_timeouts += 1
             raise StoreTimeoutError(
-                f"the counter store did not answer within {self._call_timeout:g}s"
+                f"the counter store did not answer within {seconds_text(self._call_timeout)}s"
             )
         return task.result()
 
@@ -475,7 +476,7 @@ class CoalescingBackend:
                 # this slot moves on to the next batch.
                 self.wire_timeouts += 1
                 failure = StoreTimeoutError(
-                    f"the counter store did not answer within {self._call_timeout:g}s"
+                    f"the counter store did not answer within {seconds_text(self._call_timeout)}s"
                 )
                 for item in batch:
                     item.settle(failure)

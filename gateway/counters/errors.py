@@ -1,8 +1,16 @@
 """Counter-store errors that subclass a built-in exception other than ``Exception``:
-kept out of the compiled modules (mypyc compiles no subclass of ``TimeoutError``)."""
+kept out of the compiled modules (mypyc compiles no subclass of ``TimeoutError``); and
+how their messages write seconds."""
 
 from __future__ import annotations
 
 
 class StoreTimeoutError(TimeoutError):
     """The store did not answer a round trip within the timeout after it was sent."""
+
+
+def seconds_text(value: float | None) -> str:
+    """Seconds as messages write them (``0.05``, ``2``). A call rather than an f-string
+    format spec: in a compiled module a spec turns the whole f-string into ``str.format``
+    calls (tests/unit/test_native.py)."""
+    return "-" if value is None else format(value, "g")

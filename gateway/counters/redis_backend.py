@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Callable, Coroutine, Sequence
 from functools import lru_cache
 from importlib.resources import files
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -24,9 +24,9 @@ from redis.exceptions import NoScriptError, ResponseError
 from gateway.counters.base import HitResult, LimitCheck, LimitState
 from gateway.counters.resp import GivenUpError, RespClient, pack, reply_error
 
-SCRIPT_RESOURCE = "sliding_window.lua"
-HEALTH_TIMEOUT_SECONDS = 1.0
-MAX_CACHED_CALLS = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
+SCRIPT_RESOURCE: Final = "sliding_window.lua"
+HEALTH_TIMEOUT_SECONDS: Final = 1.0
+MAX_CACHED_CALLS: Final = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
 
 RedisClient: TypeAlias = Redis | RedisCluster
 # What ``send_many`` hands back: one result or exception per entry, or why all failed.

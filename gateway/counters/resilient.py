@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -41,13 +42,13 @@ from gateway.counters.memory import MemoryBackend
 log = logging.getLogger("gateway.counters")
 
 # At most one log line this often about checks that waited too long locally.
-OVERLOAD_LOG_SECONDS = 10.0
+OVERLOAD_LOG_SECONDS: Final = 10.0
 # Added to the inner backend's own bound: the outer timeout is only a safety net.
-SAFETY_MARGIN_SECONDS = 0.5
+SAFETY_MARGIN_SECONDS: Final = 0.5
 
-CLOSED = "closed"
-OPEN = "open"
-HALF_OPEN = "half_open"
+CLOSED: Final = "closed"
+OPEN: Final = "open"
+HALF_OPEN: Final = "half_open"
 
 
 def failure_kind(exc: BaseException) -> str:

@@ -44,6 +44,8 @@ from redis.exceptions import (
     ResponseError,
 )
 
+from gateway.counters.errors import seconds_text
+
 __all__ = [
     "GivenUpError",
     "Replied",
@@ -338,11 +340,11 @@ class RespClient:
         except TimeoutError:
             raise ConnectionError(
                 f"no connection to the counter store at {self.where} "
-                f"within {self._connect_timeout:g}s"
+                f"within {seconds_text(self._connect_timeout)}s"
             ) from None
         except OSError as exc:
             raise ConnectionError(
-                f"cannot connect to the counter store at {self.where}: {exc.strerror or exc}"
+                f"cannot connect to the counter store at {self.where}: {exc.strerror or str(exc)}"
             ) from None
         self.connects += 1
         if self._closed:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Final
 from urllib.parse import unquote
 
 
@@ -26,10 +27,10 @@ class PathKind(StrEnum):
     REGEX = "regex"
 
 
-PATH_KINDS = tuple(k.value for k in PathKind if k is not PathKind.ANY)
-MATCH_CACHE_ENTRIES = 16_384
-MATCH_CACHE_MAX_PATH = 256
-UUID_GROUP_PREFIX = "uuid_"  # a template's {uuid} parameters are the groups named so
+PATH_KINDS: Final = tuple(k.value for k in PathKind if k is not PathKind.ANY)
+MATCH_CACHE_ENTRIES: Final = 16_384
+MATCH_CACHE_MAX_PATH: Final = 256
+UUID_GROUP_PREFIX: Final = "uuid_"  # a template's {uuid} parameters are the groups named so
 
 
 def is_uuid_segment(segment: str) -> bool:
@@ -148,7 +149,7 @@ class Rule:
 
     @property
     def where(self) -> str:
-        return f"{self.source}: rule {self.id!r} (#{self.index})"
+        return f"{self.source}: rule {repr(self.id)} (#{self.index})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,14 @@ control characters, and ``..`` above the root.
 from __future__ import annotations
 
 import string
+from typing import Final
 
-UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")
-HEX = frozenset(string.hexdigits)
+UNRESERVED: Final = frozenset(string.ascii_letters + string.digits + "-._~")
+HEX: Final = frozenset(string.hexdigits)
 # Allowed raw in a path (RFC 3986 pchar plus '/'), except ';' which we refuse on purpose.
-ALLOWED_RAW = frozenset(string.ascii_letters + string.digits + "-._~!$&'()*+,=:@/%")
-FORBIDDEN_DECODED = {"/": "an encoded '/' (%2F)", "\\": "an encoded '\\' (%5C)"}
-MAX_PATH_BYTES = 4096
+ALLOWED_RAW: Final = frozenset(string.ascii_letters + string.digits + "-._~!$&'()*+,=:@/%")
+FORBIDDEN_DECODED: Final = {"/": "an encoded '/' (%2F)", "\\": "an encoded '\\' (%5C)"}
+MAX_PATH_BYTES: Final = 4096
 
 
 class PathError(ValueError):
@@ -78,7 +79,9 @@ def _decode(raw: str) -> str:
         if c == "\\":
             raise PathError("the path contains '\\'")
         if c not in ALLOWED_RAW:
-            raise PathError(f"the path contains a character that must be percent-encoded: {c!r}")
+            raise PathError(
+                f"the path contains a character that must be percent-encoded: {repr(c)}"
+            )
         out.append(c)
         i += 1
     return "".join(out)

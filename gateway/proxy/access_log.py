@@ -29,16 +29,19 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
+from typing import Final
 
 from gateway.policy.model import IdentityKind
 from gateway.ratelimit.identity import RequestIdentity
 
 log = logging.getLogger("gateway.access")
-_IP, _API_KEY, _USER_IP = IdentityKind.IP, IdentityKind.API_KEY, IdentityKind.USER_IP
+_IP: Final = IdentityKind.IP
+_API_KEY: Final = IdentityKind.API_KEY
+_USER_IP: Final = IdentityKind.USER_IP
 
-MAX_BATCH = 256
-FLUSH_SECONDS = 0.05  # the longest a line waits in the buffer
-RECENT_LIMITED = 200  # refusals the operator console lists, newest last
+MAX_BATCH: Final = 256
+FLUSH_SECONDS: Final = 0.05  # the longest a line waits in the buffer
+RECENT_LIMITED: Final = 200  # refusals the operator console lists, newest last
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class AccessRecord:
 
 _second = -1
 _second_text = ""
+_MILLIS: Final = tuple("%03d" % i for i in range(1000))  # noqa: UP031 (see seconds_text)
 _milli = -1
 _milli_text = ""
 
@@ -90,13 +94,13 @@ def utc_now_ms(now: float | None = None) -> str:
         _second = whole
         _second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
     _milli = milli
-    _milli_text = f"{_second_text}.{frac:03d}Z"
+    _milli_text = f"{_second_text}.{_MILLIS[frac]}Z"
     return _milli_text
 
 
 # The JSON string of a str, quotes included, exactly as json.dumps writes it (ASCII only:
 # non-ASCII and control characters as \\u escapes). Implemented in C.
-_q = encode_basestring_ascii
+_q: Final = encode_basestring_ascii
 
 
 # The JSON of the fields that repeat from request to request (method, path, status,
@@ -105,8 +109,8 @@ _q = encode_basestring_ascii
 # per-request fields only (about half of ``json_line``; benchmarks/README.md, "Data
 # plane"). Bounded: a client scanning paths only empties it now and then.
 _HeadKey = tuple[str, str, int, str, str, str | None, str | None, str | None]
-_HEADS: dict[_HeadKey, tuple[str, str]] = {}
-MAX_CACHED_HEADS = 4096
+_HEADS: Final[dict[_HeadKey, tuple[str, str]]] = {}
+MAX_CACHED_HEADS: Final = 4096
 
 
 def _head(r: AccessRecord) -> tuple[str, str]:
@@ -114,7 +118,7 @@ def _head(r: AccessRecord) -> tuple[str, str]:
     found = _HEADS.get(key)
     if found is None:
         found = (
-            f'{{"method":{_q(r.method)},"path":{_q(r.path)},"status":{r.status!r},'
+            f'{{"method":{_q(r.method)},"path":{_q(r.path)},"status":{str(r.status)},'
             f'"region":{_q(r.region)},"client":{_q(r.client)},'
             f'"rule":{"null" if r.rule is None else _q(r.rule)},'
             f'"decision":{"null" if r.decision is None else _q(r.decision)},"identity":',
@@ -131,35 +135,33 @@ def json_line(r: AccessRecord) -> str:
     ``identities``), as ``json.dumps(..., separators=(",", ":"))`` would write them."""
     before_identity, after_identity = _head(r)
     return (
-        f'{before_identity}{"null" if r.identity is None else _q(r.identity)}'
-        f"{after_identity}{r.duration_ms!r},"
+        f"{before_identity}{'null' if r.identity is None else _q(r.identity)}"
+        f"{after_identity}{repr(r.duration_ms)},"
         f'"upstream_ms":{"null" if r.upstream_ms is None else repr(r.upstream_ms)},'
         f'"request_id":{"null" if r.request_id is None else _q(r.request_id)},'
         f'"time":{"null" if r.time is None else _q(r.time)},'
         f'"key":{"null" if r.key is None else _q(r.key)},'
         f'"user":{"null" if r.user is None else _q(r.user)},'
         f'"ip":{"null" if r.ip is None else _q(r.ip)},'
-        f'"start_us":{"null" if r.start_us is None else r.start_us}}}'
+        f'"start_us":{"null" if r.start_us is None else str(r.start_us)}}}'
     )
 
 
 def plain_line(r: AccessRecord) -> str:
     """The record as one line of text. Anything that could break the line (a newline, a
     control character) is written as a backslash escape instead."""
-    upstream_ms = "-" if r.upstream_ms is None else f"{r.upstream_ms:.1f}"
+    upstream_ms = "-" if r.upstream_ms is None else format(r.upstream_ms, ".1f")
     line = (
-        f'{r.client} "{r.method} {r.path}" {r.status:d} region={r.region} '
+        f'{r.client} "{r.method} {r.path}" {str(r.status)} region={r.region} '
         f"rule={r.rule or '-'} decision={r.decision or '-'} id={r.identity or '-'} "
-        f"upstream={r.upstream or '-'} dur_ms={r.duration_ms:.1f} "
+        f"upstream={r.upstream or '-'} dur_ms={format(r.duration_ms, '.1f')} "
         f"upstream_ms={upstream_ms} rid={r.request_id or '-'}"
     )
     if r.time is not None:
         line = f"{line} time={r.time}"
     if r.ip is not None:  # the identity components (see the module's docstring)
-        line = (
-            f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} "
-            f"start_us={r.start_us}"
-        )
+        start_us = str(r.start_us)
+        line = f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} start_us={start_us}"
     if line.isprintable():  # one C scan of the whole line: the common case stops here
         return line
     return plain_line(_escaped(r))
@@ -193,7 +195,7 @@ def _escaped(r: AccessRecord) -> AccessRecord:
     )
 
 
-MAX_REMEMBERED_ADDRESSES = 4096
+MAX_REMEMBERED_ADDRESSES: Final = 4096
 
 
 class AccessLogger:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from gateway import __version__
 from gateway.counters.base import CounterBackend
@@ -40,23 +41,31 @@ from gateway.ratelimit.limiter import Limiter
 
 log = logging.getLogger("gateway.proxy")
 
-REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
-HEALTH_PATH = "/ok"
-INFO_PATH = "/info"
+REFUSED_METHODS: Final = frozenset({"CONNECT", "TRACE"})
+HEALTH_PATH: Final = "/ok"
+INFO_PATH: Final = "/info"
 # What the gateway reads in a request header (by lower-case name); every other header is
 # only relayed. One dict lookup per header decides.
-_HOST, _API_KEY, _CONNECTION, _FORWARDED_FOR, _REQUEST_ID = 1, 2, 3, 4, 5
-_FORWARDED_PROTO, _CONTENT_LENGTH, _TRANSFER_ENCODING, _EXPECT, _SINGLE = 6, 7, 8, 9, 10
-_USER_ID = 11
+_HOST: Final = 1
+_API_KEY: Final = 2
+_CONNECTION: Final = 3
+_FORWARDED_FOR: Final = 4
+_REQUEST_ID: Final = 5
+_FORWARDED_PROTO: Final = 6
+_CONTENT_LENGTH: Final = 7
+_TRANSFER_ENCODING: Final = 8
+_EXPECT: Final = 9
+_SINGLE: Final = 10
+_USER_ID: Final = 11
 # Headers a message may carry once: upstreams disagree about which of two copies counts
 # (the same list as aiohttp's parser, so the gateway refuses what its upstreams would).
-SINGLETONS = frozenset(
+SINGLETONS: Final = frozenset(
     {
         b"content-length", b"content-location", b"content-range", b"content-type", b"etag",
         b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent",
     }
 )  # fmt: skip
-_ROLES = {
+_ROLES: Final = {
     b"host": _HOST, b"x-api-key": _API_KEY, b"x-user-id": _USER_ID,
     b"connection": _CONNECTION, b"x-forwarded-for": _FORWARDED_FOR,
     b"x-request-id": _REQUEST_ID, b"x-forwarded-proto": _FORWARDED_PROTO,
@@ -64,9 +73,9 @@ _ROLES = {
     b"expect": _EXPECT,
     **{name: _SINGLE for name in SINGLETONS - {b"host", b"content-length", b"transfer-encoding"}},
 }  # fmt: skip
-OK_ANSWER = Answer.json(200, b'{"ok": true}')
+OK_ANSWER: Final = Answer.json(200, b'{"ok": true}')
 # RFC 9110 15.5.6: a 405 names the methods that are allowed.
-REFUSED_METHOD_ANSWERS = {
+REFUSED_METHOD_ANSWERS: Final = {
     method: Answer.error(
         405,
         f"{method} is not accepted by this gateway",
@@ -75,11 +84,11 @@ REFUSED_METHOD_ANSWERS = {
     for method in REFUSED_METHODS
 }
 # Identities whose refusal is known in advance, kept at most (oldest dropped first).
-MAX_KNOWN_REFUSALS = 100_000
-MAX_CACHED_PATHS = 10_000
-_STATUS_CLASSES = {n: f"{n}xx" for n in range(1, 6)}
+MAX_KNOWN_REFUSALS: Final = 100_000
+MAX_CACHED_PATHS: Final = 10_000
+_STATUS_CLASSES: Final = {n: f"{n}xx" for n in range(1, 6)}
 # Outcome.value through the enum's descriptor costs more than a dict lookup.
-_OUTCOME_LABELS = {outcome: outcome.value for outcome in Outcome}
+_OUTCOME_LABELS: Final = {outcome: outcome.value for outcome in Outcome}
 
 
 @dataclass(slots=True)
@@ -99,7 +108,7 @@ class KnownRefusal:
 
 
 # The 429 bodies differ only by rule and wait: kept once each, bounded.
-_MAX_CACHED_429 = 4096
+_MAX_CACHED_429: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +364,7 @@ class Gateway:
             return Answer.error(400, "an HTTP/1.1 request must carry a Host header (RFC 9112)")
         if too_big is not None:
             shown = too_big[:64].decode("latin-1")
-            return Answer.error(431, f"request header {shown!r} is over {limit} bytes")
+            return Answer.error(431, f"request header {repr(shown)} is over {limit} bytes")
         if tokens:
             req.connection_tokens = frozenset(tokens)
         if api_key is not None:
@@ -388,8 +397,8 @@ class Gateway:
         kind = rule.identity.value if rule else "-"
         self._count(req.region, rule_id, kind, "unavailable")
         detail = (
-            f"rate-limit counters for region {req.region!r} are unavailable and rule "
-            f"{rule_id!r} fails closed; retry shortly"
+            f"rate-limit counters for region {repr(req.region)} are unavailable and rule "
+            f"{repr(rule_id)} fails closed; retry shortly"
         )
         return Answer.error(503, detail, [("Retry-After", "1")])
 
@@ -429,7 +438,7 @@ class Gateway:
             if len(self._limited_bodies) >= _MAX_CACHED_429:
                 self._limited_bodies.clear()
             body = self._limited_bodies[(rule_id, wait)] = json_body(
-                f"rate limit exceeded for rule {rule_id!r}; retry in {wait} seconds"
+                f"rate limit exceeded for rule {repr(rule_id)}; retry in {wait} seconds"
             )
         return Answer.json(429, body, [*headers, ("Retry-After", str(wait))])
 

@@ -10,7 +10,7 @@ response head. Replaces aiohttp's client and ``StreamResponse`` on the proxy pat
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from gateway.proxy.request import Incoming
 from gateway.proxy.upstream_pool import UpstreamConnection
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.proxy")
 
-HOP_BY_HOP = frozenset(
+HOP_BY_HOP: Final = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
         b"trailer", b"transfer-encoding", b"upgrade", b"proxy-connection",
@@ -30,27 +30,29 @@ HOP_BY_HOP = frozenset(
 )  # fmt: skip
 # From an untrusted peer these are whatever the client wrote: dropped, so the upstream
 # cannot be misled (X-Forwarded-For is replaced with the peer).
-UNTRUSTED_FORWARDING = frozenset(
+UNTRUSTED_FORWARDING: Final = frozenset(
     {b"forwarded", b"x-real-ip", b"x-forwarded-host", b"x-forwarded-port"}
 )
 # The gateway sets these on the request itself.
-_REQUEST_OWNED = frozenset(
+_REQUEST_OWNED: Final = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"via", b"x-request-id"}
 )
-VIA = b"1.1 ratelimit-gateway"
-_RATE_NAMES = frozenset({b"ratelimit", b"ratelimit-policy"})
+VIA: Final = b"1.1 ratelimit-gateway"
+_RATE_NAMES: Final = frozenset({b"ratelimit", b"ratelimit-policy"})
 # A body up to this size is read whole before an upstream connection is taken, so a
 # client trickling a small body holds no upstream connection (slow-body starvation);
 # anything larger streams once this much has arrived.
-BUFFER_BEFORE_FORWARD = 64 * 1024
-RETRY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+BUFFER_BEFORE_FORWARD: Final = 64 * 1024
+RETRY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 # Relay phases: waiting for the response head, streaming the body, ended.
-WAITING, STREAMING, DONE = 0, 1, 2
+WAITING: Final = 0
+STREAMING: Final = 1
+DONE: Final = 2
 
 
 # The gateway meets a request's "Expect: 100-continue" itself (it sends the 100 and reads
 # the body before forwarding): passed on, the upstream would answer it a second time.
-_MET_HERE = frozenset({b"expect"})
+_MET_HERE: Final = frozenset({b"expect"})
 # Request header names the loop below looks at; everything else is copied as it came.
 _REQUEST_SPECIAL = (
     HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | _MET_HERE | {b"host", b"content-length"}
@@ -61,9 +63,9 @@ _REQUEST_SPECIAL = (
 # time: the request line's start per (method, prefix, path), and the forwarding fields
 # of a request that brought none of its own, per peer (benchmarks/README.md, "Data
 # plane", the proxied rows).
-_LINE_STARTS: dict[tuple[str, str, str], bytes] = {}
-_PLAIN_FORWARDING: dict[str, bytes] = {}
-MAX_KEPT = 4096
+_LINE_STARTS: Final[dict[tuple[str, str, str], bytes]] = {}
+_PLAIN_FORWARDING: Final[dict[str, bytes]] = {}
+MAX_KEPT: Final = 4096
 
 
 def _line_start(method: str, prefix: str, path: str) -> bytes:
@@ -148,17 +150,24 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
 
 # What ``Relay.response_head`` does with a response header, by name: write it as it came
 # (0), or one of the few special cases.
-_KEEP, _CONNECTION, _TRANSFER, _VIA, _LENGTH, _DATE, _DROP, _RATE = range(8)
+_KEEP: Final = 0
+_CONNECTION: Final = 1
+_TRANSFER: Final = 2
+_VIA: Final = 3
+_LENGTH: Final = 4
+_DATE: Final = 5
+_DROP: Final = 6
+_RATE: Final = 7
 # Dropped outright (the gateway writes its own framing and X-Request-Id).
 _DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-id"}
-_SPECIAL_ACTIONS = {
+_SPECIAL_ACTIONS: Final = {
     b"connection": _CONNECTION, b"transfer-encoding": _TRANSFER, b"via": _VIA,
     b"content-length": _LENGTH, b"date": _DATE,
     **{name: _DROP for name in _DROPPED}, **{name: _RATE for name in _RATE_NAMES},
 }  # fmt: skip
 # The action per name as upstreams spell it ("Content-Length"), so a header costs one dict
 # lookup and no lower(); bounded, since an upstream may send any names.
-_ACTIONS: dict[bytes, int] = {}
+_ACTIONS: Final[dict[bytes, int]] = {}
 
 
 def _action(name: bytes) -> int:
@@ -167,11 +176,11 @@ def _action(name: bytes) -> int:
         _ACTIONS[name] = action
     return action
 
-VIA_LINE = b"Via: " + VIA + CRLF
+VIA_LINE: Final = b"Via: " + VIA + CRLF
 # The Connection values nearly every upstream sends: they name nothing that is written, so
 # no token parsing and no filtering pass.
-_PLAIN_CONNECTION = frozenset({b"keep-alive", b"Keep-Alive", b"close", b"Close"})
-_STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
+_PLAIN_CONNECTION: Final = frozenset({b"keep-alive", b"Keep-Alive", b"close", b"Close"})
+_STATUS_LINES: Final[dict[tuple[int, bytes], bytes]] = {}
 
 
 def _status_line(status: int, reason: bytes) -> bytes:

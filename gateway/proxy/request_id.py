@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Final
 
-MAX_CLIENT_ID_BYTES = 128
+MAX_CLIENT_ID_BYTES: Final = 128
 
 _prefix = ""  # 16 hex digits, formatted once per process
 _counter = itertools.count()

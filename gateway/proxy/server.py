@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
@@ -47,13 +47,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.proxy")
 
 # Deadline kinds (one at a time per connection, besides the request body's own).
-IDLE, HEAD, UPSTREAM, RESPONSE = 1, 2, 3, 4
-MAX_PIPELINED = 32  # queued requests after which reading pauses
-LINGER_SECONDS = 2.0  # reading (and dropping) after a final answer, before closing
-NO_PEER = Peer(None, False, "unknown")
+IDLE: Final = 1
+HEAD: Final = 2
+UPSTREAM: Final = 3
+RESPONSE: Final = 4
+MAX_PIPELINED: Final = 32  # queued requests after which reading pauses
+LINGER_SECONDS: Final = 2.0  # reading (and dropping) after a final answer, before closing
+NO_PEER: Final = Peer(None, False, "unknown")
 # The methods llhttp knows, as str, without a decode per request.
-_METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")}
-perf_counter = time.perf_counter
+_METHODS: Final = {
+    m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+}
+perf_counter: Final = time.perf_counter
 
 
 class StopParsingError(Exception):
@@ -624,13 +629,13 @@ class ClientConnection(asyncio.Protocol):
 
     def _upstream_timeout(self, req: Incoming, upstream: Upstream) -> Answer:
         self.gateway.metrics.upstream_errors.labels(upstream.name, "timeout").inc()
-        detail = f"upstream {upstream.name!r} did not answer in time"
+        detail = f"upstream {repr(upstream.name)} did not answer in time"
         return Answer.error(504, detail, req.rate_headers)
 
     def _unreachable(self, req: Incoming, upstream: Upstream, exc: BaseException) -> Answer:
         self.gateway.metrics.upstream_errors.labels(upstream.name, "unreachable").inc()
         log.warning("upstream %s unreachable: %s", upstream.name, type(exc).__name__)
-        return Answer.error(502, f"upstream {upstream.name!r} is unreachable", req.rate_headers)
+        return Answer.error(502, f"upstream {repr(upstream.name)} is unreachable", req.rate_headers)
 
     # --- used by the relay
 

@@ -14,12 +14,12 @@ import ssl
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 
-IDLE_SECONDS = 30.0  # an idle upstream connection is closed after this long
+IDLE_SECONDS: Final = 30.0  # an idle upstream connection is closed after this long
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,15 @@ import time
 from collections.abc import Iterable
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import Final
 
-REASONS: dict[int, bytes] = {s.value: s.phrase.encode() for s in HTTPStatus}
-CRLF = b"\r\n"
-CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
-CHUNKED_END = b"0\r\n\r\n"
-JSON_TYPE = b"Content-Type: application/json\r\n"
-CLOSE = b"Connection: close\r\n"
-KEEP_ALIVE = b"Connection: keep-alive\r\n"
+REASONS: Final[dict[int, bytes]] = {s.value: s.phrase.encode() for s in HTTPStatus}
+CRLF: Final = b"\r\n"
+CONTINUE_100: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+CHUNKED_END: Final = b"0\r\n\r\n"
+JSON_TYPE: Final = b"Content-Type: application/json\r\n"
+CLOSE: Final = b"Connection: close\r\n"
+KEEP_ALIVE: Final = b"Connection: keep-alive\r\n"
 
 _date_second = 0
 _date_line = b""

@@ -10,17 +10,18 @@ import hashlib
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.policy.model import IdentityKind
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-MAX_IDENTITY_HEADER_BYTES = 256
-MAX_FORWARDED_HOPS = 32
-MEMO_SIZE = 8  # identity hashes remembered per connection
-HASH_HEX_CHARS = 32  # 128 bits of the HMAC: collisions are not a practical concern
-_BLOCK = 64  # SHA-256's block size, as HMAC pads the key to
+MAX_IDENTITY_HEADER_BYTES: Final = 256
+MAX_FORWARDED_HOPS: Final = 32
+MEMO_SIZE: Final = 8  # identity hashes remembered per connection
+HASH_HEX_CHARS: Final = 32  # 128 bits of the HMAC: collisions are not a practical concern
+_BLOCK: Final = 64  # SHA-256's block size, as HMAC pads the key to
 
 
 def valid_identity_header(value: str | bytes | None) -> str | None:
@@ -38,7 +39,7 @@ def valid_identity_header(value: str | bytes | None) -> str | None:
 
 
 # What each kind's hashed input starts with ("<kind>\0"), encoded once.
-_KIND_PREFIXES = {kind: kind.value.encode() + b"\0" for kind in IdentityKind}
+_KIND_PREFIXES: Final = {kind: kind.value.encode() + b"\0" for kind in IdentityKind}
 
 
 class IdentityHasher:
@@ -80,7 +81,7 @@ class ClientAddressPolicy:
             try:
                 networks.append(ipaddress.ip_network(cidr.strip(), strict=False))
             except ValueError as exc:
-                raise ValueError(f"bad trusted-proxy CIDR {cidr!r}: {exc}") from exc
+                raise ValueError(f"bad trusted-proxy CIDR {repr(cidr)}: {exc}") from exc
         if not 0 < ipv6_prefix <= 128:
             raise ValueError(f"ipv6 prefix must be 1..128, not {ipv6_prefix}")
         return cls(tuple(networks), ipv6_prefix)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
 from gateway.counters.base import CounterBackend, HitResult, HitSettled, LimitCheck
 from gateway.policy.matcher import Selection
@@ -11,7 +12,7 @@ from gateway.policy.model import IdentityKind, Rule
 from gateway.ratelimit.decision import Decision, LimitReport, Outcome
 from gateway.ratelimit.window import bucket_ms_for
 
-MAX_CACHED_CHECKS = 50_000  # identities whose checks are kept (then the cache starts over)
+MAX_CACHED_CHECKS: Final = 50_000  # identities whose checks are kept (then the cache starts over)
 
 
 def counter_key(region: str, rule_id: str, identity_hash: str, seconds: int) -> str:
@@ -78,7 +79,7 @@ def _one_limit(region: str, identity: str | None, rule: Rule, result: HitResult)
 
 
 # IdentityKind.value through the enum's descriptor costs more than a dict lookup.
-_KIND_VALUES = {kind: kind.value for kind in IdentityKind}
+_KIND_VALUES: Final = {kind: kind.value for kind in IdentityKind}
 
 
 class Limiter:

@@ -12,9 +12,10 @@ under-admit by at most one bucket's share. The Lua script in
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
-MIN_BUCKET_MS = 100
-TARGET_BUCKETS = 60
+MIN_BUCKET_MS: Final = 100
+TARGET_BUCKETS: Final = 60
 
 
 def bucket_ms_for(window_ms: int) -> int:
