@@ -19,6 +19,7 @@ HOT_MODULES = (
     "gateway.proxy.access_log",
     "gateway.proxy.upstream_pool",
     "gateway.proxy.request_id",
+    "gateway.proxy.routing",
     "gateway.ratelimit.decision",
     "gateway.ratelimit.limiter",
     "gateway.ratelimit.identity",

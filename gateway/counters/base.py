@@ -33,6 +33,24 @@ class LimitCheck:
     # What to do when the counter store is unavailable: admit (counting locally) or refuse.
     fail_open: bool = True
 
+    # Written out: mypyc compiles this one, while the dataclass's own would run as Python
+    # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
+    def __init__(
+        self,
+        key: str,
+        limit: int,
+        window_ms: int,
+        bucket_ms: int,
+        enforce: bool = True,
+        fail_open: bool = True,
+    ) -> None:
+        self.key = key
+        self.limit = limit
+        self.window_ms = window_ms
+        self.bucket_ms = bucket_ms
+        self.enforce = enforce
+        self.fail_open = fail_open
+
 
 # Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
 # one of these is built per request. Treat it as immutable all the same.
@@ -43,6 +61,13 @@ class LimitState:
     allowed: bool  # the limit had room for this request
     remaining: int  # requests left in the trailing window after this call, >= 0
     reset_ms: int  # ms until the next slot frees (until one request fits, when full)
+
+    # Written out: mypyc compiles this one, while the dataclass's own would run as Python
+    # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
+    def __init__(self, allowed: bool, remaining: int, reset_ms: int) -> None:
+        self.allowed = allowed
+        self.remaining = remaining
+        self.reset_ms = reset_ms
 
 
 # Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
@@ -57,6 +82,20 @@ class HitResult:
     # For a refusal: for how long from now (ms) any request with these checks is sure
     # to be refused too (0: not known). Lets callers answer repeats without asking.
     certain_ms: int = 0
+
+    # Written out: mypyc compiles this one, while the dataclass's own would run as Python
+    # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
+    def __init__(
+        self,
+        admitted: bool,
+        states: tuple[LimitState, ...],
+        source: str = "memory",
+        certain_ms: int = 0,
+    ) -> None:
+        self.admitted = admitted
+        self.states = states
+        self.source = source
+        self.certain_ms = certain_ms
 
 
 # What a backend's ``submit`` hands its answer to: the result, or the exception ``hit``

@@ -21,6 +21,18 @@ class Selection:
     identity: str | None
     shadows: tuple[tuple[Rule, str], ...] = field(default=())
 
+    # Written out: mypyc compiles this one, while the dataclass's own would run as Python
+    # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
+    def __init__(
+        self,
+        rule: Rule | None,
+        identity: str | None,
+        shadows: tuple[tuple[Rule, str], ...] = (),
+    ) -> None:
+        self.rule = rule
+        self.identity = identity
+        self.shadows = shadows
+
     @property
     def exempt(self) -> bool:
         return self.rule is not None and self.rule.unlimited

@@ -12,11 +12,13 @@ class Router:
 
     def __init__(self, routes: Sequence[tuple[str, Upstream]], default: Upstream | None) -> None:
         self._routes = sorted(routes, key=lambda r: -len(r[0]))
+        # Each prefix with its "prefix/" form, built once rather than on every request.
+        self._matches = [(prefix, prefix + "/", upstream) for prefix, upstream in self._routes]
         self.default = default
 
     def route(self, path: str) -> Upstream | None:
-        for prefix, upstream in self._routes:
-            if prefix == "/" or path == prefix or path.startswith(prefix + "/"):
+        for prefix, below, upstream in self._matches:
+            if prefix == "/" or path == prefix or path.startswith(below):
                 return upstream
         return self.default
 

@@ -29,6 +29,30 @@ class LimitReport:
     shadow: bool
     reset_ms: int = 0  # reset_seconds before rounding up
 
+    # Written out: mypyc compiles this one, while the dataclass's own would run as Python
+    # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
+    def __init__(
+        self,
+        name: str,
+        rule_id: str,
+        count: int,
+        seconds: int,
+        remaining: int,
+        reset_seconds: int,
+        exceeded: bool,
+        shadow: bool,
+        reset_ms: int = 0,
+    ) -> None:
+        self.name = name
+        self.rule_id = rule_id
+        self.count = count
+        self.seconds = seconds
+        self.remaining = remaining
+        self.reset_seconds = reset_seconds
+        self.exceeded = exceeded
+        self.shadow = shadow
+        self.reset_ms = reset_ms
+
 
 # Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
 # one of these is built per request. Treat it as immutable all the same.
@@ -45,6 +69,30 @@ class Decision:
     shadow_exceeded: tuple[tuple[str, str], ...] = ()
     # A refusal that any repeat is sure to get for this long (ms; 0: not known).
     certain_ms: int = 0
+
+    # Written out: mypyc compiles this one, while the dataclass's own would run as Python
+    # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
+    def __init__(
+        self,
+        outcome: Outcome,
+        rule_id: str | None = None,
+        identity_kind: str | None = None,
+        identity_hash: str | None = None,
+        reports: tuple[LimitReport, ...] = (),
+        retry_after: int = 0,
+        source: str = "",
+        shadow_exceeded: tuple[tuple[str, str], ...] = (),
+        certain_ms: int = 0,
+    ) -> None:
+        self.outcome = outcome
+        self.rule_id = rule_id
+        self.identity_kind = identity_kind
+        self.identity_hash = identity_hash
+        self.reports = reports
+        self.retry_after = retry_after
+        self.source = source
+        self.shadow_exceeded = shadow_exceeded
+        self.certain_ms = certain_ms
 
     @property
     def logged_identity(self) -> str | None:
