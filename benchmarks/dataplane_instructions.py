@@ -170,7 +170,8 @@ async def drive(kind: str, count: int) -> dict[str, float]:
             "upstream": "http://127.0.0.1:9",
             "embedded": False,
             "watch_rules": False,
-            "access_log": os.environ.get("INSTR_ACCESS_LOG", "json"),
+            # --access-log, passed down to the child run through the environment
+            "access_log": os.environ.get("INSTRUCTIONS_ACCESS_LOG", "json"),
             "data_dir": tmp,
         }
         if kind == "redis":
@@ -288,12 +289,19 @@ def main() -> None:
         help="also measure the gateway of this checkout (repeatable)",
     )
     parser.add_argument("--cpu", action="store_true", help="CPU time per request, no valgrind")
+    parser.add_argument(
+        "--access-log",
+        choices=("json", "plain", "off"),
+        default="json",
+        help="the access-log format of the measured gateway (default json, as dataplane_bench)",
+    )
     parser.add_argument("--requests", type=int, default=0, help="N2 (default 3000, --cpu 30000)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]))
         return
+    os.environ["INSTRUCTIONS_ACCESS_LOG"] = args.access_log  # read by the child runs
     callgrind = not args.cpu
     if callgrind and shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found (Debian: apt-get install valgrind), or use --cpu")
