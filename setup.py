@@ -89,7 +89,16 @@ def _ext_modules() -> list[object]:
     # installed) would make a local build succeed where a clean one fails.
     # Not --allow-subclassing-any: a compiled class whose base is such an unknown type
     # is miscompiled (it crashed at run time), so that must fail the build instead.
-    options = ["--ignore-missing-imports", "--allow-untyped-calls", "--cache-dir", os.devnull]
+    # And --no-site-packages: mypy would otherwise look for them in the site-packages of
+    # the interpreter running the build, which holds them on a reinstall but not on a
+    # first install from a clean clone (a build that passed locally once fell back there).
+    options = [
+        "--ignore-missing-imports",
+        "--allow-untyped-calls",
+        "--no-site-packages",
+        "--cache-dir",
+        os.devnull,
+    ]
     try:
         return list(mypycify([*options, *HOT_MODULES], opt_level="3", debug_level="1"))
     except BaseException as exc:  # mypyc exits (SystemExit) on type errors

@@ -9,6 +9,14 @@ class StoreTimeoutError(TimeoutError):
     """The store did not answer a round trip within the timeout after it was sent."""
 
 
+class GivenUpError(ConnectionError):
+    """The lean connection was dropped on purpose (a caller gave up, or the client
+    closed): the round trips in flight on it are not worth sending again. A built-in
+    ``ConnectionError`` (an ``OSError``: the breaker counts it as a connection failure),
+    not redis-py's: the build that compiles ``resp.py`` does not know redis's classes,
+    and a class cannot take a base it does not know."""
+
+
 def seconds_text(value: float | None) -> str:
     """Seconds as messages write them (``0.05``, ``2``). A call rather than an f-string
     format spec: in a compiled module a spec turns the whole f-string into ``str.format``

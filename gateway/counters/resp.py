@@ -44,7 +44,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from gateway.counters.errors import seconds_text
+from gateway.counters.errors import GivenUpError, seconds_text
 
 __all__ = [
     "GivenUpError",
@@ -61,27 +61,24 @@ log = logging.getLogger("gateway.counters")
 
 def pack(args: tuple[str | int | bytes, ...]) -> bytes:
     """One command in RESP, packed by hiredis (C)."""
-    packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]  # its stub says 1-tuple
+    # Any: hiredis's stub types the argument as a 1-tuple.
+    packed: bytes = hiredis.pack_command(cast(Any, args))
     return packed
 
 
 def reply_error(exc: ResponseError) -> Exception:
     """The redis-py class for an error reply, by its code (only ``NOSCRIPT`` matters here)."""
     text = str(exc)
+    error: Exception = exc  # typed here: the build sees redis's classes as Any
     if text.startswith("NOSCRIPT"):
-        return NoScriptError(text)
-    if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-        return AuthenticationError(text)
-    return exc
+        error = NoScriptError(text)
+    elif text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+        error = AuthenticationError(text)
+    return error
 
 
 # What a round trip sent by ``send_now`` hands back: its replies, or why it failed.
 Replied = Callable[[list[Any] | Exception], None]
-
-
-class GivenUpError(ConnectionError):
-    """The connection was dropped on purpose (a caller gave up, or the client closed):
-    the round trips in flight on it are not worth sending again."""
 
 
 class _Waiter:
@@ -186,7 +183,7 @@ class RespConnection(asyncio.Protocol):
         if transport is not None:
             transport.abort()
 
-    def _fail(self, error: ConnectionError) -> None:
+    def _fail(self, error: Exception) -> None:
         self.closed = True
         waiting = self._waiting
         while waiting:
