@@ -8,9 +8,14 @@ the request against all of them or none, so a rejected request uses up no quota.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("gateway.counters")
 
 
 # Not frozen: a frozen dataclass's __init__ costs ~4x (object.__setattr__ per field), and
@@ -101,6 +106,30 @@ class HitResult:
 # What a backend's ``submit`` hands its answer to: the result, or the exception ``hit``
 # would have raised.
 HitSettled: TypeAlias = Callable[[HitResult | Exception], None]
+
+
+def hand_over(
+    future: asyncio.Future[T] | None,
+    callback: Callable[[T | Exception], None] | None,
+    outcome: T | Exception,
+) -> None:
+    """Give ``outcome`` to whoever waits for it: a future (unless already done: its caller
+    gave up) or a callback. A callback that raises is logged, not propagated: it runs
+    inside a read or a batch that other callers share."""
+    if future is not None:
+        if future.done():
+            return
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        return
+    if callback is None:
+        return
+    try:
+        callback(outcome)
+    except Exception:
+        log.exception("a counter store callback failed")
 
 
 class CounterUnavailableError(Exception):

@@ -22,18 +22,22 @@ Two clocks, kept apart (``call_timeout_seconds`` and ``queue_timeout_seconds``):
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
-from gateway.counters.base import CounterUnavailableError, HitResult, HitSettled, LimitCheck
+from gateway.counters.base import (
+    CounterUnavailableError,
+    HitResult,
+    HitSettled,
+    LimitCheck,
+    hand_over,
+)
 from gateway.counters.errors import StoreTimeoutError, seconds_text
 
 __all__ = ["CoalescerOverloadedError", "CoalescingBackend", "StoreTimeoutError"]
 
 T = TypeVar("T")
-log = logging.getLogger("gateway.counters")
 
 # A timer that fires later than this was held up by the event loop, not the store.
 LAG_SLACK_SECONDS: Final = 0.002
@@ -92,19 +96,7 @@ class _Pending:
         if not self.wanted():
             return
         self.settled = True
-        future = self.future
-        if future is not None:
-            if isinstance(outcome, HitResult):
-                future.set_result(outcome)
-            else:
-                future.set_exception(outcome)
-            return
-        done = self.done
-        assert done is not None
-        try:
-            done(outcome)
-        except Exception:  # one caller's bug must not cost the others of its batch
-            log.exception("a counter check's callback failed")
+        hand_over(self.future, self.done, outcome)
 
     def cancel(self) -> None:
         if self.future is not None:

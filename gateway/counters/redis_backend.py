@@ -70,6 +70,32 @@ def parse_reply(reply: Any, count: int) -> tuple[HitResult, int]:
     return HitResult(bool(reply[0]), states, source="redis"), int(reply[1])
 
 
+def _fill(
+    batch: Sequence[Sequence[LimitCheck]],
+    todo: Sequence[int],
+    replies: Sequence[Any],
+    results: list[HitResult | Exception],
+) -> list[int]:
+    """Each call's reply (``replies[k]`` for ``batch[todo[k]]``) as its result, in place;
+    an error reply is that call's exception. Returns the entries whose script the server
+    did not know (NOSCRIPT), left for the caller to send again."""
+    missing: list[int] = []
+    for k, index in enumerate(todo):
+        reply = replies[k]
+        if isinstance(reply, ResponseError):
+            reply = reply_error(reply)
+        if isinstance(reply, NoScriptError):
+            missing.append(index)
+        elif isinstance(reply, Exception):
+            results[index] = reply
+        else:
+            try:
+                results[index] = parse_reply(reply, len(batch[index]))[0]
+            except ResponseError as exc:
+                results[index] = exc
+    return missing
+
+
 class _Call:
     """One request's EVALSHA: its arguments, validated, and once sent its bytes.
 
@@ -180,21 +206,12 @@ class RedisBackend:
         if not commands:
             return results
         replies = await self._pipeline(commands)
-        missing = [k for k, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        missing = _fill(batch, todo, replies, results)
         if missing:
             await self.load_script()
-            again = await self._pipeline([commands[k] for k in missing])
-            for k, reply in zip(missing, again, strict=True):
-                replies[k] = reply
-        for k, index in enumerate(todo):
-            reply = replies[k]
-            if isinstance(reply, Exception):
-                results[index] = reply
-                continue
-            try:
-                results[index] = parse_reply(reply, len(batch[index]))[0]
-            except ResponseError as exc:
-                results[index] = exc
+            again = await self._pipeline([self._call(batch[index]) for index in missing])
+            for index in _fill(batch, missing, again, results):
+                results[index] = NoScriptError("the server lost the script again")
         return results
 
     def send_many(self, batch: Sequence[Sequence[LimitCheck]], done: BatchSettled) -> bool:
@@ -235,20 +252,7 @@ class RedisBackend:
                 else:
                     self._follow_up(self._again(batch, done))
                 return
-            missing: list[int] = []
-            for k, index in enumerate(todo):
-                reply = replies[k]
-                if isinstance(reply, ResponseError):
-                    error = reply_error(reply)
-                    if isinstance(error, NoScriptError):
-                        missing.append(index)
-                    else:
-                        results[index] = error
-                    continue
-                try:
-                    results[index] = parse_reply(reply, len(batch[index]))[0]
-                except ResponseError as exc:
-                    results[index] = exc
+            missing = _fill(batch, todo, replies, results)
             if missing:
                 self._follow_up(self._reload_then(batch, missing, results, done))
                 return

@@ -30,7 +30,6 @@ for ``NOSCRIPT``), a failed ``AUTH`` is ``AuthenticationError``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
+from gateway.counters.base import hand_over
 from gateway.counters.errors import GivenUpError, seconds_text
 
 __all__ = [
@@ -55,8 +55,6 @@ __all__ = [
     "reply_error",
     "tls_context",
 ]
-
-log = logging.getLogger("gateway.counters")
 
 
 def pack(args: tuple[str | int | bytes, ...]) -> bytes:
@@ -96,21 +94,7 @@ class _Waiter:
         self.replies: list[Any] = []
 
     def finish(self, outcome: list[Any] | Exception) -> None:
-        future = self.future
-        if future is not None:
-            if future.done():
-                return
-            if isinstance(outcome, Exception):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-            return
-        callback = self.callback
-        assert callback is not None
-        try:
-            callback(outcome)
-        except Exception:  # the connection's state must survive a caller's bug
-            log.exception("a counter store reply's callback failed")
+        hand_over(self.future, self.callback, outcome)  # never raises: the read goes on
 
 
 class RespConnection(asyncio.Protocol):
