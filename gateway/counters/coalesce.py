@@ -293,7 +293,7 @@ class CoalescingBackend:
             raise CounterUnavailableError("the counter backend is closed")
         if len(self._pending) >= self._max_pending:
             raise CoalescerOverloadedError("too many counter checks waiting")
-        if self._draining == 0 and not self._pending:
+        if self._draining == 0 and not self._pending and not self._rounds:
             return await self._hit_alone(checks)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[HitResult] = loop.create_future()
@@ -344,7 +344,13 @@ class CoalescingBackend:
             if not batch:
                 continue
             round_ = _Round(self, batch)
-            if not send_many([item.checks for item in batch], round_.replied):
+            try:
+                sent = send_many([item.checks for item in batch], round_.replied)
+            except Exception as exc:  # a bug: these checks still get an answer
+                for item in batch:
+                    item.settle(exc)
+                continue
+            if not sent:
                 # No open connection (first use, or after a failure): the awaited way
                 # connects. What was taken goes back to the head of the queue.
                 pending.extendleft(reversed(batch))

@@ -237,11 +237,11 @@ class RedisBackend:
                 continue
             try:
                 call = self._call(checks)
+                if call.packed is None:  # a key that cannot be encoded fails here, alone
+                    call.packed = pack(("EVALSHA", sha, *call.args))
             except ValueError as exc:
                 results[index] = exc
                 continue
-            if call.packed is None:
-                call.packed = pack(("EVALSHA", sha, *call.args))
             packed.append(call.packed)
             todo.append(index)
 
@@ -419,7 +419,7 @@ class RedisBackend:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_SECONDS):
                 if self._wire is not None:
-                    return bool(await self._wire.command("PING") == b"PONG")
+                    return await self._wire.ping()
                 redis: Any = self._client
                 return bool(await redis.ping())
         except Exception:

@@ -121,12 +121,13 @@ class RespConnection(asyncio.Protocol):
             try:
                 reply = reader.gets()
             except hiredis.ProtocolError:
-                self.abort("the counter store sent a reply that is not RESP")
+                # given up: the server may have run the commands; not sent again
+                self.abort("the counter store sent a reply that is not RESP", given_up=True)
                 return
             if reply is False:
                 return
             if not waiting:
-                self.abort("the counter store sent a reply no one asked for")
+                self.abort("the counter store sent a reply no one asked for", given_up=True)
                 return
             waiter = waiting[0]
             waiter.replies.append(reply)
@@ -142,6 +143,8 @@ class RespConnection(asyncio.Protocol):
 
     def request(self, data: bytes, count: int) -> asyncio.Future[list[Any]]:
         """Send ``data`` (``count`` packed commands); the future gets their replies."""
+        if count < 1:
+            raise ValueError("a round trip carries at least one command")
         future: asyncio.Future[list[Any]] = self._loop.create_future()
         if self.closed or self._transport is None:
             future.set_exception(ConnectionError("the connection to the counter store is closed"))
@@ -153,6 +156,8 @@ class RespConnection(asyncio.Protocol):
     def request_cb(self, data: bytes, count: int, callback: Replied) -> bool:
         """Send ``data``; ``callback`` gets the replies (or the failure) later, from the
         read that completes them. False, and nothing sent, on a closed connection."""
+        if count < 1:
+            raise ValueError("a round trip carries at least one command")
         transport = self._transport
         if self.closed or transport is None:
             return False
@@ -172,6 +177,11 @@ class RespConnection(asyncio.Protocol):
         waiting = self._waiting
         while waiting:
             waiting.popleft().finish(error)
+
+
+def _drop(conn: RespConnection | None, why: str) -> None:
+    if conn is not None:
+        conn.abort(why, given_up=True)
 
 
 def tls_context(
@@ -277,6 +287,22 @@ class RespClient:
             return False
         return conn.request_cb(data, count, callback)
 
+    async def ping(self) -> bool:
+        """Whether the server answers PING. A caller's timeout only stops the wait: the
+        reply is still read when it comes, so the connection every counter round shares
+        is not dropped because a health check gave up."""
+        conn = await self._connection()
+        answered: asyncio.Future[list[Any] | Exception] = asyncio.get_running_loop().create_future()
+
+        def got(outcome: list[Any] | Exception) -> None:
+            if not answered.done():
+                answered.set_result(outcome)
+
+        if not conn.request_cb(pack(("PING",)), 1, got):
+            return False
+        outcome = await answered
+        return isinstance(outcome, list) and outcome[0] == b"PONG"
+
     def drop(self, why: str) -> None:
         """Drop the open connection (a round trip on it was given up); the next call
         connects anew."""
@@ -305,28 +331,37 @@ class RespClient:
 
     async def _connect(self) -> RespConnection:
         loop = asyncio.get_running_loop()
+        # Held outside the try: a connection made but not set up in time (a server that
+        # accepts and then does not answer AUTH) is closed, not left open and unowned.
+        made: RespConnection | None = None
         try:
             async with asyncio.timeout(self._connect_timeout):
                 if self._path:
-                    _, conn = await loop.create_unix_connection(RespConnection, self._path)
+                    _, made = await loop.create_unix_connection(RespConnection, self._path)
                 else:
-                    _, conn = await loop.create_connection(
+                    _, made = await loop.create_connection(
                         RespConnection,
                         self._host,
                         self._port,
                         ssl=self._tls,
                         server_hostname=self._host if self._tls is not None else None,
                     )
-                await self._handshake(conn)
+                await self._handshake(made)
         except TimeoutError:
+            _drop(made, "the connection setup ran out of time")
             raise ConnectionError(
                 f"no connection to the counter store at {self.where} "
                 f"within {seconds_text(self._connect_timeout)}s"
             ) from None
         except OSError as exc:
+            _drop(made, "the connection setup failed")
             raise ConnectionError(
                 f"cannot connect to the counter store at {self.where}: {exc.strerror or str(exc)}"
             ) from None
+        except BaseException:  # a refused handshake, a cancelled connect
+            _drop(made, "the connection setup failed")
+            raise
+        conn = made
         self.connects += 1
         if self._closed:
             conn.abort("the counter store client is closed", given_up=True)
@@ -336,11 +371,12 @@ class RespClient:
 
     async def _handshake(self, conn: RespConnection) -> None:
         commands: list[tuple[str | int, ...]] = []
-        if self._password is not None:
-            if self._username:
-                commands.append(("AUTH", self._username, self._password))
-            else:
-                commands.append(("AUTH", self._password))
+        # As redis-py: AUTH only with a user or a non-empty password ("redis://:@host"
+        # means none), and a user without a password sends an empty one.
+        if self._username:
+            commands.append(("AUTH", self._username, self._password or ""))
+        elif self._password:
+            commands.append(("AUTH", self._password))
         if self._db:
             commands.append(("SELECT", self._db))
         if not commands:

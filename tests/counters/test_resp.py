@@ -16,6 +16,7 @@ import uvloop
 from redis.exceptions import AuthenticationError, ConnectionError, ResponseError
 
 from gateway.counters.base import LimitCheck
+from gateway.counters.errors import GivenUpError
 from gateway.counters.factory import parse_counter_url, store_client
 from gateway.counters.redis_backend import RedisBackend
 from gateway.counters.resp import RespClient, pack
@@ -173,7 +174,7 @@ def test_a_peer_that_does_not_speak_resp_is_dropped(run: Runner) -> None:
         port = server.sockets[0].getsockname()[1]
         client = client_for(f"redis://127.0.0.1:{port}/0")
         try:
-            with pytest.raises(ConnectionError, match="not RESP"):
+            with pytest.raises(GivenUpError, match="not RESP"):  # not sent again
                 await client.command("PING")
         finally:
             await client.close()
@@ -204,3 +205,74 @@ def test_the_counter_backend_on_the_wire_under_uvloop(redis_server: RedisServer)
             await backend.close()
 
     uvloop.run(scenario())
+
+
+def test_a_setup_that_runs_out_of_time_closes_its_connection(run: Runner) -> None:
+    # A server that accepts and never answers AUTH: each failed setup must close its
+    # socket, or a slow server would collect one open connection per attempt.
+    async def scenario() -> None:
+        accepted = 0
+        ended = 0
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted, ended
+            accepted += 1
+            while await reader.read(100):
+                pass
+            ended += 1  # the client closed its side
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RespClient(host="127.0.0.1", port=port, password="pw", connect_timeout=0.2)
+        try:
+            for _ in range(3):
+                with pytest.raises(ConnectionError, match=r"within 0\.2s"):
+                    await client.command("PING")
+            async with asyncio.timeout(5):
+                while ended < 3:
+                    await asyncio.sleep(0.01)
+            assert accepted == 3 and ended == 3
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+
+    run(scenario())
+
+
+def test_a_health_check_that_gives_up_keeps_the_shared_connection(
+    run: Runner, own_redis: RedisServer
+) -> None:
+    async def scenario() -> None:
+        client = client_for(own_redis.url)
+        key = new_key()
+        try:
+            assert await client.ping()
+            own_redis.pause()
+            try:
+                counting = asyncio.ensure_future(client.command("INCR", key))
+                await asyncio.sleep(0.05)
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.1):
+                        await client.ping()
+            finally:
+                own_redis.resume()
+            assert await counting == 1  # the round in flight was not failed by the check
+            assert await client.ping()
+            assert client.connects == 1
+        finally:
+            await client.close()
+
+    run(scenario())
+
+
+def test_an_empty_password_means_no_auth(run: Runner, redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        client = client_for(redis_server.url.replace("redis://", "redis://:@"))
+        try:
+            assert await client.command("PING") == b"PONG"
+        finally:
+            await client.close()
+
+    run(scenario())
