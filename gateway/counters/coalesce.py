@@ -105,6 +105,20 @@ class _Pending:
             self.settle(CounterUnavailableError("the counter backend is closed"))
 
 
+def _late_rearm(when: float, now: float, give_up: float) -> float | None:
+    """When a store-timeout timer due at ``when`` fires at ``now``: the time to check
+    again if it fired late (the loop was busy, which is not the store's fault), capped at
+    ``give_up``; None when the timeout has really run out."""
+    late = now - when
+    if late > LAG_SLACK_SECONDS and now < give_up:
+        return min(now + late, give_up)
+    return None
+
+
+def _store_timeout(seconds: float | None) -> StoreTimeoutError:
+    return StoreTimeoutError(f"the counter store did not answer within {seconds_text(seconds)}s")
+
+
 def _watch(
     task: asyncio.Task[Any], timeout: float | None, hard_limit: float
 ) -> asyncio.Future[bool]:
@@ -128,10 +142,8 @@ def _watch(
         nonlocal handle
         if verdict.done() or task.done():
             return  # ``finished`` settles it
-        now = loop.time()
-        late = now - when
-        if late > LAG_SLACK_SECONDS and now < give_up:
-            again = min(now + late, give_up)
+        again = _late_rearm(when, loop.time(), give_up)
+        if again is not None:
             handle = loop.call_at(again, check, again, give_up)
             return
         verdict.set_result(False)
@@ -155,14 +167,13 @@ class _Round:
     fails with ``StoreTimeoutError`` and the round no longer holds its slot; at the hard
     bound the connection is dropped, as the awaited way cancels its round trip."""
 
-    __slots__ = ("handle", "items", "owner", "sent_at", "timed_out")
+    __slots__ = ("handle", "items", "owner", "sent_at")
 
     def __init__(self, owner: CoalescingBackend, items: list[_Pending]) -> None:
         self.owner = owner
         self.items = items
         self.handle: asyncio.TimerHandle | None = None
         self.sent_at = 0.0
-        self.timed_out = False
 
     def arm(self, loop: asyncio.AbstractEventLoop) -> None:
         self.sent_at = now = loop.time()
@@ -190,16 +201,12 @@ class _Round:
         loop = asyncio.get_running_loop()
         now = loop.time()
         give_up = self.sent_at + owner._batch_timeout
-        late = now - when
-        if late > LAG_SLACK_SECONDS and now < give_up:
-            again = min(now + late, give_up)
+        again = _late_rearm(when, now, give_up)
+        if again is not None:
             self.handle = loop.call_at(again, self._check, again)
             return
         owner.wire_timeouts += 1
-        self.timed_out = True
-        failure = StoreTimeoutError(
-            f"the counter store did not answer within {seconds_text(owner._call_timeout)}s"
-        )
+        failure = _store_timeout(owner._call_timeout)
         for item in self.items:
             item.settle(failure)
         owner._round_done(self)  # it no longer holds a slot; the reply is still awaited
@@ -407,9 +414,7 @@ class CoalescingBackend:
         verdict.add_done_callback(self._slot_freed)
         if not await asyncio.shield(verdict):
             self.wire_timeouts += 1
-            raise StoreTimeoutError(
-                f"the counter store did not answer within {seconds_text(self._call_timeout)}s"
-            )
+            raise _store_timeout(self._call_timeout)
         return task.result()
 
     def _alone_done(self, task: asyncio.Task[HitResult]) -> None:
@@ -473,9 +478,7 @@ class CoalescingBackend:
                 # running (bounded) so its connection survives a slow reply, and
                 # this slot moves on to the next batch.
                 self.wire_timeouts += 1
-                failure = StoreTimeoutError(
-                    f"the counter store did not answer within {seconds_text(self._call_timeout)}s"
-                )
+                failure = _store_timeout(self._call_timeout)
                 for item in batch:
                     item.settle(failure)
 
