@@ -57,6 +57,9 @@ class Settings:
     # Needed by the operator console when the admin port is not on loopback (environment
     # GATEWAY_ADMIN_TOKEN or the config file; no flag: flags show in process lists).
     admin_token: str | None = None
+    # Host header values the admin port answers without a token, besides loopback names
+    # and addresses and admin_host itself (a defence against DNS rebinding).
+    admin_allowed_hosts: tuple[str, ...] = ()
     workers: int = 1
     trusted_proxies: tuple[str, ...] = ()
     ipv6_prefix: int = 64
@@ -77,6 +80,14 @@ class Settings:
     # Streamed request bodies (over 64 KiB) holding an upstream connection at once, per
     # client address; all clients together may hold at most half the upstream pool.
     max_uploads_per_client: int = 8
+    # Streamed answers holding an upstream connection at once, per client address (a
+    # client that asks for large answers and never reads them holds the pool otherwise).
+    max_downloads_per_client: int = 8
+    # Client connections open at once from one address; 0: max_connections // 8.
+    max_client_connections: int = 0
+    # X-HTTP-Method-Override, X-HTTP-Method and X-Method-Override are dropped unless this
+    # is on; then the rule is chosen by the overridden method.
+    keep_method_override: bool = False
     shutdown_timeout: float = 30.0
     upstream_pool_size: int = 256
     access_log: str = "plain"  # plain | json | off
@@ -89,6 +100,13 @@ class Settings:
     store: Mapping[str, Any] = field(default_factory=dict)
     control_plane: Mapping[str, Any] = field(default_factory=dict)
     config_file: str | None = None
+
+    @property
+    def client_connection_cap(self) -> int:
+        """Connections one client address may hold open at once."""
+        if self.max_client_connections:
+            return self.max_client_connections
+        return max(1, self.max_connections // 8)
 
     @property
     def embedded_enabled(self) -> bool:
@@ -175,7 +193,7 @@ FALSE = {"0", "false", "no", "off"}
 
 def _coerce(name: str, raw: Any, default: Any, source: str) -> Any:
     try:
-        if name == "rules" or name == "trusted_proxies":
+        if name in ("rules", "trusted_proxies", "admin_allowed_hosts"):
             if isinstance(raw, str):
                 parts = [p.strip() for p in raw.split(",")]
                 return tuple(p for p in parts if p)
@@ -263,6 +281,11 @@ def _validate(s: Settings) -> None:
         bad(f"max_connections must be at least 1, not {s.max_connections}")
     if s.max_uploads_per_client < 1:
         bad(f"max_uploads_per_client must be at least 1, not {s.max_uploads_per_client}")
+    if s.max_downloads_per_client < 1:
+        bad(f"max_downloads_per_client must be at least 1, not {s.max_downloads_per_client}")
+    if s.max_client_connections < 0:
+        bad(f"max_client_connections must be 0 (max_connections // 8) or more, "
+            f"not {s.max_client_connections}")  # fmt: skip
     if s.upstream_pool_size < 1:
         bad(f"upstream_pool_size must be at least 1, not {s.upstream_pool_size}")
     if s.max_body_bytes < 0 or s.max_header_bytes < 256:
