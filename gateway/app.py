@@ -146,7 +146,9 @@ class Proxy:
             access_log=AccessLogger(settings.access_log),
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
+            keep_method_override=settings.keep_method_override,
         )
+        max_connections = connection_cap(settings.max_connections, settings.upstream_pool_size)
         limits = PlaneLimits(
             max_body_bytes=settings.max_body_bytes,
             max_head_bytes=max(64 * 1024, 8 * settings.max_header_bytes),
@@ -155,9 +157,12 @@ class Proxy:
             body_read_timeout=settings.body_read_timeout,
             upstream_timeout=settings.upstream_timeout,
             upstream_read_timeout=settings.upstream_read_timeout,
-            max_connections=connection_cap(settings.max_connections, settings.upstream_pool_size),
+            max_connections=max_connections,
             max_uploads_per_client=settings.max_uploads_per_client,
             max_uploads=max(1, settings.upstream_pool_size // 2),
+            max_downloads_per_client=settings.max_downloads_per_client,
+            max_client_connections=settings.max_client_connections
+            or max(1, max_connections // 8),
         )
         pool = UpstreamPool(settings.upstream_pool_size, settings.upstream_connect_timeout)
         self.plane = DataPlane(self.gateway, pool, limits)

@@ -24,6 +24,7 @@ from gateway.policy.matcher import select
 from gateway.policy.model import IdentityKind, RuleTable
 from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
+from gateway.proxy.relay import METHOD_OVERRIDES
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import accept_request_id, new_request_id
@@ -60,6 +61,9 @@ _TRANSFER_ENCODING: Final = 8
 _EXPECT: Final = 9
 _SINGLE: Final = 10
 _USER_ID: Final = 11
+_OVERRIDE: Final = 12
+# What a kept method override may name (the methods the gateway forwards).
+_OVERRIDABLE: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Headers a message may carry once: upstreams disagree about which of two copies counts
 # (the same list as aiohttp's parser, so the gateway refuses what its upstreams would).
 SINGLETONS: Final = frozenset(
@@ -73,7 +77,7 @@ _ROLES: Final = {
     b"connection": _CONNECTION, b"x-forwarded-for": _FORWARDED_FOR,
     b"x-request-id": _REQUEST_ID, b"x-forwarded-proto": _FORWARDED_PROTO,
     b"content-length": _CONTENT_LENGTH, b"transfer-encoding": _TRANSFER_ENCODING,
-    b"expect": _EXPECT,
+    b"expect": _EXPECT, **{name: _OVERRIDE for name in METHOD_OVERRIDES},
     **{name: _SINGLE for name in SINGLETONS - {b"host", b"content-length", b"transfer-encoding"}},
 }  # fmt: skip
 OK_ANSWER: Final = Answer.json(200, b'{"ok": true}')
@@ -158,6 +162,7 @@ class Gateway:
     access_log: AccessLogger
     max_header_bytes: int = 8190
     max_headers: int = 100
+    keep_method_override: bool = False
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
     _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
@@ -186,6 +191,9 @@ class Gateway:
         problem = self._read_headers(req)
         record.request_id = req.request_id
         if problem is not None:
+            # A head the gateway refuses may frame its body in a way an upstream reads
+            # differently: nothing after it on this connection is read (framing doubt).
+            req.keep_alive = False
             return problem
         method = req.method
         if req.version != "1.1" and req.version != "1.0":
@@ -236,7 +244,9 @@ class Gateway:
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
         record.identities = identity  # the access log's identity components (for replays)
         table = req.table = self.rules.table
-        selection = req.selection = select(table, region, method, path, identity.key_for)
+        selection = req.selection = select(
+            table, region, req.rule_method or method, path, identity.key_for
+        )
         if self._refusals:
             if table is not self._refusals_table:  # limits may have changed: forget all
                 self._refusals.clear()
@@ -323,7 +333,8 @@ class Gateway:
         tokens: set[bytes] | None = None
         given_id: bytes | None = None
         too_big: bytes | None = None
-        last_coding = expect = None
+        last_coding = expect = override = None
+        overrides = 0
         only_chunked = True
         singles: set[bytes] | None = None
         roles = _ROLES
@@ -370,6 +381,9 @@ class Gateway:
                 only_chunked = value.strip().lower() == b"chunked"
             elif role == _EXPECT:
                 expect = value.lower()
+            elif role == _OVERRIDE:
+                override = value
+                overrides += 1
         accepted = None if given_id is None else accept_request_id(given_id)
         req.request_id = accepted or new_request_id()
         if req.chunked:
@@ -392,6 +406,10 @@ class Gateway:
             return Answer.error(431, f"request header {repr(shown)} is over {limit} bytes")
         if tokens:
             req.connection_tokens = frozenset(tokens)
+        if override is not None and self.keep_method_override:
+            problem = _method_override(req, override, overrides)
+            if problem is not None:
+                return problem
         if api_key is not None:
             problem = _identity_header(req, "x-api-key", api_key, api_keys, tokens)
             if problem is not None:
@@ -553,6 +571,20 @@ def _identity_header(
         req.api_key = value
     else:
         req.user_id = value
+    return None
+
+
+def _method_override(req: Incoming, raw: bytes, count: int) -> Answer | None:
+    """Keep a method override (the keep_method_override setting): the rule is then
+    chosen by the method the upstream will apply."""
+    if count > 1:
+        return Answer.error(400, "send one method override header, not several")
+    method = raw.decode("latin-1").upper()
+    if method not in _OVERRIDABLE:
+        shown = raw[:32].decode("latin-1")
+        return Answer.error(400, f"the method override {repr(shown)} names no method accepted here")
+    req.keep_override = True
+    req.rule_method = method
     return None
 
 

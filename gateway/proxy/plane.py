@@ -32,7 +32,8 @@ class PlaneLimits:
     max_connections: int = 10_000
     max_uploads_per_client: int = 8
     max_uploads: int = 128  # all clients together: half the upstream pool
-
+    max_downloads_per_client: int = 8
+    max_client_connections: int = 1250  # open at once from one (untrusted) address
 
 
 class DataPlane:
@@ -49,6 +50,10 @@ class DataPlane:
         # Streamed uploads holding an upstream connection, per client address and in all.
         self.uploads: dict[str, int] = {}
         self.uploads_open = 0
+        # Streamed answers holding an upstream connection, per client address.
+        self.downloads: dict[str, int] = {}
+        # Open connections per TCP peer address (trusted proxies are not capped).
+        self.per_address: dict[str, int] = {}
         self._refused_logged = 0.0
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -128,22 +133,72 @@ class DataPlane:
             self.uploads.pop(client, None)
         self.uploads_open -= 1
 
+    def take_download(self, client: str) -> bool:
+        """Count an answer streaming to ``client`` (it holds an upstream connection until
+        the client has read it): False when the client already has its share.
+
+        A client that asks for large answers and never reads them holds one upstream
+        connection each until ``upstream_read_timeout``; without this cap a few hundred
+        such requests from one address starve the pool for everyone (hardening issue,
+        second round, finding 3)."""
+        held = self.downloads.get(client, 0)
+        if held >= self.limits.max_downloads_per_client:
+            return False
+        self.downloads[client] = held + 1
+        return True
+
+    def downloads_full(self, client: str) -> bool:
+        return self.downloads.get(client, 0) >= self.limits.max_downloads_per_client
+
+    def end_download(self, client: str) -> None:
+        held = self.downloads.get(client, 0) - 1
+        if held > 0:
+            self.downloads[client] = held
+        else:
+            self.downloads.pop(client, None)
+
+    def connection_opened(self, address: str) -> bool:
+        """Count a connection from ``address``: False (and not counted) when that address
+        already holds ``max_client_connections``, so one address cannot take every slot
+        of ``max_connections`` and lock the others out."""
+        held = self.per_address.get(address, 0)
+        if held >= self.limits.max_client_connections:
+            return False
+        self.per_address[address] = held + 1
+        return True
+
+    def address_closed(self, address: str) -> None:
+        held = self.per_address.get(address, 0) - 1
+        if held > 0:
+            self.per_address[address] = held
+        else:
+            self.per_address.pop(address, None)
+
     def connection_closed(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
         if not self.connections and self._all_closed is not None and not self._all_closed.done():
             self._all_closed.set_result(None)
 
-    def refused_connection(self) -> None:
+    def refused_connection(self, address: str | None = None) -> None:
         self.refused += 1
         now = time.monotonic()
         if now - self._refused_logged > 10:
             self._refused_logged = now
-            log.warning(
-                "connection limit reached (%d open): new connections are closed at once "
-                "(%d so far); raise max_connections if this is legitimate traffic",
-                len(self.connections),
-                self.refused,
-            )
+            if address is None:
+                log.warning(
+                    "connection limit reached (%d open): new connections are closed at once "
+                    "(%d so far); raise max_connections if this is legitimate traffic",
+                    len(self.connections),
+                    self.refused,
+                )
+            else:
+                log.warning(
+                    "%s holds %d connections, the most one address may "
+                    "(max_client_connections): its new ones are closed at once (%d so far)",
+                    address,
+                    self.limits.max_client_connections,
+                    self.refused,
+                )
 
     def _sweep(self) -> None:
         now = self.loop.time()

@@ -50,13 +50,20 @@ STREAMING: Final = 1
 DONE: Final = 2
 
 
+# Method overrides: an upstream (or framework) that honours one would apply a method other
+# than the one the rule was chosen by. Dropped unless the keep_method_override setting is
+# on (then the rule is chosen by the overridden method).
+METHOD_OVERRIDES: Final = frozenset(
+    {b"x-http-method-override", b"x-http-method", b"x-method-override"}
+)
 # The gateway meets a request's "Expect: 100-continue" itself (it sends the 100 and reads
 # the body before forwarding): passed on, the upstream would answer it a second time.
 _MET_HERE: Final = frozenset({b"expect"})
 # Request header names the loop below looks at; everything else is copied as it came.
 _REQUEST_SPECIAL = (
-    HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | _MET_HERE | {b"host", b"content-length"}
-)
+    HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | _MET_HERE | METHOD_OVERRIDES
+    | {b"host", b"content-length"}
+)  # fmt: skip
 
 
 # Text that repeats from request to request, kept (bounded) instead of encoded each
@@ -115,6 +122,8 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
                 pass  # framing: kept whatever Connection names (the body follows it)
             elif trusted and lower in UNTRUSTED_FORWARDING and lower not in tokens:
                 pass  # a trusted proxy's own forwarding headers pass on
+            elif req.keep_override and lower in METHOD_OVERRIDES and lower not in tokens:
+                pass
             else:
                 continue
         elif tokens and lower in tokens:
@@ -176,6 +185,7 @@ def _action(name: bytes) -> int:
         _ACTIONS[name] = action
     return action
 
+
 VIA_LINE: Final = b"Via: " + VIA + CRLF
 # The Connection values nearly every upstream sends: they name nothing that is written, so
 # no token parsing and no filtering pass.
@@ -207,6 +217,7 @@ class ClientSide(Protocol):
     def forward_head(self, relay: Relay) -> None: ...
     def response_progress(self) -> None: ...
     def forward_done(self, relay: Relay, outcome: int) -> None: ...
+    def download_started(self, relay: Relay) -> None: ...
     def forward_failed(self, relay: Relay, exc: BaseException) -> None: ...
 
 
@@ -224,6 +235,11 @@ class Relay:
     close_after = False
     until_close = False
     body_chunked_up = False
+    # What of the request body went upstream: an upstream connection is reused only
+    # after the whole parsed message went out (ClientConnection.forward_done).
+    body_sent = 0
+    body_ended = False
+    download = False  # the answer outlasted one upstream read (counted per client)
 
     def __init__(
         self,
@@ -254,6 +270,8 @@ class Relay:
             data = head + b"".join(chunk(c) for c in body if c)
         else:
             data = head + b"".join(body)
+        self.body_sent = req.body_size  # everything read so far is in req.body
+        self.body_ended = req.body_done
         if not req.body_done:
             req.body = []  # from now on the body streams; a complete one is kept for a retry
         uconn.start(self, data, req.head_only)
@@ -266,10 +284,18 @@ class Relay:
         if uconn is None:
             return
         if not data:  # the end of the client's body
+            self.body_ended = True
             if self.body_chunked_up:
                 uconn.write(CHUNKED_END)
             return
+        self.body_sent += len(data)
         uconn.write(chunk(data) if self.body_chunked_up else data)
+
+    def forwarded_whole(self) -> bool:
+        """Did the whole parsed request go upstream: every body byte, its end, and
+        exactly the length its head declared?"""
+        length = self.req.content_length
+        return self.body_ended and (length is None or self.body_sent == length)
 
     def upstream_writable(self, writable: bool) -> None:
         self.conn.set_paused("upstream", not writable)
@@ -365,11 +391,19 @@ class Relay:
         if out:
             self.conn.write(out[0] if len(out) == 1 else b"".join(out))
             out.clear()
+        if self.phase == STREAMING and not self.download:
+            # The answer goes on after this read: it holds its upstream connection until
+            # the client has read it (counted per client address, the downloads cap).
+            self.download = True
+            self.conn.download_started(self)
 
     def response_end(self) -> None:
         if self.chunked_out:
             self.out.append(CHUNKED_END)
-        self.flush()
+        out = self.out
+        if out:
+            self.conn.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
         self._end(self.status)
 
     def _end(self, outcome: int) -> None:

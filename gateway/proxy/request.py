@@ -35,6 +35,12 @@ class Incoming:
     expect_continue = False
     # the client address whose upload slot this request holds (DataPlane.take_upload)
     upload_client: str | None = None
+    # the client address whose download slot this request holds (DataPlane.take_download)
+    download_client: str | None = None
+    chunks = 0  # chunks of a chunked body so far
+    # X-HTTP-Method-Override and its kin are passed on (the keep_method_override setting)
+    keep_override = False
+    rule_method = ""  # the overridden method, when it is kept: the rule is chosen by it
     # body: buffered until a sink (the upstream) takes it
     body_size = 0
     body_done = False

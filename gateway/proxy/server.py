@@ -52,6 +52,15 @@ HEAD: Final = 2
 UPSTREAM: Final = 3
 RESPONSE: Final = 4
 MAX_PIPELINED: Final = 32  # queued requests after which reading pauses
+# A read larger than this is parsed a slice at a time, the loop turning between slices
+# (with reading paused): whatever the bytes hold (tiny chunks, tiny pipelined requests),
+# one read never holds the event loop for more than about a millisecond.
+FEED_SLICE: Final = 16 * 1024
+# A chunked body may have at most this many chunks before its chunks must average at
+# least MIN_MEAN_CHUNK bytes: llhttp calls back once per chunk, so the gateway's CPU
+# per body byte would otherwise be the client's choice (hardening, second round, 2).
+FREE_CHUNKS: Final = 1024
+MIN_MEAN_CHUNK: Final = 64
 LINGER_SECONDS: Final = 2.0  # reading (and dropping) after a final answer, before closing
 NO_PEER: Final = Peer(None, False, "unknown")
 # The methods llhttp knows, as str, without a decode per request.
@@ -105,6 +114,18 @@ class ClientConnection(asyncio.Protocol):
         self.response_started = False
         self.pending_error: tuple[int, str] | None = None
         self.no_more = False  # a request said Connection: close: nothing after it is read
+        self.head_fields = 0  # bytes of the head being parsed (target, names, values)
+        self.got_bytes = False  # anything read at all (a silent socket is closed quietly)
+        self.counted_address: str | None = None  # counted in plane.per_address
+        # Bytes read but not parsed yet (a large read is parsed in slices), and where
+        # the next slice starts.
+        self.backlog: memoryview | None = None
+        self.backlog_at = 0
+        self.feed_scheduled = False
+        # The body of an Upgrade request: llhttp (as httptools drives it) stops at the end
+        # of an Upgrade request's head, so the body is read by a second parser told only
+        # the framing (see _UpgradeBody).
+        self.upgrade_body: _UpgradeBody | None = None
 
     # --- asyncio.Protocol
 
@@ -117,14 +138,30 @@ class ClientConnection(asyncio.Protocol):
             self.transport.abort()
             self.lost = True
             return
-        plane.connections.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = self.gateway.peer(peer[0] if isinstance(peer, tuple) else None)
-        self._set_deadline(IDLE, self.limits.client_idle_timeout)
+        address = self.peer.address
+        if address is not None and not self.peer.trusted:
+            # One address may not hold every connection slot (a trusted proxy carries
+            # many clients: its connections are not capped here).
+            if not plane.connection_opened(address):
+                plane.refused_connection(address)
+                self.transport.abort()
+                self.lost = True
+                return
+            self.counted_address = address
+        plane.connections.add(self)
+        # The head deadline runs from accept: a socket that never sends a byte holds a
+        # connection slot for header_timeout, not client_idle_timeout.
+        self._set_deadline(HEAD, self.limits.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self.backlog = None
         self.plane.connection_closed(self)
+        address, self.counted_address = self.counted_address, None
+        if address is not None:
+            self.plane.address_closed(address)
         if self.relay is not None:
             self.relay.client_lost()
         req = self.active
@@ -138,13 +175,67 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.dead_parser or self.lost:
             return
+        self.got_bytes = True
+        if self.backlog is not None or len(data) > FEED_SLICE:
+            backlog = self.backlog
+            if backlog is not None:  # (reading is paused: rare) keep the order
+                data = bytes(backlog[self.backlog_at :]) + data
+            self.backlog = memoryview(data)
+            self.backlog_at = 0
+            self.set_paused("backlog", True)
+            if not self.feed_scheduled:
+                self._feed_backlog()
+            return
+        self._feed(data)
+
+    def _feed_backlog(self) -> None:
+        """Parse the next slice of a large read; the rest after the loop has turned."""
+        self.feed_scheduled = False
+        backlog = self.backlog
+        if backlog is None:
+            return
+        if self.dead_parser or self.lost:
+            self.backlog = None
+            return
+        if len(self.paused) > 1:
+            return  # held back (a body waits for its upstream...): set_paused resumes it
+        start = self.backlog_at
+        end = start + FEED_SLICE
+        if end >= len(backlog):
+            self.backlog = None
+            self._feed(backlog[start:])
+            if self.backlog is None:
+                self.set_paused("backlog", False)
+            return
+        self.backlog_at = end
+        self._feed(backlog[start:end])
+        if self.backlog is not None and not self.feed_scheduled:
+            self.feed_scheduled = True
+            self.loop.call_soon(self._feed_backlog)
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        if self.dead_parser or self.lost:
+            return
         self.read_size = len(data)
+        body = self.upgrade_body
+        if body is not None:
+            self._feed_upgrade_body(body, data)
+            return
+        upgrade_at = -1
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # Upgrade is not offered (the header is hop-by-hop and stripped), so the
-            # request is answered as plain HTTP and the connection closes after it.
-            self.dead_parser = True
+        except httptools.HttpParserUpgrade as exc:
+            # llhttp stops at the end of an Upgrade request's head. Upgrade is not
+            # offered (the header is hop-by-hop and stripped): the request is answered
+            # as plain HTTP and the connection closes after it. Its body, if it declared
+            # one, is read whole first (never forwarded without it: request smuggling).
+            body = self.upgrade_body
+            if body is None:
+                self.dead_parser = True
+                return
+            # (parsed after this except block: an error raised in it would carry the
+            # upgrade as its context instead of its own cause)
+            upgrade_at = int(exc.args[0]) if exc.args else len(data)
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, StopParsingError):
                 # A bug of ours, not the client's: drop the connection, say where.
@@ -158,6 +249,10 @@ class ClientConnection(asyncio.Protocol):
             if not self.no_more:  # after Connection: close llhttp refuses what follows
                 self._protocol_error(exc)
             return
+        if upgrade_at >= 0:
+            if upgrade_at < len(data) and body is not None:
+                self._feed_upgrade_body(body, data[upgrade_at:])
+            return
         if self.in_head:
             if self.active is None and self.deadline_kind != HEAD:
                 self._set_deadline(HEAD, self.limits.header_timeout)
@@ -166,12 +261,32 @@ class ClientConnection(asyncio.Protocol):
             # for a pipelined head behind a request still being answered.
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_head_bytes:
-                detail = f"request head is larger than {self.limits.max_head_bytes} bytes"
-                if self.active is None:
-                    self._fatal(431, detail)
-                else:
-                    self.dead_parser = True  # nothing more is read or kept
-                    self._after_active(431, detail)
+                self._head_too_large()
+
+    def _feed_upgrade_body(self, body: _UpgradeBody, data: bytes | memoryview) -> None:
+        try:
+            body.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, StopParsingError):
+                log.error("request parser callback failed", exc_info=exc.__context__)
+                self.dead_parser = True
+                if self.transport is not None:
+                    self.transport.abort()
+            return
+        except httptools.HttpParserError as exc:
+            if not body.done:
+                self.upgrade_body = None
+                self.dead_parser = True
+                self._protocol_error(exc)
+            return
+
+    def _head_too_large(self) -> None:
+        detail = f"request head is larger than {self.limits.max_head_bytes} bytes"
+        if self.active is None:
+            self._fatal(431, detail)
+        else:
+            self.dead_parser = True  # nothing more is read or kept
+            self._after_active(431, detail)
 
     def eof_received(self) -> bool | None:
         # A half-closed client may still read its answers: keep the transport while a
@@ -206,30 +321,65 @@ class ClientConnection(asyncio.Protocol):
         self.current = req
         self.url = []
         self.in_head = True
+        self.head_fields = 0
         # The header-read deadline (HEAD) is set by data_received only if this head is
         # still incomplete when the read is parsed: most heads arrive in one read.
 
     def on_url(self, url: bytes) -> None:
         self.url.append(url)
+        self.head_fields += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.in_head and self.current is not None:  # not trailers
+            # RFC 9110 5.5: trailing SP / HTAB are not part of a field value (llhttp
+            # drops the leading ones). Trimmed here, once, every header the gateway
+            # reads (identities, Host, request id ...) and the one it forwards are the
+            # value every conforming upstream reads: "K " is "K", not a fresh quota.
+            if value and (value[-1] == 32 or value[-1] == 9):
+                value = value.rstrip(b" \t")
+            self.head_fields += len(name) + len(value) + 4  # ": " and CRLF
             self.current.headers.append((name, value))
+
+    def on_chunk_header(self) -> None:
+        req = self.current
+        if req is None:
+            return
+        chunks = req.chunks = req.chunks + 1
+        if chunks > FREE_CHUNKS and chunks * MIN_MEAN_CHUNK > req.body_size:
+            self._refuse_body(
+                req,
+                Answer.error(
+                    400,
+                    f"chunked body of {chunks} chunks averaging under {MIN_MEAN_CHUNK} "
+                    "bytes; send larger chunks",
+                    req.rate_headers,
+                ),
+                "tiny_chunks",
+            )
 
     def on_headers_complete(self) -> None:
         req = self.current
         assert req is not None
         parser = self.parser
         self.in_head = False
-        req.head_size = self.head_bytes + self.read_size
+        # The head's size as parsed, whatever the reads it came in (one bound).
+        req.head_size = self.head_fields
         self.head_bytes = 0
+        if self.head_fields > self.limits.max_head_bytes:
+            self.current = None
+            self._head_too_large()
+            raise StopParsingError
         method = parser.get_method()
         req.method = _METHODS.get(method) or method.decode("ascii")
         req.version = parser.get_http_version()
         req.keep_alive = parser.should_keep_alive()
-        req.upgrade = parser.should_upgrade()
         req.head_only = req.method == "HEAD"
         req.target = b"".join(self.url)
+        if parser.should_upgrade():
+            req.upgrade = True
+            framing = declared_body(req.headers)
+            if framing:
+                self.upgrade_body = _UpgradeBody(self, framing)
         if self.active is None:
             self._start(req)
         else:
@@ -243,6 +393,10 @@ class ClientConnection(asyncio.Protocol):
             self._body(req, body)
 
     def on_message_complete(self) -> None:
+        if self.upgrade_body is not None and not self.upgrade_body.reading:
+            # llhttp's end of an Upgrade request's head: its body is still to come.
+            self.upgrade_body.reading = True
+            return
         req = self.current
         self.current = None
         if req is None:
@@ -288,12 +442,16 @@ class ClientConnection(asyncio.Protocol):
         self.set_paused("buffer", False)
 
     def _body_too_large(self, req: Incoming) -> None:
+        self._refuse_body(req, self._too_large(req), "body_too_large")
+
+    def _refuse_body(self, req: Incoming, answer: Answer, reason: str) -> None:
+        """Refuse a request whose body cannot be read on: answer (if nothing of the
+        response has been written yet) and close; the upstream connection is dropped."""
         self.plane.gateway.metrics.upstream_errors.labels(
-            self.relay.upstream.name if self.relay else "-", "body_too_large"
+            self.relay.upstream.name if self.relay else "-", reason
         ).inc()
         self.dead_parser = True
         if req is self.active and not self.response_started:
-            answer = self._too_large(req)
             if self.relay is not None and self.relay.uconn is not None:
                 self.relay.uconn.abort()
             self._answer(req, answer, keep=False)
@@ -393,6 +551,9 @@ class ClientConnection(asyncio.Protocol):
         self.gateway.metrics.inflight.dec()
         if req.upload_client is not None:
             self._end_upload(req)
+        if req.download_client is not None:
+            self.plane.end_download(req.download_client)
+            req.download_client = None
         self.relay = None
         self.upstream = None
         self.waiting_body = False
@@ -494,6 +655,24 @@ class ClientConnection(asyncio.Protocol):
         self._answer(req, Answer.error(refused, detail, headers), keep=False)
         return False
 
+    def _too_many_downloads(self, req: Incoming, upstream: Upstream) -> None:
+        self.gateway.metrics.upstream_errors.labels(upstream.name, "downloads_per_client").inc()
+        detail = (
+            f"too many answers still streaming to this client (at most "
+            f"{self.limits.max_downloads_per_client} at once); read them, or retry when "
+            "one has finished"
+        )
+        headers = [*req.rate_headers, ("Retry-After", "1")]
+        self._answer(req, Answer.error(429, detail, headers))
+
+    def download_started(self, relay: Relay) -> None:
+        """An answer outlasted the read its head came in: it holds its upstream
+        connection until the client has read it, counted per client address."""
+        req = relay.req
+        if req is self.active and req.download_client is None:
+            req.download_client = req.client_ip
+            self.plane.take_download(req.client_ip)
+
     def _end_upload(self, req: Incoming) -> None:
         client, req.upload_client = req.upload_client, None
         if client is not None:
@@ -512,6 +691,9 @@ class ClientConnection(asyncio.Protocol):
         upstream = self.upstream
         assert upstream is not None
         if not req.body_done and req.upload_client is None and not self._take_upload(req):
+            return
+        if self.plane.downloads and self.plane.downloads_full(req.client_ip):
+            self._too_many_downloads(req, upstream)
             return
         self.attempt += 1
         if self.attempt == 1:
@@ -618,6 +800,16 @@ class ClientConnection(asyncio.Protocol):
             req.sink = self._discard
             if uconn is not None:
                 uconn.abort()
+        elif not relay.forwarded_whole():
+            # What went upstream is not the whole message that was parsed: the upstream
+            # may read the next request as the rest of this one (request smuggling).
+            # Neither connection is used again.
+            log.error("request %s was not forwarded whole: both connections closed",
+                      req.request_id)  # fmt: skip
+            if uconn is not None:
+                uconn.abort()
+            self._finish(req, keep=False)
+            return
         elif uconn is not None:
             self.plane.pool.release(uconn)
         self._finish(req, keep=not relay.close_after)
@@ -651,6 +843,15 @@ class ClientConnection(asyncio.Protocol):
             self.paused.add(reason)
         else:
             self.paused.discard(reason)
+            if (
+                self.backlog is not None
+                and len(self.paused) == 1
+                and not self.feed_scheduled
+                and reason != "backlog"
+            ):
+                # only the backlog holds reading now: go on parsing it
+                self.feed_scheduled = True
+                self.loop.call_soon(self._feed_backlog)
         want = bool(self.paused)
         if want != self.reading_paused and self.transport is not None and not self.lost:
             self.reading_paused = want
@@ -677,6 +878,9 @@ class ClientConnection(asyncio.Protocol):
                 self.transport.close()
         elif kind == HEAD:
             if self.active is None:
+                if not self.got_bytes and self.transport is not None:
+                    self.transport.close()  # never said a word: nothing to answer
+                    return
                 self._fatal(408, "the request headers did not arrive in time")
         elif kind == UPSTREAM:
             relay = self.relay
@@ -774,3 +978,50 @@ class ClientConnection(asyncio.Protocol):
 
 def _stalled(req: Incoming) -> Answer:
     return Answer.error(408, "the request body stalled", req.rate_headers)
+
+
+def declared_body(headers: list[tuple[bytes, bytes]]) -> int:
+    """The body a request head declares: -1 chunked, its Content-Length, or 0."""
+    length = 0
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"transfer-encoding":
+            return -1  # (llhttp refuses Transfer-Encoding beside Content-Length)
+        if lower == b"content-length":
+            length = int(value)  # llhttp accepted it: digits only
+    return length
+
+
+class _UpgradeBody:
+    """Reads the body of an Upgrade request with a fresh llhttp parser told only its
+    framing: the same strict parse (chunk sizes, lengths) as any other body, reported
+    to the connection as the request's own body."""
+
+    def __init__(self, conn: ClientConnection, framing: int) -> None:
+        self.conn = conn
+        self.reading = False  # llhttp has reached the end of the head
+        self.done = False
+        self.parser = httptools.HttpRequestParser(self)
+        framing_line = (
+            b"Transfer-Encoding: chunked" if framing < 0 else b"Content-Length: %d" % framing
+        )
+        self.parser.feed_data(b"PUT / HTTP/1.1\r\nHost: body\r\n" + framing_line + b"\r\n\r\n")
+
+    def on_chunk_header(self) -> None:
+        if not self.done:
+            self.conn.on_chunk_header()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.done:
+            self.conn.on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        conn = self.conn
+        conn.upgrade_body = None
+        conn.on_message_complete()
+        # Nothing after an Upgrade request is read: the connection closes after its answer.
+        conn.dead_parser = True
+        raise StopParsingError
