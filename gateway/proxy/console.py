@@ -11,7 +11,10 @@ Access: with no ``admin_token`` configured the console answers only when the adm
 listens on loopback; with one, a browser signs in once through a form (the token goes in
 a POST body, never in a URL that lands in logs) and gets an HttpOnly, SameSite=Strict
 cookie holding a keyed hash of the token; scripts may send ``Authorization: Bearer``.
-``/metrics`` and ``/ok`` stay open for scrapers and probes.
+``/metrics`` and ``/ok`` stay open for scrapers and probes. Without a token, the admin
+application also answers the console only to a ``Host`` naming the admin port (loopback
+names and addresses, ``admin_host``, ``admin_allowed_hosts``): see ``admin.py``, a defence
+against DNS rebinding.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class ConsoleSource:
     data_dir: Path
     admin_host: str
     admin_token: str | None
+    # Host values answered without a token besides loopback and admin_host (see admin.py).
+    admin_allowed_hosts: tuple[str, ...] = ()
 
 
 def on_loopback(host: str) -> bool:
