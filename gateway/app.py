@@ -399,6 +399,7 @@ def console_source(
         data_dir=Path(settings.data_dir),
         admin_host=settings.admin_host,
         admin_token=settings.admin_token,
+        admin_allowed_hosts=settings.admin_allowed_hosts,
     )
 
 

@@ -345,7 +345,8 @@ class ClientConnection(asyncio.Protocol):
         if req is None:
             return
         chunks = req.chunks = req.chunks + 1
-        if chunks > FREE_CHUNKS and chunks * MIN_MEAN_CHUNK > req.body_size:
+        # (body_size holds the chunks before this one)
+        if chunks > FREE_CHUNKS and (chunks - 1) * MIN_MEAN_CHUNK > req.body_size:
             self._refuse_body(
                 req,
                 Answer.error(
@@ -709,7 +710,8 @@ class ClientConnection(asyncio.Protocol):
 
     async def _open_and_send(self, req: Incoming, host: str, port: int, tls: bool) -> None:
         upstream = self.upstream
-        assert upstream is not None
+        if upstream is None or self.active is not req:
+            return  # answered meanwhile (a refused body, a lost client)
         try:
             uconn = await self.plane.pool.acquire(host, port, tls)
         except TimeoutError:
