@@ -84,7 +84,8 @@ def test_padded_identity_is_the_same_identity_the_upstream_reads(key, left, righ
                 padded = f"{header}:{left}{key}{right}".encode()
 
                 def request(field: bytes) -> bytes:
-                    return b"GET /x HTTP/1.1\r\nHost: a\r\n" + field + b"\r\nConnection: close\r\n\r\n"
+                    start = b"GET /x HTTP/1.1\r\nHost: a\r\n"
+                    return start + field + b"\r\nConnection: close\r\n\r\n"
 
                 status0, headers0, _ = _split(await _request(_port(gw), request(plain)))
                 status1, headers1, body1 = _split(await _request(_port(gw), request(padded)))
@@ -112,6 +113,7 @@ async def test_padded_host_selects_its_region(tmp_path, upstream):
                 b"Connection: close\r\n\r\n",
             )
             status, headers, _ = _split(reply)
+            assert status == 200
             # runs-stats: us 1/10, eu 20/10: the eu limit applies to every spelling
             assert headers["ratelimit-policy"] == '"runs-stats";q=20;w=10', (host, headers)
 
@@ -227,10 +229,8 @@ async def test_one_address_cannot_take_every_connection(upstream):
                 except ConnectionError:
                     closed += 1
             assert closed == 56
-            status, _, _ = _split(
-                await _request(port, b"GET /ok HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-                               SERVED)  # fmt: skip
-            )
+            probe = b"GET /ok HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+            status, _, _ = _split(await _request(port, probe, SERVED))
             assert status == 200
         finally:
             for _, writer in held:

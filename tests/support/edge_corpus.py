@@ -255,6 +255,24 @@ def _cases() -> list[Case]:
             b"Connection: Upgrade, HTTP2-Settings, close",
         ),
     )
+    # An Upgrade request with a body (llhttp's "Upgrade POST request" vector): the body
+    # is part of the request, forwarded whole, never left for the next request to meet
+    # (hardening, second round, finding 0: request smuggling).
+    smuggled = b"GET /edge/smuggled HTTP/1.1\r\nHost: edge.test\r\n\r\n"
+    for kind in (b"websocket", b"h2c", b"anything"):
+        add(
+            f"upgrade-{kind.decode()}-post-content-length",
+            with_length(
+                b"POST", b"/edge/up", smuggled, b"Upgrade: " + kind, b"Connection: Upgrade"
+            ),
+        )
+        add(
+            f"upgrade-{kind.decode()}-post-chunked",
+            chunked(
+                b"POST", b"/edge/up", chunks(smuggled, b"tail"), b"Upgrade: " + kind,
+                b"Connection: Upgrade",
+            ),
+        )  # fmt: skip
     add("long-query-under-line-limit", simple(b"GET", b"/edge/q?" + b"a=1&" * 1900))
 
     # --- pipelining ----------------------------------------------------------------------
