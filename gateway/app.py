@@ -77,6 +77,7 @@ def open_backend(
         timeout_seconds=settings.redis_timeout_ms / 1000,
         events=metrics.counter_events(region),
         deny_cache=settings.deny_cache,
+        memory_max_keys=settings.memory_max_keys,
     )
 
 

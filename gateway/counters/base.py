@@ -176,7 +176,8 @@ class CounterEvents(Protocol):
     """What the resilience wrappers report; ``app.py`` binds it to metrics and logs."""
 
     def store_error(self, kind: str) -> None:
-        """A call to the shared store failed (``timeout``, ``connection``, ``error``)."""
+        """A call to the shared store failed (``auth``: the credentials were refused,
+        ``timeout``, ``connection``, ``error``)."""
 
     def breaker_changed(self, state: str) -> None:
         """The circuit breaker moved to ``closed``, ``open`` or ``half_open``."""

@@ -500,6 +500,12 @@ class PerNodeBackend:
         await self._client.aclose()
 
 
+def _memory(clock: Callable[[], int] | None, max_keys: int, label: str) -> MemoryBackend:
+    if clock is None:
+        return MemoryBackend(max_keys=max_keys, label=label)
+    return MemoryBackend(clock=clock, max_keys=max_keys, label=label)
+
+
 def open_counter_backend(
     url: str | None,
     *,
@@ -511,23 +517,26 @@ def open_counter_backend(
     breaker_failures: int = 5,
     breaker_reset_seconds: float = 1.0,
     coalesce: bool = True,
+    memory_max_keys: int = 1_000_000,
 ) -> CounterBackend:
     """The counter backend for ``url`` (``None`` means in-process memory).
 
     ``clock`` (ms) drives the in-process counters, the fallback and the deny cache
     (tests); the Redis script always uses the store's time. ``region`` only labels
-    the backend's name: the keys carry the region already.
+    the backend's name: the keys carry the region already. ``memory_max_keys`` caps
+    the in-process counters: the memory backend's, or the fallback's while the store
+    is unavailable (the ``memory_max_keys`` setting; one cap per region).
     """
+    if memory_max_keys < 1:
+        raise ValueError("memory_max_keys must be >= 1")
     if url is None or url == "":
-        return MemoryBackend(clock=clock) if clock else MemoryBackend()
+        return _memory(clock, memory_max_keys, "memory")
     parsed = parse_counter_url(url)
     if parsed.scheme == "memory":
-        return MemoryBackend(clock=clock) if clock else MemoryBackend()
+        return _memory(clock, memory_max_keys, "memory")
     events = events or NoEvents()
     name = f"{parsed.display} (region {region})"
-    fallback = (
-        MemoryBackend(clock=clock, label="fallback") if clock else MemoryBackend(label="fallback")
-    )
+    fallback = _memory(clock, memory_max_keys, "fallback")
 
     def build(store: RedisBackend, store_events: CounterEvents) -> ResilientBackend:
         inner: CounterBackend = (

@@ -108,6 +108,14 @@ class MemoryBackend:
     def name(self) -> str:
         return self._label
 
+    @property
+    def max_keys(self) -> int:
+        return self._max_keys
+
+    def now_ms(self) -> int:
+        """This backend's clock (ms)."""
+        return self._clock()
+
     def __len__(self) -> int:
         return len(self._windows) + len(self._full)
 
@@ -183,6 +191,45 @@ class MemoryBackend:
             admitted, (state,), source=self._label, certain_ms=0 if admitted else reset
         )
 
+    def holds_any(self, checks: Sequence[LimitCheck]) -> bool:
+        """Whether a counter is kept for any of the checks' keys (nothing changes)."""
+        windows, full = self._windows, self._full
+        return any(check.key in windows or check.key in full for check in checks)
+
+    def refusal(self, checks: Sequence[LimitCheck]) -> HitResult | None:
+        """The refusal ``hit_now`` would answer right now, without counting anything or
+        creating a counter; None when every enforced check has room here (a key with
+        no counter has room). The resilience wrapper asks this before it asks the store
+        for requests whose counts it carries over from an outage."""
+        now = self._clock()
+        found: list[_Window | None] = []
+        refused = False
+        for check in checks:
+            window = self._windows.get(check.key)
+            if window is None:
+                window = self._full.get(check.key)
+            if window is not None:
+                window.prune(oldest_counted_bucket(now, check.window_ms, check.bucket_ms))
+                if check.enforce and window.count >= check.limit:
+                    refused = True
+            found.append(window)
+        if not refused:
+            return None
+        states: list[LimitState] = []
+        blocking: list[int] = []  # the resets of the enforced checks that refuse
+        for check, window in zip(checks, found, strict=True):
+            if window is None:
+                states.append(LimitState(True, check.limit, 0))
+                continue
+            total = window.count
+            reset = window.until_room(total, check.limit, now, check.window_ms, check.bucket_ms)
+            states.append(LimitState(total < check.limit, max(0, check.limit - total), reset))
+            if check.enforce and total >= check.limit:
+                blocking.append(reset)
+        return HitResult(
+            False, tuple(states), source=self._label, certain_ms=min(blocking, default=0)
+        )
+
     def _window(self, key: str) -> _Window:
         windows = self._windows
         window = windows.get(key)
@@ -251,3 +298,4 @@ class MemoryBackend:
 
     async def close(self) -> None:
         self._windows.clear()
+        self._full.clear()

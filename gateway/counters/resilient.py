@@ -14,6 +14,28 @@ time a check spends waiting for its turn under a burst is not taken for an outag
 That wait has its own, longer bound; running past it (``CoalescerOverloadedError``)
 is local overload: the check is answered like an outage (fallback or fail closed)
 but the breaker does not count it, and no store error is reported.
+
+What the fallback admitted is not forgotten when the store answers again: the store
+never saw those requests, so on its own it would let the same identity through again
+(up to twice the limit in one window from one process). Until every window that holds
+a fallback admission has passed, a request whose keys the fallback counts must pass
+both: it is refused here, without asking the store, when the fallback's count is full,
+and a request the store admits is counted by the fallback too (and refused after all
+if a concurrent one took the fallback's last slot meanwhile: the store then counted a
+request that was not let through, which errs on the safe side). So each process admits
+at most the limit in any trailing window that starts after an outage began, across the
+outage and its end (N processes: N x limit). Requests whose keys the fallback does not
+count, and every request once those windows have passed, take the usual path: the only
+cost outside that time is one attribute test.
+
+What this does not cover: the fallback starts from zero when an outage begins, not
+knowing what the store admitted just before (knowing it would mean counting every
+request locally as well, on the healthy path). A window that reaches back before the
+outage may also hold those admissions: at most the limit more, shared by all processes.
+
+A store that refuses the credentials (a wrong password, no password where one is
+required, an ACL without the script's commands) is reported as ``auth``, not as a
+connection failure, with a log line that says so (never the password).
 """
 
 from __future__ import annotations
@@ -24,6 +46,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -34,6 +61,7 @@ from gateway.counters.base import (
     HitResult,
     HitSettled,
     LimitCheck,
+    LimitState,
     NoEvents,
 )
 from gateway.counters.coalesce import CoalescerOverloadedError, CoalescingBackend
@@ -41,8 +69,10 @@ from gateway.counters.memory import MemoryBackend
 
 log = logging.getLogger("gateway.counters")
 
-# At most one log line this often about checks that waited too long locally.
+# At most one log line this often about checks that waited too long locally, and about
+# refused credentials.
 OVERLOAD_LOG_SECONDS: Final = 10.0
+AUTH_LOG_SECONDS: Final = 10.0
 # Added to the inner backend's own bound: the outer timeout is only a safety net.
 SAFETY_MARGIN_SECONDS: Final = 0.5
 
@@ -51,13 +81,59 @@ OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
 
 
+def refused_credentials(exc: BaseException) -> BaseException | None:
+    """The refused authentication behind ``exc`` (itself, or what it was raised from:
+    redis-py wraps it in a ``ConnectionError`` on some connections), or None."""
+    seen: BaseException | None = exc
+    for _ in range(3):
+        if seen is None:
+            return None
+        if isinstance(seen, AuthenticationError | AuthenticationWrongNumberOfArgsError):
+            return seen
+        if isinstance(seen, NoPermissionError):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
 def failure_kind(exc: BaseException) -> str:
-    """How a failed call is reported: ``timeout``, ``connection`` or ``error``."""
+    """How a failed call is reported: ``auth``, ``timeout``, ``connection`` or ``error``."""
+    # Before ``connection``: redis-py's AuthenticationError is a ConnectionError.
+    if refused_credentials(exc) is not None:
+        return "auth"
     if isinstance(exc, TimeoutError | RedisTimeoutError):
         return "timeout"
     if isinstance(exc, RedisConnectionError | OSError):
         return "connection"
     return "error"
+
+
+def auth_problem(exc: BaseException) -> str:
+    """What a refused authentication means, for the log. Built from the server's error
+    code, never from the credentials (neither Redis nor redis-py puts them in the text,
+    but the text is not echoed either)."""
+    exc = refused_credentials(exc) or exc
+    text = str(exc)
+    if isinstance(exc, NoPermissionError) or "NOPERM" in text:
+        return "the user may not run the counter script (NOPERM): check its ACL"
+    if (
+        "NOAUTH" in text
+        or "Authentication required" in text
+        or "already authenticated" in text  # redis-py's HELLO without credentials
+    ):
+        return "the server requires a password and the counter URL has none"
+    if isinstance(exc, AuthenticationWrongNumberOfArgsError):
+        return "the server has no users: give only a password in the counter URL"
+    return "wrong user name or password"
+
+
+def _merged(store: LimitState, local: LimitState) -> LimitState:
+    """One limit as the store and the carried-over local count see it together."""
+    return LimitState(
+        store.allowed and local.allowed,
+        min(store.remaining, local.remaining),
+        max(store.reset_ms, local.reset_ms),
+    )
 
 
 class CircuitBreaker:
@@ -159,8 +235,13 @@ class ResilientBackend:
         self._monotonic = monotonic
         self._overloaded = 0
         self._overload_logged_at: float | None = None
+        self._auth_failures = 0
+        self._auth_logged_at: float | None = None
         self._events: CounterEvents = events or NoEvents()
         self._fallback = fallback if fallback is not None else MemoryBackend(label="fallback")
+        # Until then (the fallback's clock, ms) the fallback's admissions are carried over
+        # (see the module's docstring); 0: none to carry, the usual path.
+        self._carry_until = 0
         self._breaker = CircuitBreaker(
             failure_threshold=failure_threshold,
             reset_seconds=reset_seconds,
@@ -181,8 +262,23 @@ class ResilientBackend:
         """``closed`` (store in use), ``open`` (fallback) or ``half_open`` (probing)."""
         return self._breaker.state
 
+    @property
+    def fallback(self) -> MemoryBackend:
+        return self._fallback
+
+    @property
+    def carrying(self) -> bool:
+        """Whether fallback admissions are still carried over (a window holding one
+        has not passed yet)."""
+        return self._carry_until != 0 and self._fallback.now_ms() < self._carry_until
+
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         if self._breaker.allow():
+            if self._carry_until:
+                refused = self._carried_refusal(checks)
+                if refused is not None:
+                    self._breaker.release()
+                    return refused
             try:
                 if self._outer_timeout:
                     async with asyncio.timeout(self._deadline):
@@ -197,6 +293,8 @@ class ResilientBackend:
                     raise
             else:
                 self._breaker.success()
+                if self._carry_until:
+                    return self._carried(checks, result)
                 return result
         return self._fallback_hit(checks)
 
@@ -207,6 +305,8 @@ class ResilientBackend:
         if inner_submit is None:
             return False
         if self._breaker.allow():
+            if self._carry_until:
+                return self._submit_carried(checks, done, inner_submit)
 
             def settled(outcome: HitResult | Exception) -> None:
                 if isinstance(outcome, HitResult):
@@ -224,6 +324,64 @@ class ResilientBackend:
         asyncio.get_running_loop().call_soon(done, self._fallback_outcome(checks))
         return True
 
+    def _submit_carried(
+        self,
+        checks: Sequence[LimitCheck],
+        done: HitSettled,
+        inner_submit: Callable[[Sequence[LimitCheck], HitSettled], bool],
+    ) -> bool:
+        """``submit`` while fallback admissions are carried over (the breaker allowed
+        the call): the local count is asked first, and counts what the store admits."""
+        refused = self._carried_refusal(checks)
+        if refused is not None:
+            self._breaker.release()
+            asyncio.get_running_loop().call_soon(done, refused)
+            return True
+
+        def settled(outcome: HitResult | Exception) -> None:
+            if isinstance(outcome, HitResult):
+                self._breaker.success()
+                done(self._carried(checks, outcome))
+            elif self._failed(outcome):
+                done(outcome)
+            else:
+                done(self._fallback_outcome(checks))
+
+        if inner_submit(checks, settled):
+            return True
+        self._breaker.release()
+        return False
+
+    def _carried_refusal(self, checks: Sequence[LimitCheck]) -> HitResult | None:
+        """While fallback admissions are carried over: the refusal the fallback's count
+        gives these checks (nothing counted), or None (ask the store). Ends the carrying
+        once every window holding a fallback admission has passed."""
+        fallback = self._fallback
+        if fallback.now_ms() >= self._carry_until:
+            self._carry_until = 0
+            return None
+        local = fallback.refusal(checks)
+        if local is None:
+            return None
+        self._events.fallback_used()
+        return HitResult(False, local.states, source="fallback", certain_ms=local.certain_ms)
+
+    def _carried(self, checks: Sequence[LimitCheck], result: HitResult) -> HitResult:
+        """The store's answer while fallback admissions are carried over: an admission
+        is counted by the fallback too when it counts any of these keys, and refused
+        when that count has no room left (a concurrent request took the last slot)."""
+        fallback = self._fallback
+        if not result.admitted or not fallback.holds_any(checks):
+            return result
+        local = fallback.hit_now(checks)
+        states = tuple(
+            _merged(store, mine) for store, mine in zip(result.states, local.states, strict=True)
+        )
+        if local.admitted:
+            return HitResult(True, states, source=result.source)
+        self._events.fallback_used()
+        return HitResult(False, states, source="fallback", certain_ms=local.certain_ms)
+
     def _failed(self, exc: Exception) -> bool:
         """Book a failed store call. True: the caller's own fault, raised as it is;
         False: answered by the fallback (or refused when the check fails closed)."""
@@ -239,8 +397,27 @@ class ResilientBackend:
         kind = failure_kind(exc)
         self._events.store_error(kind)
         log.debug("counter store call failed: %s (%s)", kind, type(exc).__name__)
+        if kind == "auth":
+            self._note_auth(exc)
         self._breaker.failure()
         return False
+
+    def _note_auth(self, exc: Exception) -> None:
+        """Log a refused authentication, at most once per ``AUTH_LOG_SECONDS``: it does
+        not go away by itself, unlike an outage (no credentials in the line)."""
+        self._auth_failures += 1
+        now = self._monotonic()
+        last = self._auth_logged_at
+        if last is None or now - last >= AUTH_LOG_SECONDS:
+            self._auth_logged_at = now
+            log.error(
+                "counter store %s: authentication failed: %s; check the user and password "
+                "in the counter URL (redis_url). Failed calls so far: %d; fail-open rules "
+                "are counted locally, fail-closed ones answer 503",
+                self._inner.name,
+                auth_problem(exc),
+                self._auth_failures,
+            )
 
     def _fallback_outcome(self, checks: Sequence[LimitCheck]) -> HitResult | Exception:
         try:
@@ -264,7 +441,15 @@ class ResilientBackend:
         if any(check.enforce and not check.fail_open for check in checks):
             raise CounterUnavailableError("the counter store is unavailable")
         self._events.fallback_used()
-        result = self._fallback.hit_now(checks)
+        fallback = self._fallback
+        result = fallback.hit_now(checks)
+        if result.admitted:
+            # Carried over until the last window holding this admission has passed.
+            now = fallback.now_ms()
+            for check in checks:
+                until = now + check.window_ms + check.bucket_ms
+                if until > self._carry_until:
+                    self._carry_until = until
         return HitResult(result.admitted, result.states, source="fallback")
 
     async def healthy(self) -> bool:
