@@ -99,6 +99,8 @@ class Settings:
     routes: tuple[tuple[str, str], ...] = ()  # (path prefix, upstream URL), longest first
     store: Mapping[str, Any] = field(default_factory=dict)
     control_plane: Mapping[str, Any] = field(default_factory=dict)
+    # Verified identities (known API keys, JWT users): see gateway/identity/config.py.
+    identity: Mapping[str, Any] = field(default_factory=dict)
     config_file: str | None = None
 
     @property
@@ -121,7 +123,7 @@ class Settings:
         return tuple(ordered)
 
 
-FILE_ONLY = {"regions", "routes", "store", "control_plane", "config_file"}
+FILE_ONLY = {"regions", "routes", "store", "control_plane", "identity", "config_file"}
 
 
 def load_settings(
@@ -154,19 +156,23 @@ def load_settings(
     routes = file_values.pop("routes", None)
     store = file_values.pop("store", None) or {}
     control_plane = file_values.pop("control_plane", None) or {}
+    identity = file_values.pop("identity", None) or {}
     if file_values:
         raise SettingsError(
             f"config file {config_file}: unknown key(s) {sorted(file_values)}; "
             "see 'gateway serve --help' for the names"
         )
-    if not isinstance(store, dict) or not isinstance(control_plane, dict):
-        raise SettingsError(f"config file {config_file}: 'store' and 'control_plane' are mappings")
+    if not all(isinstance(x, dict) for x in (store, control_plane, identity)):
+        raise SettingsError(
+            f"config file {config_file}: 'store', 'control_plane' and 'identity' are mappings"
+        )
     settings = Settings(
         **values,
         regions=_regions(extra_region, config_file),
         routes=_routes(routes, config_file),
         store=store,
         control_plane=control_plane,
+        identity=identity,
         config_file=config_file,
     )
     _validate(settings)
