@@ -3,8 +3,17 @@
 Reads both line formats of ``gateway.proxy.access_log`` (JSON and plain), with or without
 the logging prefix the first line of each batch carries (``... INFO gateway.access: ``),
 among other log lines. A line that cannot be replayed is counted under a reason, never
-an error: other log lines, lines written before the identity components were logged,
-requests answered before any rule was consulted (a 400, ``/ok``), malformed lines.
+an error, whatever it holds (any text, bytes that are not UTF-8, absurd numbers, JSON
+nested thousands deep, a line of gigabytes): other log lines, lines written before the
+identity components were logged, requests answered before any rule was consulted (a 400,
+``/ok``), malformed lines, times out of range, ...
+
+A plain line is read by its grammar, field by field in the order the gateway writes
+them, never as a bag of ``name=value`` words: a value is either written as it is (no
+space in it, not starting with ``"``) or as a JSON string literal, which is read back
+exactly. So a value a client chose (its ``X-Request-Id``, path or method) cannot add a
+field, and a line of an older gateway where one did (an unquoted request id with spaces)
+does not read at all: it is counted as malformed, never replayed with forged fields.
 """
 
 from __future__ import annotations
@@ -22,10 +31,43 @@ NOT_ACCESS_LOG = "not an access-log line"
 NO_COMPONENTS = "written before identity components were logged (no key/user/ip/start_us)"
 NO_IDENTITY = "answered before the rules were consulted (no identity: 400, /ok, ...)"
 MALFORMED = "malformed access-log line"
+BAD_START = "start_us out of range (not a time from 1970 to 9999)"
+TOO_DEEP = "JSON nested too deeply"
+TOO_LONG = "line too long"
+NOT_UTF8 = "not UTF-8 (undecodable bytes)"
+
+# Longer lines are skipped (read in slices, never held whole): an access line is a few
+# hundred characters, and its longest values (a path of at most 4096 characters, a request
+# id of 128) escaped in full (6 characters each at most) are tens of thousands.
+MAX_LINE_CHARS = 1 << 22
+_SLICE_CHARS = 1 << 16
+# The latest start_us a replay can report (datetime's last microsecond, 9999-12-31).
+MAX_START_US = 253_402_300_799_999_999
+# An identity hash, region or decision as the gateway writes it: printable, no space.
+MAX_TOKEN_CHARS = 256
 
 _PREFIX = "gateway.access: "
-# client "METHOD path" status key=value ...
-_PLAIN = re.compile(r'(\S+) "(\S+) (\S*)" (-?\d+) (.*)')
+# A value of a plain line: a JSON string literal, or written as it is (no space, not
+# starting with a quote), or empty. Atomic and possessive: a value has one reading, and a
+# line that does not match fails in time linear in its length (no backtracking into it).
+_V = r'((?>"[^"\\]*+(?:\\.[^"\\]*+)*+"|[^ "][^ ]*+|))'
+# The path, before the request's closing quote: written as it is, it may hold quotes.
+_P = r'((?>"[^"\\]*+(?:\\.[^"\\]*+)*+")|[^ "][^ ]*|)'
+# client "METHOD path" status, then the fields in the order plain_line writes them
+# (time since 2026-11-23, the identity components since the replay exists).
+_PLAIN_HEAD = re.compile(rf'{_V} "{_V} {_P}" (-?[0-9]+) region=')
+_PLAIN = re.compile(
+    rf'{_V} "{_V} {_P}" (-?[0-9]+) region={_V} rule={_V} decision={_V} id={_V} '
+    rf"upstream={_V} dur_ms={_V} upstream_ms={_V} rid={_V}(?: time={_V})?"
+    rf"(?: key={_V} user={_V} ip={_V} start_us={_V})?"
+)
+PLAIN_FIELDS = (
+    "client", "method", "path", "status", "region", "rule", "decision", "id", "upstream",
+    "dur_ms", "upstream_ms", "rid", "time", "key", "user", "ip", "start_us",
+)  # fmt: skip
+# Fields where a bare "-" stands for none.
+_OPTIONAL = frozenset({"rule", "decision", "id", "upstream", "upstream_ms", "rid", "key",
+                       "user", "ip"})  # fmt: skip
 
 
 class Request(NamedTuple):
@@ -52,46 +94,96 @@ class Reading:
     files: list[str] = field(default_factory=list)
 
 
-def parse_line(line: str, strings: dict[str, str]) -> Request | str:
-    """The request a line records, or the reason it cannot be replayed.
+def parse_line(
+    line: str, strings: dict[str, str], tokens: dict[str, str] | None = None
+) -> Request | str:
+    """The request a line records, or the reason it cannot be replayed (never raises).
 
     ``strings`` interns repeated values (methods, paths, regions, hashes): a million
-    requests share a few thousand strings."""
+    requests share a few thousand strings. ``tokens`` keeps the hashes, regions and
+    decisions already found sane (see ``_token``), so each is checked once per reading."""
+    if not line.isascii() and _has_surrogates(line):
+        return NOT_UTF8  # read with surrogateescape: bytes that were not UTF-8
+    if len(line) > MAX_LINE_CHARS:
+        return TOO_LONG
     at = line.find(_PREFIX)
-    if at >= 0:
+    # The logging prefix comes before the line: never inside a value (after a quote).
+    if at >= 0 and line.find('"', 0, at) < 0 and line.find("{", 0, at) < 0:
         line = line[at + len(_PREFIX) :]
     line = line.strip()
     if not line:
         return NOT_ACCESS_LOG
+    if tokens is None:
+        tokens = {}
     if line[0] == "{":
-        return _from_json(line, strings)
-    return _from_plain(line, strings)
+        return _from_json(line, strings, tokens)
+    return _from_plain(line, strings, tokens)
 
 
-def _from_json(line: str, strings: dict[str, str]) -> Request | str:
+def _has_surrogates(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _start_us(value: object) -> int | str:
+    """start_us as an int, or the reason it is not one a replay can use."""
+    if type(value) is not int:
+        return MALFORMED
+    if not 0 <= value <= MAX_START_US:
+        return BAD_START
+    return value
+
+
+def _from_json(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Request | str:
     try:
         data = json.loads(line)
-    except ValueError:
+    except ValueError:  # not JSON, numbers of more than 4300 digits, ...
         return MALFORMED
+    except RecursionError:  # [[[[...]]]] thousands deep
+        return TOO_DEEP
     if not isinstance(data, dict) or "method" not in data or "path" not in data:
         return NOT_ACCESS_LOG
     if "ip" not in data or "start_us" not in data:
         return NO_COMPONENTS
     get = data.get
-    ip, start = get("ip"), get("start_us")
+    ip = get("ip")
     if ip is None:
         return NO_IDENTITY
     method, path, region = get("method"), get("path"), get("region")
     key, user, decision, request_id = get("key"), get("user"), get("decision"), get("request_id")
-    if type(start) is not int or not (
-        type(method) is str and type(path) is str and type(region) is str and type(ip) is str
-    ):
+    if not (type(method) is str and type(path) is str):
         return MALFORMED
-    if not (
-        (key is None or type(key) is str)
-        and (user is None or type(user) is str)
-        and (decision is None or type(decision) is str)
-    ):
+    start = _start_us(get("start_us"))
+    if isinstance(start, str):
+        return start
+    # The tokens seen before are one lookup each; the others are checked once.
+    known = tokens.get
+    ip = (known(ip) if type(ip) is str else None) or _token(ip, strings, tokens)
+    region = (known(region) if type(region) is str else None) or _token(region, strings, tokens)
+    if ip is None or region is None:
+        return MALFORMED
+    # None or "" for none (a plain line writes both as "-")
+    if key is None or key == "":
+        key = None
+    elif (
+        key := (known(key) if type(key) is str else None) or _token(key, strings, tokens)
+    ) is None:
+        return MALFORMED
+    if user is None or user == "":
+        user = None
+    elif (
+        user := (known(user) if type(user) is str else None) or _token(user, strings, tokens)
+    ) is None:
+        return MALFORMED
+    if decision is None or decision == "":
+        decision = None
+    elif (
+        decision := (known(decision) if type(decision) is str else None)
+        or _token(decision, strings, tokens)
+    ) is None:
         return MALFORMED
     # One setdefault per repeated string: a million requests share a few thousand.
     intern = strings.setdefault
@@ -99,47 +191,116 @@ def _from_json(line: str, strings: dict[str, str]) -> Request | str:
         start,
         intern(method, method),
         intern(path, path),
-        intern(region, region),
-        None if key is None else intern(key, key),
-        None if user is None else intern(user, user),
-        intern(ip, ip),
-        None if decision is None else intern(decision, decision),
+        region,
+        key,
+        user,
+        ip,
+        decision,
         request_id if type(request_id) is str else None,
     )
 
 
-def _from_plain(line: str, strings: dict[str, str]) -> Request | str:
+def _token(value: object, strings: dict[str, str], tokens: dict[str, str]) -> str | None:
+    """``value``, interned, if it is what the gateway writes as an identity hash, region
+    or decision: printable text without spaces, at most MAX_TOKEN_CHARS (so a report
+    printing it stays one line per entry); else None."""
+    if type(value) is not str:
+        return None
+    found = tokens.get(value)
+    if found is not None:
+        return found
+    if not (0 < len(value) <= MAX_TOKEN_CHARS and value.isprintable() and " " not in value):
+        return None
+    value = strings.setdefault(value, value)
+    tokens[value] = value
+    return value
+
+
+def _value(token: str) -> str | None:
+    """A plain line's value: a JSON string literal decoded, anything else as it is (None
+    for an invalid literal)."""
+    if token[:1] != '"':
+        return token
+    try:
+        value = json.loads(token)
+    except ValueError:
+        return None
+    return value if type(value) is str else None
+
+
+def plain_fields(line: str) -> dict[str, str | None] | None:
+    """Every field of a plain line by name (values decoded; a bare ``-`` as None where it
+    stands for none; fields the line does not have absent), or None if the line does not
+    follow the grammar."""
     match = _PLAIN.fullmatch(line)
     if match is None:
-        return NOT_ACCESS_LOG
-    fields = dict(part.partition("=")[::2] for part in match.group(5).split(" "))
-    if "ip" not in fields or "start_us" not in fields:
-        return NO_COMPONENTS if "region" in fields else NOT_ACCESS_LOG
-    if "region" not in fields:
-        return MALFORMED
-    try:
-        start = int(fields["start_us"])
-    except ValueError:
-        return MALFORMED
-    s = strings
+        return None
+    found: dict[str, str | None] = {}
+    for name, token in zip(PLAIN_FIELDS, match.groups(), strict=True):
+        if token is None:
+            continue  # an optional group the line does not have
+        if token == "-" and name in _OPTIONAL:  # noqa: S105 (a field, not a password)
+            found[name] = None
+            continue
+        value = _value(token)
+        if value is None:
+            return None
+        found[name] = value
+    return found
 
-    def opt(name: str) -> str | None:
-        value = fields.get(name, "-")
-        return None if value == "-" else s.setdefault(value, value)
 
-    ip = opt("ip")
-    if ip is None:
+def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Request | str:
+    match = _PLAIN.fullmatch(line)
+    if match is None:
+        # an access line whose fields are not the gateway's (forged, cut, edited) or
+        # another log line
+        return MALFORMED if _PLAIN_HEAD.match(line) else NOT_ACCESS_LOG
+    if not line.isprintable():  # never written by a gateway: what it cannot print, it quotes
+        return MALFORMED
+    (_, method, path, _, region, _, decision, _, _, _, _, rid, _, key, user, ip,
+     start_text) = match.groups()  # fmt: skip
+    if ip is None or start_text is None:
+        return NO_COMPONENTS
+    if ip == "-":
         return NO_IDENTITY
+    digits = start_text[1:] if start_text[:1] == "-" else start_text
+    if not (digits.isascii() and digits.isdigit()):
+        return MALFORMED
+    start = _start_us(int(start_text) if len(digits) <= 19 else MAX_START_US + 1)
+    if isinstance(start, str):
+        return start
+    # Values a client chose are quoted when they could not be written as they are.
+    method, path = _value(method), _value(path)
+    request_id = None if rid == "-" else _value(rid)
+    if method is None or path is None or (request_id is None and rid != "-"):
+        return MALFORMED
+    s, t = strings, tokens
+    ip = _token(_value(ip), s, t)
+    region = _token(_value(region), s, t)
+    if ip is None or region is None:
+        return MALFORMED
+    if key == "-":
+        key = None
+    elif (key := _token(_value(key), s, t)) is None:
+        return MALFORMED
+    if user == "-":
+        user = None
+    elif (user := _token(_value(user), s, t)) is None:
+        return MALFORMED
+    if decision == "-":
+        decision = None
+    elif (decision := _token(_value(decision), s, t)) is None:
+        return MALFORMED
     return Request(
         start,
-        s.setdefault(match.group(2), match.group(2)),
-        s.setdefault(match.group(3), match.group(3)),
-        s.setdefault(fields["region"], fields["region"]),
-        opt("key"),
-        opt("user"),
+        s.setdefault(method, method),
+        s.setdefault(path, path),
+        region,
+        key,
+        user,
         ip,
-        opt("decision"),
-        fields.get("rid"),
+        decision,
+        request_id,
     )
 
 
@@ -147,14 +308,16 @@ def read_logs(
     paths: Iterable[str | Path], progress: Callable[[int], None] | None = None
 ) -> Reading:
     """Every request the logs record, sorted by when it began (a stable sort: requests
-    of one millisecond keep their order in the files). ``progress`` gets bytes read."""
+    of one millisecond keep their order in the files). ``progress`` gets characters read.
+    Bytes that are not UTF-8 make their line unreadable (``NOT_UTF8``), never the file."""
     reading = Reading()
     strings: dict[str, str] = {}
+    tokens: dict[str, str] = {}
     done = 0
     for path in paths:
         reading.files.append(str(path))
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            done = _read(handle, reading, strings, progress, done)
+        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+            done = _read(handle, reading, strings, tokens, progress, done)
     reading.requests.sort(key=_start)
     return reading
 
@@ -167,18 +330,27 @@ def _read(
     handle: IO[str],
     reading: Reading,
     strings: dict[str, str],
+    tokens: dict[str, str],
     progress: Callable[[int], None] | None,
     done: int,
 ) -> int:
     append = reading.requests.append
     skipped = reading.skipped
+    readline = handle.readline
     lines = 0
-    for line in handle:
+    while line := readline(MAX_LINE_CHARS + 1):
         lines += 1
         done += len(line)
         if progress is not None and lines % 20_000 == 0:
             progress(done)
-        found = parse_line(line, strings)
+        if len(line) > MAX_LINE_CHARS and line[-1] != "\n":
+            # longer than any access line: the rest is read in slices and dropped
+            while (rest := readline(_SLICE_CHARS)) and rest[-1] != "\n":
+                done += len(rest)
+            done += len(rest)
+            skipped[TOO_LONG] += 1
+            continue
+        found = parse_line(line, strings, tokens)
         if isinstance(found, str):
             skipped[found] += 1
         else:
@@ -194,4 +366,3 @@ def iso_us(epoch_us: int) -> str:
     epoch_ms = epoch_us // 1000
     moment = datetime.fromtimestamp(epoch_ms // 1000, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{epoch_ms % 1000:03d}Z"
-
