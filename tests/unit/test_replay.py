@@ -199,10 +199,8 @@ def test_what_the_gateway_writes_reads_back_the_same_in_both_formats(access_capl
     from_json, from_plain = found
     assert isinstance(from_json, Request) and from_json.path == path
     assert from_json.key and from_json.user and from_json.ip and from_json.decision == "limited"
-    if path.isprintable() and " " not in path:
-        assert from_plain == from_json._replace(start_us=from_plain.start_us)
-    else:  # a plain line escapes what would break it; such a line is not replayed
-        assert from_plain in (NOT_ACCESS_LOG, MALFORMED) or from_plain.path != path
+    # a value that cannot be written as it is is quoted, and read back exactly
+    assert from_plain == from_json._replace(start_us=from_plain.start_us)
 
 
 @pytest.fixture
