@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,7 +13,10 @@ from typing import Any
 from aiohttp import web
 
 from gateway.upstreams.http_api.openapi import Operation, Response
+from gateway.upstreams.http_api.problems import ErrorResponse
 from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
+from gateway.upstreams.http_api.serving import mark_builtin_api
+from gateway.upstreams.postgres.breaker import DATABASE_BREAKER_KEY
 from gateway.upstreams.postgres.connection import redact
 
 from . import auth_service, deployments, integrations, listeners
@@ -54,12 +58,30 @@ _OPENAPI_ROUTE = Route(
 )
 
 
+_UNAVAILABLE = Response(
+    "The control plane's database is unavailable (PostgreSQL not answering in time), or "
+    "the control plane is starting; Retry-After says when to try again",
+    ErrorResponse,
+)
+
+
+def _may_be_unavailable(route: Route) -> Route:
+    """``route``, documented with the 503 of an operation that uses the database."""
+    responses = {**route.operation.responses, 503: _UNAVAILABLE}
+    return dataclasses.replace(
+        route, operation=dataclasses.replace(route.operation, responses=responses)
+    )
+
+
 def routes(config: ControlPlaneConfig) -> tuple[Route, ...]:
     """Every route of the control plane, as served and as documented."""
-    return (
+    with_database = (
         *deployments.ROUTES,
         *listeners.ROUTES,
         *auth_service.routes(config.auth_wait_max_seconds),
+    )
+    return (
+        *(_may_be_unavailable(route) for route in with_database),
         *integrations.ROUTES,
         _OPENAPI_ROUTE,
     )
@@ -77,6 +99,14 @@ def create_control_plane_app(
         middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
     )
     app[RUNTIME_KEY] = Runtime(config=config, clock=clock or time.time)
+    mark_builtin_api(app, "control-plane")
+    if config.database_url is not None:
+        from .pg_storage import control_plane_breaker
+
+        # For a readiness check: postgres.breaker.database_ready(app).
+        app[DATABASE_BREAKER_KEY] = control_plane_breaker(
+            config.database_url, config.database_timeout_seconds, config.database_retry_seconds
+        )
     served = routes(config)
     app[OPENAPI_KEY] = document_bytes(API, served)
     for prefix in ROUTE_PREFIXES:
@@ -91,7 +121,11 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
     if rt.config.database_url is not None:
         from .pg_storage import PostgresDatabase
 
-        db = PostgresDatabase(rt.config.database_url, rt.config.database_timeout_seconds)
+        db = PostgresDatabase(
+            rt.config.database_url,
+            rt.config.database_timeout_seconds,
+            app[DATABASE_BREAKER_KEY],
+        )
         where = f"PostgreSQL {redact(rt.config.database_url)}"
     else:
         db = Database(rt.config.database_path)

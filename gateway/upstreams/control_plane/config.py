@@ -75,6 +75,9 @@ class ControlPlaneConfig:
     # control_plane: section), and the longest a request waits for it.
     database_url: str | None = None
     database_timeout_seconds: float = 5.0
+    # While PostgreSQL is away, requests are answered 503 at once and one probe connection
+    # is tried this often (the breaker's cool-down).
+    database_retry_seconds: float = 1.0
 
     @property
     def database_path(self) -> Path:

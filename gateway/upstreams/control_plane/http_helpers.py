@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.problems import InvalidRequest
@@ -81,7 +82,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Conflict as exc:
         return json_error(409, str(exc))
     except DatabaseUnavailable as exc:
-        return json_error(503, exc.detail)
+        return json_error(503, exc.detail, {"Retry-After": str(exc.retry_after)})
+    except RequestPayloadError:
+        # The body's framing broke while reading it (a bad chunk, a short body).
+        return json_error(400, "Malformed HTTP body framing")
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from gateway.upstreams.postgres.connection import DatabaseUnavailable
+
 from .rules import build_problem
 
 log = logging.getLogger("gateway.control_plane.lifecycle")
@@ -78,6 +80,9 @@ class LifecycleDriver:
                     delay = min(delay, max(0.0, next_due - self._clock()))
             except asyncio.CancelledError:
                 raise
+            except DatabaseUnavailable:
+                # The database breaker logged the outage (once): no traceback a second.
+                log.debug("revision lifecycle pass skipped: the database is unavailable")
             except Exception:
                 log.exception("revision lifecycle pass failed; retrying")
             if delay <= 0:

@@ -27,8 +27,10 @@ from typing import Any, TypeVar, cast
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from gateway.upstreams.postgres.breaker import DatabaseBreaker, probe_connection
 from gateway.upstreams.postgres.connection import (
     UNAVAILABLE_ERRORS,
+    DatabaseUnavailable,
     check_url,
     connection_kwargs,
     unavailable,
@@ -207,15 +209,24 @@ class PostgresControlPlaneStore(ControlPlaneStore):
 
 
 class PostgresDatabase(Database):
-    """Runs ``ControlPlaneStore`` calls on one thread, each on a pooled connection."""
+    """Runs ``ControlPlaneStore`` calls on one thread, each on a pooled connection.
 
-    def __init__(self, url: str, timeout_seconds: float) -> None:
+    The calls wait for one another, so a database that is away would make each wait out
+    its timeouts in turn: the breaker refuses them at once instead (also those already
+    queued behind the call that found the database away) until its probe finds the database
+    answering again.
+    """
+
+    def __init__(
+        self, url: str, timeout_seconds: float, breaker: DatabaseBreaker | None = None
+    ) -> None:
         self._url = check_url(url)
         self._timeout = timeout_seconds
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control-plane-db")
         self._pg_store = PostgresControlPlaneStore()
         self._store: ControlPlaneStore | None = None
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self.breaker = breaker or control_plane_breaker(url, timeout_seconds)
 
     async def open(self) -> None:
         kwargs = connection_kwargs(self._timeout, "gateway-control-plane")
@@ -227,6 +238,8 @@ class PostgresDatabase(Database):
             max_size=2,
             timeout=self._timeout,
             check=ConnectionPool.check_connection,
+            # A failed reconnection is given up at once; a call asking for a connection
+            # starts a new attempt (while the database is away the breaker refuses calls).
             reconnect_timeout=0,
             name="control-plane",
             open=False,
@@ -235,20 +248,33 @@ class PostgresDatabase(Database):
         self._store = self._pg_store
 
     async def close(self) -> None:
+        await self.breaker.close()
         self._store = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await asyncio.get_running_loop().run_in_executor(self._executor, pool.close)
         self._executor.shutdown(wait=True)
 
+    def pool_stats(self) -> dict[str, int]:
+        """psycopg_pool's counters (``requests_num``: connections asked for;
+        ``connections_num``: connection attempts)."""
+        return {} if self._pool is None else self._pool.get_stats()
+
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Call ``fn(*args)`` on the database thread with a pooled connection bound."""
+        self.breaker.refuse_unless_closed()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, fn, args)
+        try:
+            return await loop.run_in_executor(self._executor, self._call, fn, args)
+        except DatabaseUnavailable as exc:
+            self.breaker.failed(exc)
+            raise
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if self._pool is None:
             raise RuntimeError("database is not open")
+        # Queued behind the call that found the database away: refused without waiting.
+        self.breaker.refuse_unless_closed()
         try:
             with self._pool.connection() as conn:
                 self._pg_store.adapter.conn = conn
@@ -259,5 +285,23 @@ class PostgresDatabase(Database):
                     if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                         conn.rollback()
         except UNAVAILABLE_ERRORS as exc:
-            log.warning("control plane database unavailable: %s", type(exc).__name__)
-            raise unavailable("control plane") from exc
+            failure = unavailable("control plane", exc)
+            if not failure.outage:
+                log.warning("control plane database call failed: %s", type(exc).__name__)
+            raise failure from exc
+
+
+def control_plane_breaker(
+    url: str, timeout_seconds: float, retry_seconds: float = 1.0
+) -> DatabaseBreaker:
+    """The control plane's database breaker. Its probe, one fresh connection answering
+    ``SELECT 1``, runs on the event loop, not behind the calls queued on the database
+    thread."""
+    kwargs = connection_kwargs(timeout_seconds, "gateway-control-plane")
+    return DatabaseBreaker(
+        "control plane",
+        url,
+        probe=probe_connection(url, kwargs),
+        retry_seconds=retry_seconds,
+        probe_timeout_seconds=2 * timeout_seconds,
+    )

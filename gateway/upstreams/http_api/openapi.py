@@ -59,6 +59,9 @@ class Api:
     description: str
     tag: str  # operations name their own group, or are in this one
     security_schemes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Answers any operation may give (an operation's own description of a status wins):
+    # for example 400 for a request the HTTP parser refuses before any handler runs.
+    common_responses: Mapping[int, Response] = field(default_factory=dict)
 
 
 def openapi_document(api: Api, operations: Sequence[Operation]) -> dict[str, Any]:
@@ -102,8 +105,9 @@ def _operation(api: Api, op: Operation, schemas: _Schemas) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": schemas.ref(op.body)}},
         }
+    responses = {**api.common_responses, **op.responses}
     out["responses"] = {
-        str(status): _response(response, schemas) for status, response in op.responses.items()
+        str(status): _response(responses[status], schemas) for status in sorted(responses)
     }
     if op.public and api.security_schemes:
         out["security"] = []

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.upstreams.http_api.serving import ApiAppRunner
 from gateway.upstreams.store.app import create_store_app
 from gateway.upstreams.store.config import StoreConfig
 
@@ -33,7 +34,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 async def serve(config: StoreConfig, host: str, port: int) -> None:
     """Serve until SIGTERM or SIGINT, then close storage cleanly."""
-    runner = web.AppRunner(create_store_app(config), access_log=None)
+    # Parser errors answered as the Store's JSON, like every other error.
+    runner = ApiAppRunner(create_store_app(config), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
 from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
 from gateway.upstreams.http_api.routes import Handler, Route, add_routes, document_bytes
+from gateway.upstreams.http_api.serving import MALFORMED_REQUEST, mark_builtin_api
+from gateway.upstreams.postgres.breaker import DATABASE_BREAKER_KEY
 from gateway.upstreams.postgres.connection import DatabaseUnavailable
 from gateway.upstreams.store.backend import StoreStorage, create_storage, describe
 from gateway.upstreams.store.config import StoreConfig
@@ -69,7 +72,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except (StoreRequestError, InvalidRequest) as exc:
         return _detail(exc.status, exc.detail)
     except DatabaseUnavailable as exc:
-        return _detail(503, exc.detail)
+        return _detail(503, exc.detail, {"Retry-After": str(exc.retry_after)})
+    except RequestPayloadError:
+        # The body's framing broke while reading it (a bad chunk, a short body).
+        return _detail(400, "body: malformed HTTP body framing")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -153,12 +159,14 @@ API = Api(
         "langgraph-sdk's StoreClient. Generated from the models the Store validates with."
     ),
     tag="Store",
+    common_responses={400: MALFORMED_REQUEST},
 )
 _INVALID = Response("Validation error: the detail names the field", ErrorResponse)
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
 _BUSY = Response(
     "Store busy or its database unavailable (locked beyond the busy timeout, or "
-    "PostgreSQL not answering in time), or the embedding provider unavailable",
+    "PostgreSQL not answering in time: once found away, answered at once until it answers "
+    "again; Retry-After says when to try), or the embedding provider unavailable",
     ErrorResponse,
 )
 _ERRORS = {422: _INVALID, 503: _BUSY}
@@ -238,8 +246,15 @@ def create_store_app(
     """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``."""
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
+    mark_builtin_api(app, "store")
     storage = create_storage(config, clock or time.time)
     app[STORAGE_KEY] = storage
+    if config.database_url is not None:
+        from gateway.upstreams.store.pg_storage import PostgresStorage
+
+        assert isinstance(storage, PostgresStorage)
+        # For a readiness check: postgres.breaker.database_ready(app).
+        app[DATABASE_BREAKER_KEY] = storage.breaker
     if config.index is not None:
         # Hook (issue 12): the index runs its own SQL through the storage's read/write.
         app[SEMANTIC_KEY] = SemanticIndex(config.index, storage)

@@ -39,6 +39,9 @@ class StoreConfig:
     database_url: str | None = None
     database_pool_size: int = 10
     database_timeout_seconds: float = 5.0
+    # While PostgreSQL is away, requests are answered 503 at once and one probe connection
+    # is tried this often (the breaker's cool-down).
+    database_retry_seconds: float = 1.0
     # Hook (issue 12): search by meaning; None keeps BM25 only.
     index: IndexConfig | None = None
 
@@ -46,6 +49,7 @@ class StoreConfig:
         _check_ttl("default_ttl_minutes", self.default_ttl_minutes)
         _check_positive("sweep_interval_seconds", self.sweep_interval_seconds, upper=86_400.0)
         _check_positive("busy_timeout_seconds", self.busy_timeout_seconds, upper=600.0)
+        _check_positive("database_retry_seconds", self.database_retry_seconds, upper=3600.0)
         if not 1 <= self.max_body_bytes <= MAX_BODY_BYTES_CEILING:
             raise ValueError(
                 f"store.max_body_bytes: must be between 1 and {MAX_BODY_BYTES_CEILING}, "

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from gateway.upstreams.postgres.breaker import DatabaseBreaker, probe_connection
 from gateway.upstreams.postgres.connection import (
     UNAVAILABLE_ERRORS,
     DatabaseUnavailable,
@@ -66,6 +67,8 @@ from gateway.upstreams.store.vectors import ItemVectors
 
 log = logging.getLogger("gateway.store.postgres")
 T = TypeVar("T")
+# What a call may fail with when the database is away or slow (answered 503).
+_FAILURES: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, TimeoutError)
 
 _COLUMNS = "i.namespace, i.key, i.value::text, i.created_at, i.updated_at, i.id, i.ttl_minutes"
 _LIVE = "(i.expires_at IS NULL OR i.expires_at > %s)"
@@ -120,6 +123,15 @@ class PostgresStorage:
         self._timeout = config.database_timeout_seconds
         # Blocking connections for the embedding index (only with store.index).
         self._index_pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        # Once the database is found away, calls are refused at once until a probe (one
+        # fresh connection) finds it answering again.
+        self.breaker = DatabaseBreaker(
+            "store",
+            self._url,
+            probe=self._probe,
+            retry_seconds=config.database_retry_seconds,
+            probe_timeout_seconds=2 * self._timeout,
+        )
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -137,7 +149,9 @@ class PostgresStorage:
             min_size=1,
             max_size=self._config.database_pool_size,
             timeout=self._timeout,
-            reconnect_timeout=0,  # keep trying to reconnect for as long as it takes
+            # A failed reconnection is given up at once; a request asking for a connection
+            # starts a new attempt (while the database is away the breaker refuses calls).
+            reconnect_timeout=0,
             name="store",
             open=False,
         )
@@ -156,12 +170,28 @@ class PostgresStorage:
             await asyncio.to_thread(self._index_pool.open, False)
 
     async def close(self) -> None:
+        await self.breaker.close()
         if self._index_pool is not None:
             index_pool, self._index_pool = self._index_pool, None
             await asyncio.to_thread(index_pool.close)
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+
+    async def _probe(self) -> None:
+        """The breaker's probe: one fresh connection answers ``SELECT 1``; then the pool
+        drops the connections the outage broke, so the first requests after it get live
+        ones."""
+        await probe_connection(self._url, connection_kwargs(self._timeout, "gateway-store"))()
+        if self._pool is not None:
+            await self._pool.check()
+        if self._index_pool is not None:
+            await asyncio.to_thread(self._index_pool.check)
+
+    def pool_stats(self) -> dict[str, int]:
+        """psycopg_pool's counters of the request pool (``requests_num``: connections asked
+        for; ``connections_num``: connection attempts)."""
+        return {} if self._pool is None else self._pool.get_stats()
 
     # -- the embedding index's hooks: blocking connections on worker threads ----------
 
@@ -180,11 +210,13 @@ class PostgresStorage:
                     conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 return call(conn)
 
+        self.breaker.refuse_unless_closed()
         try:
             return await asyncio.to_thread(run)
         except UNAVAILABLE_ERRORS as exc:
-            log.warning("store database unavailable: %s", type(exc).__name__)
-            raise unavailable("store") from exc
+            failure = unavailable("store", exc)
+            self._failed(failure, exc)
+            raise failure from exc
 
     async def read(self, call: Callable[[IndexConnection, float], T]) -> T:
         """Run ``call(connection, now)`` in one snapshot (the embedding index's reads)."""
@@ -198,6 +230,7 @@ class PostgresStorage:
     async def _run(self, call: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
         if self._pool is None:
             raise RuntimeError("the store is not open")
+        self.breaker.refuse_unless_closed()
         try:
             async with asyncio.timeout(self._timeout * 2):
                 for attempt in (1, 2):
@@ -211,11 +244,16 @@ class PostgresStorage:
                             if not conn.broken or attempt == 2:
                                 raise
                 raise AssertionError("unreachable")
-        except UNAVAILABLE_ERRORS as exc:
-            log.warning("store database unavailable: %s", type(exc).__name__)
-            raise unavailable("store") from exc
-        except TimeoutError as exc:
-            raise unavailable("store") from exc
+        except _FAILURES as exc:
+            failure = unavailable("store", exc)
+            self._failed(failure, exc)
+            raise failure from exc
+
+    def _failed(self, failure: DatabaseUnavailable, exc: BaseException) -> None:
+        if not failure.outage:
+            log.warning("store database call failed: %s", type(exc).__name__)
+        failure.__cause__ = exc
+        self.breaker.failed(failure)
 
     async def _execute(self, sql: str, params: list[Any] | tuple[Any, ...]) -> int:
         async def call(conn: psycopg.AsyncConnection[Any]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gateway.upstreams.postgres.connection import DatabaseUnavailable
 from gateway.upstreams.store.backend import StoreStorage
 
 log = logging.getLogger("gateway.store.sweeper")
@@ -22,6 +23,10 @@ async def sweep_forever(storage: StoreStorage, interval_seconds: float) -> None:
             removed = await storage.sweep_expired()
         except asyncio.CancelledError:
             raise
+        except DatabaseUnavailable:
+            # The database breaker logged the outage (once); no traceback per sweep.
+            log.debug("store TTL sweep skipped: the database is unavailable")
+            continue
         except Exception:
             log.exception("store TTL sweep failed; will retry in %.0f s", interval_seconds)
             continue

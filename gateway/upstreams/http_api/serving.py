@@ -1,0 +1,149 @@
+"""Serving the built-in APIs (the Store, the control plane) on their own ports.
+
+Two things aiohttp does on its own that these APIs must not:
+
+* A request aiohttp's parser refuses (a request line or header over 8190 bytes, a
+  malformed header, bad framing) never reaches the application or its middleware:
+  ``RequestHandler.handle_error`` answers it, as plain text quoting the offending bytes.
+  ``ApiAppRunner`` serves an application with a request handler whose ``handle_error``
+  answers ``{"detail": ...}`` JSON instead, with a fixed sentence per kind of error (no
+  request bytes) and a status the APIs' OpenAPI documents list (400; 500 for a failure
+  outside every handler). The connection is closed after it, as aiohttp does.
+* Every answer carries ``Server: Python/3.x aiohttp/3.y``, which the gateway's proxy passes
+  on to clients. ``neutral_server_header`` (installed by the applications themselves) and
+  the error answers above send ``Server: SERVER_NAME`` instead, which names no software
+  version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Final
+
+from aiohttp import web
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    BadStatusLine,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+    PayloadEncodingError,
+)
+
+from gateway.upstreams.http_api.openapi import Response
+from gateway.upstreams.http_api.problems import ErrorResponse
+
+# Every operation of a built-in API may answer this (``Api.common_responses``).
+MALFORMED_REQUEST: Final = Response(
+    "Malformed HTTP request: the request line, a header field or the body's framing could "
+    "not be parsed, or exceeds this server's limits (8190 bytes a line)",
+    ErrorResponse,
+)
+
+# The Server header of the built-in APIs: no implementation, no version.
+SERVER_NAME: Final = "ratelimit-gateway"
+
+# A built-in API application: served by ``ApiAppRunner`` (see ``runner_for``).
+BUILTIN_API_KEY: Final = web.AppKey("builtin_api", str)
+
+MALFORMED: Final = "malformed HTTP request"
+# Parser errors by kind, most specific first: what the client is told (never its bytes).
+_PARSER_DETAILS: Final[tuple[tuple[type[Exception], str], ...]] = (
+    (LineTooLong, "request line or header field longer than this server accepts"),
+    (BadHttpMethod, "malformed HTTP request line: unknown method"),
+    (InvalidURLError, "malformed HTTP request target"),
+    (BadStatusLine, "malformed HTTP request line"),
+    (InvalidHeader, "malformed HTTP header field"),
+    (PayloadEncodingError, "malformed HTTP request body framing"),
+    (BadHttpMessage, MALFORMED),
+)
+
+
+def parser_error_detail(exc: BaseException | None) -> str:
+    """What a client is told about a request aiohttp could not parse: a fixed sentence per
+    kind of error, never the request's bytes (aiohttp's own messages quote them)."""
+    for kind, detail in _PARSER_DETAILS:
+        if isinstance(exc, kind):
+            return detail
+    return MALFORMED
+
+
+def error_response(status: int, detail: str) -> web.Response:
+    """``{"detail": ...}`` as the APIs answer every error (ASCII JSON, neutral Server)."""
+    body = json.dumps({"detail": detail}, separators=(",", ":")).encode()
+    response = web.Response(body=body, status=status, content_type="application/json")
+    response.headers["Server"] = SERVER_NAME
+    return response
+
+
+class JsonErrorRequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering the errors it handles itself as JSON."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if 400 <= status < 500:
+            # A request the parser refused: the client's doing, not worth a traceback.
+            self.logger.debug("refused a malformed request from %s: %r", request.remote, exc)
+            response = error_response(400, parser_error_detail(exc))
+        else:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            response = error_response(500, "internal error")
+        # As aiohttp: once part of an answer was sent, no other answer can follow.
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was sent already; cannot send the error answer")
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    """aiohttp's ``Server`` whose connections use ``JsonErrorRequestHandler``."""
+
+    def __init__(self, base: web.Server, loop: asyncio.AbstractEventLoop) -> None:
+        # The handler options (limits, timeouts, logging) the runner chose for ``base``.
+        self._handler_options: dict[str, Any] = dict(base._kwargs)
+        super().__init__(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            loop=loop,
+            **self._handler_options,
+        )
+        self._handler_loop = loop
+
+    def __call__(self) -> web.RequestHandler:
+        return JsonErrorRequestHandler(self, loop=self._handler_loop, **self._handler_options)
+
+
+class ApiAppRunner(web.AppRunner):
+    """``web.AppRunner`` for the built-in APIs: errors aiohttp answers before the
+    application sees the request (parser errors) are answered as the APIs' JSON."""
+
+    async def _make_server(self) -> web.Server:
+        base = await super()._make_server()  # starts the application (on_startup)
+        return _JsonErrorServer(base, asyncio.get_running_loop())
+
+
+def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """The runner to serve ``app`` with: ``ApiAppRunner`` for a built-in API (marked with
+    ``BUILTIN_API_KEY``), aiohttp's ``AppRunner`` for any other application."""
+    if BUILTIN_API_KEY in app:
+        return ApiAppRunner(app, **kwargs)
+    return web.AppRunner(app, **kwargs)
+
+
+async def _neutral_server(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME
+
+
+def mark_builtin_api(app: web.Application, name: str) -> None:
+    """Mark ``app`` as a built-in API (``runner_for``) and make every answer it prepares
+    carry ``Server: SERVER_NAME`` instead of aiohttp's version banner."""
+    app[BUILTIN_API_KEY] = name
+    app.on_response_prepare.append(_neutral_server)

@@ -1,0 +1,198 @@
+"""The built-in APIs' own ports (the Store, the control plane) answer every error as their
+documented ``{"detail": ...}`` JSON, also the requests aiohttp's parser refuses before any
+middleware runs (a request line over 8190 bytes, a malformed header, broken chunked
+framing): never plain text quoting the request's bytes, and only statuses their OpenAPI
+documents list. And no answer names the server software's versions in ``Server``.
+
+Everything is real HTTP on loopback: raw sockets for what a client library will not send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.upstreams.control_plane import create_control_plane_app
+from gateway.upstreams.http_api.serving import SERVER_NAME, ApiAppRunner, runner_for
+from gateway.upstreams.store import StoreConfig, create_store_app
+from tests.control_plane.support import make_config
+from tests.support.gateway import running_gateway
+
+from .store_support import StoreProcess, spawn_store_process
+
+# Bytes a client sends that an answer must never quote back.
+MARKER = b"Zq9MarkerZq9"
+
+
+@dataclass
+class Served:
+    name: str
+    port: int
+    url: str
+    document: str  # the path of its OpenAPI document
+
+
+def _store(tmp_path: Path) -> web.Application:
+    return create_store_app(StoreConfig(data_dir=tmp_path / "store"))
+
+
+def _control_plane(tmp_path: Path) -> web.Application:
+    return create_control_plane_app(make_config(tmp_path / "cp"))
+
+
+APPS: dict[str, tuple[Callable[[Path], web.Application], str]] = {
+    "store": (_store, "/store/openapi.json"),
+    "control-plane": (_control_plane, "/openapi.json"),
+}
+
+
+@pytest.fixture(params=sorted(APPS))
+async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
+    """The app served as the gateway serves its built-in upstreams (``runner_for``)."""
+    factory, document = APPS[request.param]
+    runner = runner_for(factory(tmp_path), access_log=None)
+    assert isinstance(runner, ApiAppRunner)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield Served(request.param, port, f"http://127.0.0.1:{port}", document)
+    finally:
+        await runner.cleanup()
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    """Send ``data`` and read until the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout=30)
+    finally:
+        writer.close()
+
+
+def _parse(answer: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    return status, fields, body
+
+
+def _assert_no_version_banner(fields: dict[str, str]) -> None:
+    server = fields.get("server", "")
+    assert "aiohttp" not in server.lower() and "python" not in server.lower(), server
+
+
+async def _documented_statuses(url: str, document: str) -> list[set[int]]:
+    async with aiohttp.ClientSession() as http, http.get(url + document) as r:
+        doc = await r.json()
+    return [
+        {int(status) for status in operation["responses"]}
+        for operations in doc["paths"].values()
+        for operation in operations.values()
+    ]
+
+
+MALFORMED = {
+    "request line over 8190 bytes": (
+        b"GET /" + MARKER + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    ),
+    "header line over 8190 bytes": (
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: " + MARKER + b"b" * 9000 + b"\r\n\r\n"
+    ),
+    "header name with a space": b"GET / HTTP/1.1\r\nHost: x\r\nBad " + MARKER + b": y\r\n\r\n",
+    "unknown method": b"G(T / HTTP/1.1\r\nHost: x\r\nX-M: " + MARKER + b"\r\n\r\n",
+    "broken chunk size": (
+        b"POST /store/items/search HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: application/json\r\n\r\nzz" + MARKER + b"\r\n{}\r\n0\r\n\r\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+async def test_malformed_requests_get_documented_json_without_their_bytes(
+    served: Served, case: str
+) -> None:
+    answer = await _raw(served.port, MALFORMED[case])
+    status, fields, body = _parse(answer)
+    assert MARKER not in answer and b"aaaaaaaa" not in answer and b"bbbbbbbb" not in answer
+    assert 400 <= status < 500, answer[:300]
+    assert fields["content-type"].startswith("application/json"), answer[:300]
+    detail = json.loads(body)
+    assert set(detail) == {"detail"} and isinstance(detail["detail"], str)
+    _assert_no_version_banner(fields)
+    # Listed by every operation of the API's document (the request names no operation).
+    for statuses in await _documented_statuses(served.url, served.document):
+        assert status in statuses
+
+
+async def test_ordinary_answers_name_no_server_version(served: Served) -> None:
+    async with aiohttp.ClientSession() as http:
+        for method, path in (
+            ("GET", served.document),  # 200
+            ("GET", "/no/such/path"),  # 404
+            ("PUT", served.document),  # 405
+        ):
+            async with http.request(method, served.url + path) as r:
+                assert r.headers.get("Server") == SERVER_NAME, (method, path, r.status)
+                _assert_no_version_banner({"server": r.headers.get("Server", "")})
+
+
+@pytest.fixture
+async def store_process(tmp_path: Path) -> AsyncIterator[StoreProcess]:
+    process = await spawn_store_process(tmp_path / "store")
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+async def test_stand_alone_store_answers_a_long_request_line_as_json(
+    store_process: StoreProcess,
+) -> None:
+    port = int(store_process.url.rsplit(":", 1)[1])
+    answer = await _raw(port, MALFORMED["request line over 8190 bytes"])
+    status, fields, body = _parse(answer)
+    assert status == 400 and MARKER not in answer
+    assert fields["content-type"].startswith("application/json")
+    assert set(json.loads(body)) == {"detail"}
+    _assert_no_version_banner(fields)
+
+
+async def test_no_version_banner_reaches_clients_through_the_proxy(tmp_path: Path) -> None:
+    runner = runner_for(_store(tmp_path), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    store_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with (
+            running_gateway(None, builtin={"store": store_url}) as gw,
+            aiohttp.ClientSession() as http,
+        ):
+            params = {"namespace": "a", "key": "k"}
+            async with http.get(gw.url + "/store/items", params=params) as r:
+                assert r.status == 200
+                for value in r.headers.getall("Server", []):
+                    _assert_no_version_banner({"server": value})
+    finally:
+        await runner.cleanup()
+
+
+def test_other_applications_keep_aiohttps_runner() -> None:
+    runner: Any = runner_for(web.Application())
+    assert type(runner) is web.AppRunner
