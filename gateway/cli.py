@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.upstreams.store.reindex_command import register as register_store
 
     register_store(commands)
+    # Issue 25: `gateway keys add|revoke`.
+    from gateway.identity.cli import register as register_keys
+
+    register_keys(commands)
     return parser
 
 
