@@ -313,7 +313,11 @@ class Service:
         return [_address(s) for s in runner.addresses]
 
     async def start_socket(self, app: web.Application, sock: socket.socket) -> None:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.shutdown_timeout)
+        # The built-in upstreams' runner answers aiohttp's parser errors as their
+        # documented JSON, never echoing request bytes; any other app gets aiohttp's own.
+        from gateway.upstreams.http_api.serving import runner_for
+
+        runner = runner_for(app, access_log=None, shutdown_timeout=self.shutdown_timeout)
         await runner.setup()
         await web.SockSite(runner, sock, shutdown_timeout=self.shutdown_timeout).start()
         self.runners.append(runner)
