@@ -14,12 +14,13 @@ IdentityLookup = Callable[[IdentityKind], "str | None"]
 # one of these is built per request. Treat it as immutable all the same.
 @dataclass(slots=True)
 class Selection:
-    """The enforcing rule (None: no rule applies), its identity hash, and shadow rules seen
-    on the way (each with its identity hash)."""
+    """The enforcing rule (None: no rule applies), its identity hash, shadow rules seen
+    on the way and the ceilings that apply (each with its identity hash)."""
 
     rule: Rule | None
     identity: str | None
     shadows: tuple[tuple[Rule, str], ...] = field(default=())
+    ceilings: tuple[tuple[Rule, str], ...] = field(default=())
 
     # Written out: mypyc compiles this one, while the dataclass's own would run as Python
     # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
@@ -28,10 +29,12 @@ class Selection:
         rule: Rule | None,
         identity: str | None,
         shadows: tuple[tuple[Rule, str], ...] = (),
+        ceilings: tuple[tuple[Rule, str], ...] = (),
     ) -> None:
         self.rule = rule
         self.identity = identity
         self.shadows = shadows
+        self.ceilings = ceilings
 
     @property
     def exempt(self) -> bool:
@@ -54,5 +57,22 @@ def select(
         if rule.shadow:
             shadows.append((rule, key))
             continue
-        return Selection(rule, key, tuple(shadows))
-    return Selection(None, None, tuple(shadows))
+        if rule.unlimited or not table.ceilings:
+            return Selection(rule, key, tuple(shadows))  # (an exempt request stays exempt)
+        ceilings = _ceilings(table, region, method, path, identity)
+        return Selection(rule, key, tuple(shadows), ceilings)
+    if not table.ceilings:
+        return Selection(None, None, tuple(shadows))
+    return Selection(None, None, tuple(shadows), _ceilings(table, region, method, path, identity))
+
+
+def _ceilings(
+    table: RuleTable, region: str, method: str, path: str, identity: IdentityLookup
+) -> tuple[tuple[Rule, str], ...]:
+    """Every ceiling that matches and whose identity can be formed, in order."""
+    found: list[tuple[Rule, str]] = []
+    for ceiling in table.ceiling_candidates(region, method, path):
+        key = identity(ceiling.identity)
+        if key is not None:
+            found.append((ceiling, key))
+    return tuple(found)

@@ -140,6 +140,8 @@ class Rule:
     source: str = ""
     index: int = 0
     matcher: Callable[[str, str], bool] = field(default=lambda m, p: False, compare=False)
+    # A ceiling (a rule file's ``ceilings:``): applies in addition to the first-match rule.
+    ceiling: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         return self.matcher(method, path)
@@ -168,6 +170,12 @@ class RuleTable:
     match_cache: dict[tuple[str, str, str], tuple[Rule, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # Ceilings: limits every request they match is held to besides its rule (a per-address
+    # backstop whatever key is sent), in file order.
+    ceilings: tuple[Rule, ...] = ()
+    ceiling_cache: dict[tuple[str, str, str], tuple[Rule, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
         key = (region, method, path)
@@ -181,6 +189,21 @@ class RuleTable:
             self.match_cache[key] = found
         return found
 
+    def ceiling_candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
+        """The ceilings with a limit in ``region`` whose method and path match."""
+        key = (region, method, path)
+        found = self.ceiling_cache.get(key)
+        if found is None:
+            found = tuple(
+                c for c in self.ceilings if c.limits_for(region) and c.matcher(method, path)
+            )
+            if len(path) > MATCH_CACHE_MAX_PATH:
+                return found
+            if len(self.ceiling_cache) >= MATCH_CACHE_ENTRIES:
+                self.ceiling_cache.clear()
+            self.ceiling_cache[key] = found
+        return found
+
     def for_region(self, region: str) -> tuple[Rule, ...]:
         found = self.by_region.get(region)
         if found is None:
@@ -188,7 +211,7 @@ class RuleTable:
         return found
 
     def by_id(self, rule_id: str) -> Rule | None:
-        for rule in self.rules:
+        for rule in (*self.rules, *self.ceilings):
             if rule.id == rule_id:
                 return rule
         return None

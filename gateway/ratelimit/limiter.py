@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from gateway.counters.base import CounterBackend, HitResult, HitSettled, LimitCheck
+from gateway.counters.base import CounterBackend, HitResult, HitSettled, LimitCheck, LimitState
 from gateway.policy.matcher import Selection
 from gateway.policy.model import IdentityKind, Rule
 from gateway.ratelimit.decision import Decision, LimitReport, Outcome
@@ -37,7 +37,28 @@ def limit_checks(region: str, rule: Rule, identity_hash: str, enforce: bool) -> 
     ]
 
 
-def _reports(rule: Rule, region: str, result: HitResult, shadow: bool) -> list[LimitReport]:
+# One counter call: the rules whose limits its checks hold (in order), whether they are
+# shadow rules, and the checks.
+Group = tuple[tuple[Rule, ...], bool, Sequence[LimitCheck]]
+
+
+def _group_reports(
+    rules: tuple[Rule, ...], region: str, result: HitResult, shadow: bool
+) -> list[LimitReport]:
+    if len(rules) == 1:
+        return _reports(rules[0], region, result.states, shadow)
+    reports: list[LimitReport] = []
+    start = 0
+    for rule in rules:  # a rule and its ceilings, counted in one call: states in order
+        end = start + len(rule.limits_for(region))
+        reports.extend(_reports(rule, region, result.states[start:end], shadow))
+        start = end
+    return reports
+
+
+def _reports(
+    rule: Rule, region: str, states: Sequence[LimitState], shadow: bool
+) -> list[LimitReport]:
     specs = rule.limits_for(region)
     several = len(specs) > 1
     return [
@@ -52,7 +73,7 @@ def _reports(rule: Rule, region: str, result: HitResult, shadow: bool) -> list[L
             exceeded=not state.allowed,
             shadow=shadow,
         )
-        for spec, state in zip(specs, result.states, strict=True)
+        for spec, state in zip(specs, states, strict=True)
     ]
 
 
@@ -85,8 +106,15 @@ _KIND_VALUES: Final = {kind: kind.value for kind in IdentityKind}
 class Limiter:
     """Decides about requests; one counter backend per region."""
 
-    def __init__(self, backends: Mapping[str, CounterBackend]) -> None:
+    def __init__(
+        self,
+        backends: Mapping[str, CounterBackend],
+        separate_calls: frozenset[str] = frozenset(),
+    ) -> None:
+        """``separate_calls``: regions whose store cannot count keys of several hash tags
+        in one call (Redis Cluster): there a rule and its ceilings are separate calls."""
         self._backends = dict(backends)
+        self._separate_calls = separate_calls
         # Each region's synchronous ``hit_now``, looked up once (None: it has none).
         self._hit_now = {name: getattr(b, "hit_now", None) for name, b in self._backends.items()}
         # And each region's ``submit`` (the call by callback), where it has one.
@@ -105,7 +133,7 @@ class Limiter:
         Saves the data plane a task and an await on its most common answers.
         """
         rule = selection.rule
-        if (rule is None or rule.unlimited) and not selection.shadows:
+        if (rule is None or rule.unlimited) and not selection.shadows and not selection.ceilings:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         hit_now = self._hit_now[region]
         if hit_now is None:
@@ -134,7 +162,7 @@ class Limiter:
         if submit is None:
             return False
         rule = selection.rule
-        if (rule is None or rule.unlimited) and not selection.shadows:
+        if (rule is None or rule.unlimited) and not selection.shadows and not selection.ceilings:
             return False  # decide_now answers these
         groups = self._groups(region, selection)
         if len(groups) != 1:
@@ -162,7 +190,7 @@ class Limiter:
         """``decide`` with a synchronous counter call for every group (shadow rules
         included): replays (``gateway rules simulate``) count on a virtual clock."""
         rule = selection.rule
-        if (rule is None or rule.unlimited) and not selection.shadows:
+        if (rule is None or rule.unlimited) and not selection.shadows and not selection.ceilings:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         groups = self._groups(region, selection)
         return self._decision(region, selection, groups, [hit_now(c) for _, _, c in groups])
@@ -174,7 +202,7 @@ class Limiter:
         closed; the caller answers 503.
         """
         rule = selection.rule
-        if (rule is None or rule.unlimited) and not selection.shadows:
+        if (rule is None or rule.unlimited) and not selection.shadows and not selection.ceilings:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         backend = self._backends[region]
         groups = self._groups(region, selection)
@@ -197,33 +225,51 @@ class Limiter:
         self._check_cache[key] = (rule, checks)
         return checks
 
-    def _groups(
-        self, region: str, selection: Selection
-    ) -> list[tuple[Rule, bool, Sequence[LimitCheck]]]:
+    def _groups(self, region: str, selection: Selection) -> list[Group]:
         # The enforced rule's checks share one hash tag and are counted all-or-nothing in
-        # one call; each shadow rule is its own call, sent concurrently (never blocking).
+        # one call, together with the enforced ceilings' (so a request one of them refuses
+        # uses up none of the others' quota); each shadow rule or shadow ceiling is its own
+        # call, sent concurrently (never blocking).
         rule = selection.rule
-        groups: list[tuple[Rule, bool, Sequence[LimitCheck]]] = []
-        if rule is not None and not rule.unlimited and selection.identity is not None:
-            groups.append((rule, False, self._checks(region, rule, selection.identity)))
+        groups: list[Group] = []
+        ceilings = selection.ceilings
+        if not ceilings:  # the common case
+            if rule is not None and not rule.unlimited and selection.identity is not None:
+                groups.append(((rule,), False, self._checks(region, rule, selection.identity)))
+        else:
+            enforced: list[tuple[Rule, str]] = []
+            if rule is not None and not rule.unlimited and selection.identity is not None:
+                enforced.append((rule, selection.identity))
+            enforced.extend((c, key) for c, key in ceilings if not c.shadow)
+            if len(enforced) == 1 or region in self._separate_calls:
+                for r, key in enforced:
+                    groups.append(((r,), False, self._checks(region, r, key)))
+            elif enforced:
+                checks: list[LimitCheck] = []
+                for r, key in enforced:
+                    checks.extend(self._checks(region, r, key))
+                groups.append((tuple(r for r, _ in enforced), False, checks))
         for shadow_rule, key in selection.shadows:
-            groups.append((shadow_rule, True, limit_checks(region, shadow_rule, key, False)))
+            groups.append(((shadow_rule,), True, limit_checks(region, shadow_rule, key, False)))
+        for ceiling, key in ceilings:
+            if ceiling.shadow:
+                groups.append(((ceiling,), True, limit_checks(region, ceiling, key, False)))
         return groups
 
     @staticmethod
     def _decision(
         region: str,
         selection: Selection,
-        groups: list[tuple[Rule, bool, Sequence[LimitCheck]]],
+        groups: list[Group],
         results: Sequence[HitResult],
     ) -> Decision:
         rule = selection.rule
-        if len(groups) == 1 and not groups[0][1] and rule is not None:
-            # The common case: one enforced rule, no shadow rules.
+        if len(groups) == 1 and not groups[0][1] and rule is not None and len(groups[0][0]) == 1:
+            # The common case: one enforced rule, no shadow rules, no ceilings.
             result = results[0]
             if len(result.states) == 1:
                 return _one_limit(region, selection.identity, rule, result)
-            reports = _reports(rule, region, result, False)
+            reports = _reports(rule, region, result.states, False)
             limited = not result.admitted
             return Decision(
                 Outcome.LIMITED if limited else Outcome.ALLOWED,
@@ -240,31 +286,42 @@ class Limiter:
         reports = []
         shadow_exceeded: list[tuple[str, str]] = []
         admitted = True
+        enforced = False
         source = ""
-        for (group_rule, is_shadow, _), result in zip(groups, results, strict=True):
-            group_reports = _reports(group_rule, region, result, is_shadow)
+        for (group_rules, is_shadow, _), result in zip(groups, results, strict=True):
+            group_reports = _group_reports(group_rules, region, result, is_shadow)
             reports.extend(group_reports)
             if is_shadow:
                 if any(r.exceeded for r in group_reports):
-                    shadow_exceeded.append((group_rule.id, group_rule.identity.value))
+                    shadow_exceeded.append((group_rules[0].id, group_rules[0].identity.value))
             else:
-                admitted = result.admitted
-                source = result.source
-        if rule is None or rule.unlimited:
+                admitted = admitted and result.admitted
+                if not enforced:
+                    enforced, source = True, result.source
+        named, identity = rule, selection.identity
+        if (rule is not None and rule.unlimited) or not enforced:
             outcome = Outcome.EXEMPT
         else:
             outcome = Outcome.ALLOWED if admitted else Outcome.LIMITED
         retry_after = 0
         if outcome is Outcome.LIMITED:
-            retry_after = max(
-                (r.reset_seconds for r in reports if r.exceeded and not r.shadow), default=1
-            )
-            retry_after = max(retry_after, 1)
+            exceeded = [r for r in reports if r.exceeded and not r.shadow]
+            retry_after = max(max((r.reset_seconds for r in exceeded), default=1), 1)
+            # The refusal is named after the first policy that had no room (the rule, or
+            # else a ceiling), with that policy's identity.
+            if exceeded and (rule is None or exceeded[0].rule_id != rule.id):
+                for ceiling, key in selection.ceilings:
+                    if ceiling.id == exceeded[0].rule_id:
+                        named, identity = ceiling, key
+                        break
+        elif named is None and enforced:
+            # No rule matched, a ceiling counted the request: it is what the fields name.
+            named, identity = selection.ceilings[0] if selection.ceilings else (None, None)
         return Decision(
             outcome,
-            rule_id=None if rule is None else rule.id,
-            identity_kind=None if rule is None else rule.identity.value,
-            identity_hash=selection.identity,
+            rule_id=None if named is None else named.id,
+            identity_kind=None if named is None else named.identity.value,
+            identity_hash=identity,
             reports=tuple(reports),
             retry_after=retry_after,
             source=source or (results[0].source if results else ""),
