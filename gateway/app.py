@@ -137,7 +137,14 @@ class Proxy:
                 await start()
         self.gateway = Gateway(
             rules=self.rules,
-            limiter=Limiter(backends),
+            # Redis Cluster cannot count keys of several hash tags in one script call: there
+            # a rule and its ceilings are counted in separate calls.
+            limiter=Limiter(
+                backends,
+                separate_calls=frozenset(
+                    r.name for r in regions if r.counter_url and "+cluster://" in r.counter_url
+                ),
+            ),
             backends=backends,
             hasher=IdentityHasher(self.secret),
             addresses=ClientAddressPolicy.parse(settings.trusted_proxies, settings.ipv6_prefix),
