@@ -22,6 +22,10 @@ from prometheus_client import CollectorRegistry
 from gateway import __version__, native
 from gateway.counters.base import CounterBackend
 from gateway.counters.memory import MemoryBackend
+from gateway.identity.config import parse_identity_config
+from gateway.identity.jwt import JwtVerifier
+from gateway.identity.keys import KeySource
+from gateway.identity.verified import VerifiedIdentities
 from gateway.metrics import (
     SYNC_INTERVAL_SECONDS,
     Metrics,
@@ -123,6 +127,8 @@ class Proxy:
         self.gateway: Gateway | None = None
         self.plane: DataPlane | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._identity_tasks: list[asyncio.Task[None]] = []
+        self._verifier: JwtVerifier | None = None
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> list[str]:
         settings = self.settings
@@ -156,6 +162,9 @@ class Proxy:
             max_headers=settings.max_headers,
             keep_method_override=settings.keep_method_override,
         )
+        verified = await self._identities()
+        if verified is not None:
+            self.gateway.use_identities(verified)
         max_connections = connection_cap(settings.max_connections, settings.upstream_pool_size)
         limits = PlaneLimits(
             max_body_bytes=settings.max_body_bytes,
@@ -169,8 +178,7 @@ class Proxy:
             max_uploads_per_client=settings.max_uploads_per_client,
             max_uploads=max(1, settings.upstream_pool_size // 2),
             max_downloads_per_client=settings.max_downloads_per_client,
-            max_client_connections=settings.max_client_connections
-            or max(1, max_connections // 8),
+            max_client_connections=settings.max_client_connections or max(1, max_connections // 8),
         )
         pool = UpstreamPool(settings.upstream_pool_size, settings.upstream_connect_timeout)
         self.plane = DataPlane(self.gateway, pool, limits)
@@ -182,6 +190,46 @@ class Proxy:
         """The operator's view (the admin port's ``/info``)."""
         assert self.gateway is not None
         return await self.gateway.info(full=True)
+
+    async def _identities(self) -> VerifiedIdentities | None:
+        """The config file's ``identity:`` section at work: the key file watched, the
+        JWKS fetched and refreshed off the request path. None: identities as claimed."""
+        settings = self.settings
+        if not settings.identity:
+            return None
+        base = Path(settings.config_file).parent if settings.config_file else Path.cwd()
+        config = parse_identity_config(settings.identity, base)
+        keys = None
+        if config.api_key.keys is not None:
+            keys = KeySource(config.api_key.keys)
+            log.info(
+                "known API keys: %d in %s, counted per consumer; unknown keys are %s",
+                len(keys.ring), config.api_key.keys,
+                "refused (401)" if config.api_key.unknown == "reject" else "counted as none",
+            )  # fmt: skip
+            if settings.watch_rules:
+                self._identity_tasks.append(
+                    asyncio.create_task(keys.watch(settings.watch_interval))
+                )
+        verifier = None
+        jwt = config.user.jwt
+        if jwt is not None:
+            verifier = self._verifier = JwtVerifier(jwt)
+            if not await verifier.start():
+                log.warning(
+                    "JWKS %s not fetched yet (%s): tokens fail as no_keys until it is",
+                    verifier.source, verifier.last_error,
+                )  # fmt: skip
+            self._identity_tasks.append(asyncio.create_task(verifier.run()))
+            log.info(
+                "users from JWTs in %s verified against %s (issuer %s); x-user-id only "
+                "from trusted proxies; invalid tokens are %s",
+                jwt.header, verifier.source, jwt.issuer,
+                "refused (401)" if config.user.invalid == "reject" else "counted as none",
+            )  # fmt: skip
+        elif config.user.header_from == "trusted":
+            log.info("x-user-id is believed only from trusted proxies")
+        return VerifiedIdentities(config, keys, verifier)
 
     @property
     def port(self) -> int:
@@ -195,6 +243,12 @@ class Proxy:
             self._watcher.cancel()
             with suppress(asyncio.CancelledError):
                 await self._watcher
+        for task in self._identity_tasks:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+        if self._verifier is not None:
+            await self._verifier.close()
         if self.gateway is not None:
             self.gateway.access_log.flush()
             for backend in self.gateway.backends.values():

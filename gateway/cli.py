@@ -258,6 +258,12 @@ def _serve(args: argparse.Namespace) -> int:
         if isinstance(exc, RuleLoadError):
             print(f"gateway: the rules do not load:\n{exc}", file=sys.stderr)
             return 2
+        from gateway.identity.jwks import JwksError
+        from gateway.identity.keys import KeyFileError
+
+        if isinstance(exc, KeyFileError | JwksError):
+            print(f"gateway: the identity files do not load: {exc}", file=sys.stderr)
+            return 2
         if isinstance(exc, OSError):
             print(f"gateway: cannot start: {exc}", file=sys.stderr)
             return 1

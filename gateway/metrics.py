@@ -334,6 +334,17 @@ class Metrics:
             "Requests refused from the local deny cache without asking the counter store.",
             ["region"],
         )
+        self.token_failures = Counter(
+            "gateway_token_failures",
+            "Bearer tokens that did not verify, by reason (signature, expired, issuer ...).",
+            ["reason"],
+        )
+        self.identity_refusals = Counter(
+            "gateway_identity_refusals",
+            "Requests answered 401: an unknown API key (unknown_key) or a token that did "
+            "not verify (its reason), with identity.*: reject.",
+            ["reason"],
+        )
         self.rule_reloads = Counter(
             "gateway_rule_reloads",
             "Rule table (re)loads, by outcome (ok, error, unchanged).",
@@ -353,7 +364,8 @@ class Metrics:
             self.requests, self.near_limit, self.overhead, self.upstream_latency,
             self.upstream_errors, self.responses, self.counter_errors, self.breaker_state,
             self.breaker_transitions, self.fallback_decisions, self.deny_cache_hits,
-            self.rule_reloads, self.rules_loaded, self.rules_count, self.inflight,
+            self.token_failures, self.identity_refusals, self.rule_reloads, self.rules_loaded,
+            self.rules_count, self.inflight,
         )  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(cast(Collector, FamilyCollector(self.families)))

@@ -314,6 +314,14 @@ def _validate(s: Settings) -> None:
             check_url(s.database_url)
         except ValueError as exc:
             bad(str(exc))
+    if s.identity:
+        from gateway.identity.config import IdentityConfigError, parse_identity_config
+
+        base = Path(s.config_file).parent if s.config_file else Path.cwd()
+        try:
+            parse_identity_config(s.identity, base)
+        except IdentityConfigError as exc:
+            bad(f"config file {s.config_file}: {exc}")
     if s.admin_token is not None and len(s.admin_token.encode()) < 16:
         bad("admin_token must be at least 16 bytes (use a long random string)")
     if s.identity_secret is not None and len(s.identity_secret.encode()) < 16:

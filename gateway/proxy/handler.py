@@ -19,6 +19,8 @@ from typing import Final
 
 from gateway import __version__
 from gateway.counters.base import CounterBackend
+from gateway.identity.jwt import InvalidToken
+from gateway.identity.verified import VerifiedIdentities, counted_consumer
 from gateway.metrics import CounterChild, HistogramChild, Metrics
 from gateway.policy.matcher import select
 from gateway.policy.model import IdentityKind, RuleTable
@@ -62,6 +64,7 @@ _EXPECT: Final = 9
 _SINGLE: Final = 10
 _USER_ID: Final = 11
 _OVERRIDE: Final = 12
+_TOKEN: Final = 13  # the JWT's header (identity.user.jwt.header), when configured
 # What a kept method override may name (the methods the gateway forwards).
 _OVERRIDABLE: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Headers a message may carry once: upstreams disagree about which of two copies counts
@@ -163,10 +166,27 @@ class Gateway:
     max_header_bytes: int = 8190
     max_headers: int = 100
     keep_method_override: bool = False
+    # Known keys and JWT users (None: identities are counted as claimed).
+    verified: VerifiedIdentities | None = None
+    # What the gateway reads in a header, by lower-case name (the module's _ROLES, with
+    # the configured identity headers: see use_identities).
+    _roles: dict[bytes, int] = field(default_factory=lambda: dict(_ROLES))
     _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
     _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
     _refusals_table: RuleTable | None = None
+
+    def use_identities(self, verified: VerifiedIdentities) -> None:
+        """Verify identities from now on: the key header may be another than x-api-key,
+        and the token's header is read."""
+        self.verified = verified
+        roles = dict(_ROLES)
+        if verified.key_header != b"x-api-key":
+            del roles[b"x-api-key"]
+            roles[verified.key_header] = _API_KEY
+        if verified.token_header is not None:
+            roles[verified.token_header] = _TOKEN
+        self._roles = roles
 
     # --- the synchronous part: everything up to the rate-limit decision
 
@@ -241,6 +261,8 @@ class Gateway:
             client = self.addresses.client_address(peer.address, forwarded)
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
+        if self.verified is not None:
+            self._verify(req, peer, self.verified)
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
         record.identities = identity  # the access log's identity components (for replays)
         table = req.table = self.rules.table
@@ -258,6 +280,39 @@ class Gateway:
                         return answer
         req.decision = self.limiter.decide_now(region, selection)
         return None
+
+    def _verify(self, req: Incoming, peer: Peer, verified: VerifiedIdentities) -> None:
+        """Replace claimed identities with verified ones: a known key by its consumer, a
+        user by a verified token's. What verifies nothing is counted as a request without
+        it (per client address), and answered 401 when so configured."""
+        key = req.api_key
+        if key is not None and verified.keys is not None:
+            consumer = verified.consumer(key)
+            if consumer is None:
+                req.api_key = None
+                req.refusal = verified.unknown_key()
+            else:
+                req.api_key = counted_consumer(consumer)
+                req.consumer = consumer.name
+                req.tier = consumer.tier
+        if verified.user_header_trusted_only and not peer.trusted:
+            req.user_id = None
+        value = req.token_header
+        if (
+            value is not None
+            and verified.tokens is not None
+            and verified.token_header not in req.connection_tokens  # (hop-by-hop: unseen)
+        ):
+            try:
+                user = verified.user(value)
+            except InvalidToken as exc:
+                self.metrics.child(self.metrics.token_failures, exc.reason).inc()
+                if req.refusal is None:
+                    req.refusal = verified.invalid_token(exc.reason)
+            else:
+                req.user_id = user.user
+                if req.tier is None:
+                    req.tier = user.tier
 
     def _repeat_refusal(self, req: Incoming, known: KnownRefusal) -> Answer | None:
         now = _monotonic()
@@ -337,7 +392,8 @@ class Gateway:
         overrides = 0
         only_chunked = True
         singles: set[bytes] | None = None
-        roles = _ROLES
+        roles = self._roles
+        tokens_seen = 0
         for name, value in headers:
             if sized and len(name) + len(value) > limit and too_big is None:
                 too_big = name
@@ -384,6 +440,9 @@ class Gateway:
             elif role == _OVERRIDE:
                 override = value
                 overrides += 1
+            elif role == _TOKEN:
+                req.token_header = value
+                tokens_seen += 1
         accepted = None if given_id is None else accept_request_id(given_id)
         req.request_id = accepted or new_request_id()
         if req.chunked:
@@ -406,12 +465,16 @@ class Gateway:
             return Answer.error(431, f"request header {repr(shown)} is over {limit} bytes")
         if tokens:
             req.connection_tokens = frozenset(tokens)
+        if tokens_seen > 1:
+            # Upstreams disagree about which of two credentials counts.
+            return Answer.error(400, "send one bearer token header, not several")
         if override is not None and self.keep_method_override:
             problem = _method_override(req, override, overrides)
             if problem is not None:
                 return problem
         if api_key is not None:
-            problem = _identity_header(req, "x-api-key", api_key, api_keys, tokens)
+            key_name = "x-api-key" if self.verified is None else self.verified.config.api_key.header
+            problem = _identity_header(req, key_name, api_key, api_keys, tokens)
             if problem is not None:
                 return problem
         if user_id is not None:
@@ -457,6 +520,14 @@ class Gateway:
             )
             self._remember_refusal(req, decision)
             return self._limited(decision, headers, decision.retry_after)
+        refusal = req.refusal
+        if refusal is not None:
+            # Counted per client address like any request without an identity, and let
+            # through by that count: answered here, never forwarded.
+            self.metrics.child(self.metrics.identity_refusals, refusal.reason).inc()
+            return Answer.error(
+                401, refusal.detail, [*headers, ("WWW-Authenticate", refusal.challenge)]
+            )
         path = req.path
         if path == INFO_PATH and (req.method == "GET" or req.method == "HEAD"):
             return None

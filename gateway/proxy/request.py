@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.identity.verified import Refusal
 from gateway.policy.matcher import Selection
 from gateway.policy.model import RuleTable
 from gateway.proxy.access_log import AccessRecord
@@ -51,6 +52,11 @@ class Incoming:
     host: bytes | None = None
     api_key: str | None = None
     user_id: str | None = None
+    # verified identities (the config file's identity: section)
+    token_header: bytes | None = None  # the bearer token's header value, as sent
+    consumer: str | None = None  # the known key's consumer
+    tier: str | None = None  # the consumer's or the token's tier
+    refusal: Refusal | None = None  # answered 401 once its per-address count lets it through
     client_ip = "-"
     trusted_peer = False
     forwarded_proto: bytes | None = None

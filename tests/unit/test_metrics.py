@@ -37,6 +37,11 @@ FAMILIES = [
      "Decisions taken by the local fallback counters while the store was unavailable."),
     ("gateway_deny_cache_hits_total", "counter", ("region",),
      "Requests refused from the local deny cache without asking the counter store."),
+    ("gateway_token_failures_total", "counter", ("reason",),
+     "Bearer tokens that did not verify, by reason (signature, expired, issuer ...)."),
+    ("gateway_identity_refusals_total", "counter", ("reason",),
+     "Requests answered 401: an unknown API key (unknown_key) or a token that did not "
+     "verify (its reason), with identity.*: reject."),
     ("gateway_rule_reloads_total", "counter", ("outcome",),
      "Rule table (re)loads, by outcome (ok, error, unchanged)."),
     ("gateway_rules_loaded_timestamp_seconds", "gauge", (),
@@ -182,6 +187,8 @@ def test_the_exposition_parses_with_the_declared_label_names():
     m.counter_events("us").fallback_used()
     m.counter_events("us").deny_cache_hit()
     m.rule_reloads.labels("ok").inc()
+    m.child(m.token_failures, "expired").inc()
+    m.child(m.identity_refusals, "unknown_key").inc()
     parsed = {f.name: f for f in text_string_to_metric_families(scrape(m))}
     for name, kind, labels, help_text in FAMILIES:
         family = parsed[name.removesuffix("_total")]

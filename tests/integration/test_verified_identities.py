@@ -1,0 +1,213 @@
+"""Issue 25, items 2 and 3 on the request path: known API keys counted per consumer,
+unknown keys counted per address (or refused 401, itself counted per address), users
+only from verified JWTs, x-user-id only from trusted proxies. Real gateway, real
+upstreams on loopback, keys and tokens made in the test."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import time
+import uuid
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from gateway.identity.key_edit import add_key
+from tests.support.gateway import running_gateway
+from tests.support.raw_upstream import running_raw_upstream
+
+ISSUER = "https://idp.test"
+AUDIENCE = "my-api"
+
+
+def _port(gw) -> int:
+    return int(gw.url.rsplit(":", 1)[1])
+
+
+async def _get(port: int, path: str = "/x", *headers: bytes, source: str = "127.0.0.1"):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    fields = b"".join(h + b"\r\n" for h in headers)
+    start = b"GET " + path.encode() + b" HTTP/1.1\r\nHost: a\r\n"
+    writer.write(start + fields + b"Connection: close\r\n\r\n")
+    reply = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), fields, body
+
+
+def _remaining(fields) -> tuple[str, int]:
+    first = fields["ratelimit"].split(",")[0]
+    name, _, rest = first.partition(";")
+    return name, int(dict(p.split("=") for p in rest.split(";"))["r"])
+
+
+@pytest.fixture
+def keys_file(tmp_path):
+    path = tmp_path / "keys.yaml"
+    acme1 = add_key(path, "acme")
+    acme2 = add_key(path, "acme")
+    gold = add_key(path, "beta", "gold")
+    return path, acme1, acme2, gold
+
+
+def _config(tmp_path, section: str) -> str:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(section)
+    return str(config)
+
+
+async def test_the_keys_of_one_consumer_share_its_counters(tmp_path, upstream, keys_file):
+    path, acme1, acme2, _ = keys_file
+    config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}}}\n")
+    async with running_gateway(upstream, config_file=config) as gw:
+        _, f1, body = await _get(_port(gw), "/x", b"x-api-key: " + acme1.encode())
+        _, f2, _ = await _get(_port(gw), "/x", b"x-api-key: " + acme2.encode())
+        name1, r1 = _remaining(f1)
+        name2, r2 = _remaining(f2)
+        assert name1 == name2 == '"default-api-key"'
+        assert r2 == r1 - 1  # rotating to the consumer's other key resets nothing
+        # the key itself is still what the upstream receives
+        assert json.loads(body)["headers"]["x-api-key"] == acme1
+        # an unknown key is counted as a request without one: by address
+        _, f3, _ = await _get(_port(gw), "/x", b"x-api-key: not-a-known-key")
+        assert _remaining(f3)[0] == '"catch-all"'
+
+
+async def test_unknown_keys_are_refused_and_counted_per_address(tmp_path, keys_file):
+    path, acme1, _, _ = keys_file
+    config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}, unknown: reject}}\n")
+    async with running_raw_upstream() as up, running_gateway(up.url, config_file=config) as gw:
+        statuses = []
+        for _ in range(105):  # the catch-all: 100/60 per address
+            status, fields, body = await _get(
+                _port(gw), "/x", b"x-api-key: k-" + uuid.uuid4().hex.encode(), source="127.0.0.2"
+            )
+            statuses.append(status)
+            if status == 401:
+                assert fields["www-authenticate"].startswith("ApiKey")
+                assert "unknown API key" in json.loads(body)["detail"]
+        assert statuses == [401] * 100 + [429] * 5
+        assert not up.recording.requests  # key spraying cost the upstream nothing
+        # another address, and a known key, are served
+        known = b"x-api-key: " + acme1.encode()
+        status, _, _ = await _get(_port(gw), "/x", known, source="127.0.0.3")
+        assert status == 200
+        assert len(up.recording.requests) == 1
+
+
+async def test_a_key_added_under_traffic_is_known_without_a_restart(tmp_path, upstream, keys_file):
+    path, *_ = keys_file
+    config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}, unknown: reject}}\n")
+    async with running_gateway(
+        upstream, config_file=config, watch_rules=True, watch_interval=0.1
+    ) as gw:
+        fresh = add_key(path, "newcomer")
+        deadline = time.monotonic() + 10
+        while True:
+            status, _, _ = await _get(_port(gw), "/x", b"x-api-key: " + fresh.encode())
+            if status == 200 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 200
+        path.write_text("keys: [{sha256: nothex}]\n")  # a bad edit: refused, old set kept
+        await asyncio.sleep(0.5)
+        status, _, _ = await _get(_port(gw), "/x", b"x-api-key: " + fresh.encode())
+        assert status == 200
+
+
+@pytest.fixture
+def signing_key(tmp_path):
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    (tmp_path / "idp.pem").write_bytes(pem)
+    return private, pem
+
+
+def _token(private, **claims) -> bytes:
+    now = int(time.time())
+    body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "exp": now + 300, **claims}
+    return jwt.encode(body, private, algorithm="RS256").encode()
+
+
+def _hs256(claims: dict, secret: bytes) -> bytes:
+    def part(data: bytes) -> bytes:
+        return base64.urlsafe_b64encode(data).rstrip(b"=")
+
+    signing_input = (
+        part(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+        + b"."
+        + part(json.dumps(claims).encode())
+    )
+    return signing_input + b"." + part(hmac.new(secret, signing_input, hashlib.sha256).digest())
+
+
+def _jwt_config(tmp_path, invalid: str = "reject") -> str:
+    return _config(
+        tmp_path,
+        "identity:\n  user:\n    invalid: " + invalid + "\n    jwt:\n"
+        f"      public_key_file: {tmp_path / 'idp.pem'}\n"
+        f"      issuer: {ISSUER}\n      audience: {AUDIENCE}\n      algorithms: [RS256]\n",
+    )
+
+
+async def test_users_come_only_from_verified_tokens(tmp_path, upstream, signing_key):
+    private, pem = signing_key
+    async with running_gateway(upstream, config_file=_jwt_config(tmp_path)) as gw:
+        port = _port(gw)
+        good = b"Authorization: Bearer " + _token(private)
+        _, f1, _ = await _get(port, "/x", good)
+        _, f2, _ = await _get(port, "/x", good, b"x-user-id: mallory")  # claimed: ignored
+        assert _remaining(f1)[0] == _remaining(f2)[0] == '"default-user"'
+        assert _remaining(f2)[1] == _remaining(f1)[1] - 1
+        # x-user-id alone, from an untrusted peer, identifies nobody: counted by address
+        _, f3, _ = await _get(port, "/x", b"x-user-id: mallory")
+        assert _remaining(f3)[0] == '"catch-all"'
+        # bad tokens: 401 with a Bearer challenge, never forwarded
+        expired = _token(private, exp=int(time.time()) - 3600)
+        # HS256 "signed" with the RSA public key as its secret (PyJWT will not make one)
+        confused = _hs256(
+            {"iss": ISSUER, "aud": AUDIENCE, "sub": "eve", "exp": int(time.time()) + 300}, pem
+        )
+        unsigned = jwt.encode(
+            {"iss": ISSUER, "aud": AUDIENCE, "sub": "eve", "exp": int(time.time()) + 300},
+            None,
+            algorithm="none",
+        ).encode()
+        for bad in (
+            expired,
+            confused,
+            unsigned,
+            _token(private, iss="https://evil.test"),
+            _token(private, aud="other"),
+            _token(private)[:-4] + b"AAAA",
+        ):
+            status, fields, body = await _get(port, "/x", b"Authorization: Bearer " + bad)
+            assert status == 401, (bad, body)
+            assert fields["www-authenticate"].startswith("Bearer")
+        # two tokens: upstreams disagree about which one counts
+        status, _, _ = await _get(port, "/x", good, good)
+        assert status == 400
+
+
+async def test_invalid_tokens_counted_as_anonymous_when_so_configured(
+    tmp_path, upstream, signing_key
+):
+    private, _ = signing_key
+    config = _jwt_config(tmp_path, invalid="anonymous")
+    async with running_gateway(upstream, config_file=config) as gw:
+        bad = _token(private, exp=int(time.time()) - 3600)
+        status, fields, _ = await _get(_port(gw), "/x", b"Authorization: Bearer " + bad)
+        assert status == 200 and _remaining(fields)[0] == '"catch-all"'
