@@ -42,7 +42,12 @@ class Selection:
 
 
 def select(
-    table: RuleTable, region: str, method: str, path: str, identity: IdentityLookup
+    table: RuleTable,
+    region: str,
+    method: str,
+    path: str,
+    identity: IdentityLookup,
+    tier: str | None = None,
 ) -> Selection:
     """First rule in order that matches and whose identity can be formed.
 
@@ -57,6 +62,8 @@ def select(
         if rule.shadow:
             shadows.append((rule, key))
             continue
+        if tier is not None and rule.tiers:
+            rule = rule.tiers.get(tier, rule)  # the tier's limits, the rule's counters
         if rule.unlimited or not table.ceilings:
             return Selection(rule, key, tuple(shadows))  # (an exempt request stays exempt)
         ceilings = _ceilings(table, region, method, path, identity)

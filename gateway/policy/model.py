@@ -142,6 +142,11 @@ class Rule:
     matcher: Callable[[str, str], bool] = field(default=lambda m, p: False, compare=False)
     # A ceiling (a rule file's ``ceilings:``): applies in addition to the first-match rule.
     ceiling: bool = False
+    # Tiers: the same rule with a tier's limits, by tier name (a known key's or a token's
+    # tier picks one). Each shares the rule's id, so its counters, and names itself
+    # ``<id>.<tier>`` in RateLimit-Policy.
+    tiers: Mapping[str, Rule] = field(default_factory=dict, compare=False)
+    policy: str = ""  # the name RateLimit-Policy gives it ("" : the id)
 
     def matches(self, method: str, path: str) -> bool:
         return self.matcher(method, path)

@@ -267,7 +267,7 @@ class Gateway:
         record.identities = identity  # the access log's identity components (for replays)
         table = req.table = self.rules.table
         selection = req.selection = select(
-            table, region, req.rule_method or method, path, identity.key_for
+            table, region, req.rule_method or method, path, identity.key_for, req.tier
         )
         if self._refusals:
             if table is not self._refusals_table:  # limits may have changed: forget all

@@ -63,7 +63,7 @@ def _reports(
     several = len(specs) > 1
     return [
         LimitReport(
-            name=f"{rule.id}-{spec.seconds}s" if several else rule.id,
+            name=f"{rule.policy or rule.id}-{spec.seconds}s" if several else rule.policy or rule.id,
             rule_id=rule.id,
             count=spec.count,
             seconds=spec.seconds,
@@ -86,7 +86,7 @@ def _one_limit(region: str, identity: str | None, rule: Rule, result: HitResult)
     reset_seconds = -(-state.reset_ms // 1000)
     exceeded = not state.allowed
     report = LimitReport(
-        rule.id, rule.id, spec.count, spec.seconds, state.remaining, reset_seconds,
+        rule.policy or rule.id, rule.id, spec.count, spec.seconds, state.remaining, reset_seconds,
         exceeded, False, state.reset_ms,
     )  # fmt: skip
     if result.admitted:
