@@ -17,7 +17,9 @@ from yaml.nodes import Node
 MAX_DEPTH: Final = 16
 
 
-class _BoundedLoader(yaml.SafeLoader):
+# (The ignores: the compiled build type-checks this module, imported by the data plane,
+# without types-PyYAML, where SafeLoader is Any; with the stubs there is nothing to ignore.)
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc,unused-ignore]
     def __init__(self, stream: bytes | str) -> None:
         super().__init__(stream)
         self._depth = 0
@@ -38,7 +40,7 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
     def _next_mark(self) -> Mark:
-        event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
+        event = self.peek_event()  # type: ignore[no-untyped-call,unused-ignore]  # untyped stubs
         mark: Mark = event.start_mark
         return mark
 
