@@ -82,8 +82,40 @@ def explain_request(
     for name in regions:
         lines.append("")
         lines.append(f"region {name}:")
-        lines.extend(_explain_region(table, name, method, path, identity))
+        region_lines = _explain_region(table, name, method, path, identity)
+        lines.extend(region_lines)
+        if table.ceilings:
+            exempt = any(": MATCHES, exempt" in line for line in region_lines)
+            lines.extend(_explain_ceilings(table, name, method, path, identity, exempt))
     return "\n".join(lines)
+
+
+def _explain_ceilings(
+    table: RuleTable,
+    region: str,
+    method: str,
+    path: str,
+    identity: RequestIdentity,
+    exempt: bool,
+) -> list[str]:
+    """The ceilings, each applied (counted with the rule, all or nothing) or why not."""
+    lines = ["  ceilings (applied besides the rule, counted with it all or nothing):"]
+    for ceiling in table.ceilings:
+        if exempt:
+            lines.append(f"  - {ceiling.id}: not applied, the request is exempt")
+            continue
+        reason = _why_not(ceiling, region, method, path, identity)
+        if reason is not None:
+            lines.append(f"  - {ceiling.id}: not applied, {reason}")
+            continue
+        limits = ", ".join(str(s) for s in ceiling.limits_for(region))
+        kind = "shadow ceiling (counted, never refuses)" if ceiling.shadow else "APPLIES"
+        lines.append(f"  + {ceiling.id}: {kind}  [{ceiling.source} #{ceiling.index}]")
+        lines.append(
+            f"      identity: {ceiling.identity.value} -> {identity.key_for(ceiling.identity)}"
+        )
+        lines.append(f"      limit in {region}: {limits} (count/seconds)")
+    return lines
 
 
 def _explain_region(

@@ -154,6 +154,10 @@ def _rule_row(rule: Rule, region: str) -> str:
     else:
         limit = ", ".join(str(s) for s in rule.limits_for(region))
         flags = []
+    if rule.ceiling:
+        flags.append("ceiling")
+    if rule.tiers:
+        flags.append("tiers: " + ", ".join(sorted(rule.tiers)))
     if rule.shadow:
         flags.append("shadow")
     if not rule.fail_open:
@@ -176,6 +180,8 @@ def _rules_section(table: RuleTable, error: str | None, default_region: str) -> 
         parts.append(f'<p class="error">last reload refused: <pre>{e(error)}</pre></p>')
     for region in sorted(table.regions, key=lambda r: (r != default_region, r)):
         rows = "".join(_rule_row(r, region) for r in table.for_region(region))
+        # Ceilings apply besides the rule a request matches: listed after the rules.
+        rows += "".join(_rule_row(c, region) for c in table.ceilings if c.limits_for(region))
         parts.append(
             f'<h3>region {e(region)}</h3><table class="rules" data-region="{e(region)}">'
             "<thead><tr><th>#</th><th>rule</th><th>category</th><th>match</th>"
