@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import reprlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, ScalarEvent
 
 from gateway.policy.model import (
     PATH_KINDS,
@@ -43,6 +45,12 @@ LIMIT_PATTERN = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
 MAX_WINDOW_SECONDS = 7 * 86400
 MAX_COUNT = 10**9
 MAX_FILE_BYTES = 1_048_576
+# Bounds on the table as a whole. Finding unreachable rules compares every pair of rules
+# and, per pair, their match alternatives: these keep that to about two seconds of a
+# worker thread at worst, whatever the files hold (the default table has 30 rules).
+MAX_RULES = 1000
+MAX_ALTERNATIVES = 2000  # match alternatives over all rules (a rule without a list has 1)
+MAX_PROBLEMS = 100  # listed in one refusal; the rest are counted, not built into messages
 TEMPLATE_TYPES = {
     # Any one segment here; the matcher then keeps it only if Python's uuid.UUID reads it
     # once percent-decoded (model.is_uuid_segment), so a client cannot leave a UUID-keyed
@@ -53,6 +61,20 @@ TEMPLATE_TYPES = {
     "str": r"[^/]+",
 }
 TEMPLATE_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z_]+))?\}")
+
+# Values quoted in problem messages are cut short: a value may be (through aliases) large,
+# and the message is logged, kept as the last reload error and shown on the console.
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 80
+_SHOW.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """A short repr, for messages (never raises: repr of an int of over 4300 digits does)."""
+    try:
+        return _SHOW.repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +99,124 @@ class RuleLoadError(Exception):
     def __init__(self, problems: Sequence[RuleProblem]) -> None:
         self.problems = tuple(problems)
         super().__init__("\n".join(str(p) for p in problems))
+
+
+# --- YAML, bounded ------------------------------------------------------------------------
+#
+# ``yaml.safe_load`` builds no arbitrary objects, but is otherwise unbounded: its composer
+# recurses once per nesting level (a few thousand levels raise RecursionError), and an
+# alias is shared, not copied, so a few hundred bytes of anchors ("billion laughs") load
+# quickly into a value that anything walking it (a repr in an error message, a merge key)
+# expands to billions of nodes. So the event stream is checked first, in one flat pass
+# that builds nothing, and the document is built only if it is within every bound.
+
+
+@dataclass(frozen=True, slots=True)
+class YamlBounds:
+    """What one YAML document may cost. The defaults fit any sensible rule or config file
+    (the default rule table is ~500 nodes, 6 levels deep, no aliases)."""
+
+    max_bytes: int = MAX_FILE_BYTES
+    max_depth: int = 64  # nested collections; the composer's recursion stays far from the limit
+    max_nodes: int = 100_000  # nodes once every alias is expanded
+    max_chars: int = 2 * MAX_FILE_BYTES  # scalar characters once every alias is expanded
+    max_scalar: int = 65_536  # one scalar (an integer like 1:0:0:... costs quadratic time)
+    max_aliases: int = 10_000
+
+
+try:  # libyaml: the same documents and errors, in a tenth of the time
+    from yaml import CSafeLoader as _SafeLoader
+except ImportError:  # pragma: no cover - PyYAML built without libyaml
+    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
+
+
+def load_yaml_bounded(text: bytes | str, source: str, bounds: YamlBounds = YamlBounds()) -> Any:
+    """The document ``yaml.safe_load`` would build from ``text``, or ``RuleLoadError``
+    (naming ``source``) if it is not valid YAML, is over any of ``bounds``, or fails in any
+    other way: nothing else is raised, whatever ``text`` holds."""
+    try:
+        if len(text) > bounds.max_bytes:
+            raise _Refused(f"YAML file over {bounds.max_bytes} bytes")
+        _check_events(text, bounds)
+        loader = _SafeLoader(text)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+    except _Refused as exc:
+        message = str(exc)
+    except yaml.YAMLError as exc:
+        message = f"not valid YAML: {_describe(exc)}"
+    except Exception as exc:  # a constructor's ValueError (!!int "x"), MemoryError, ...
+        message = f"not valid YAML: {type(exc).__name__}: {_show(str(exc))[1:-1]}"
+    raise RuleLoadError([RuleProblem(source, None, None, message)]) from None
+
+
+class _Refused(Exception):
+    """Over a bound (internal: ``load_yaml_bounded`` turns it into ``RuleLoadError``)."""
+
+
+def _check_events(text: bytes | str, bounds: YamlBounds) -> None:
+    """Walk the event stream (the parser keeps no tree and does not recurse) and refuse
+    the document as soon as it is over a bound, counting each alias as the nodes and
+    characters of what it refers to, so expansion is measured without being done."""
+    nodes = chars = aliases = 0
+    open_collections: list[tuple[str | None, int, int]] = []  # (anchor, nodes, chars) at start
+    sizes: dict[str, tuple[int, int]] = {}  # anchor -> (nodes, chars) of its whole value
+    parser = _SafeLoader(text)
+    try:
+        while parser.check_event():
+            event = parser.get_event()
+            if isinstance(event, AliasEvent):
+                aliases += 1
+                if aliases > bounds.max_aliases:
+                    raise _Refused(f"YAML with over {bounds.max_aliases} aliases{_at(event)}")
+                size = sizes.get(event.anchor or "")
+                if size is None:  # undefined, or still open: a value containing itself
+                    raise _Refused(f"YAML alias *{event.anchor} undefined or recursive{_at(event)}")
+                nodes, chars = nodes + size[0], chars + size[1]
+            elif isinstance(event, ScalarEvent):
+                if len(event.value) > bounds.max_scalar:
+                    raise _Refused(f"YAML value over {bounds.max_scalar} characters{_at(event)}")
+                nodes, chars = nodes + 1, chars + len(event.value)
+                if event.anchor is not None:
+                    sizes[event.anchor] = (1, len(event.value))
+            elif isinstance(event, CollectionStartEvent):
+                if len(open_collections) >= bounds.max_depth:
+                    raise _Refused(f"YAML nested deeper than {bounds.max_depth} levels{_at(event)}")
+                open_collections.append((event.anchor, nodes, chars))
+                nodes += 1
+            elif isinstance(event, CollectionEndEvent):
+                anchor, nodes_before, chars_before = open_collections.pop()
+                if anchor is not None:
+                    sizes[anchor] = (nodes - nodes_before, chars - chars_before)
+            if nodes > bounds.max_nodes:
+                raise _Refused(f"YAML over {bounds.max_nodes} nodes, aliases expanded{_at(event)}")
+            if chars > bounds.max_chars:
+                raise _Refused(
+                    f"YAML over {bounds.max_chars} characters in values, aliases expanded"
+                    + _at(event)
+                )
+    finally:
+        parser.dispose()
+
+
+def _at(event: yaml.Event | None) -> str:
+    mark = getattr(event, "start_mark", None)
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+
+def _describe(exc: yaml.YAMLError) -> str:
+    """The problem and where, on one line (the parser's own text names no file)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        what = ", ".join(str(part) for part in (exc.context, exc.problem) if part)
+        mark = exc.problem_mark or exc.context_mark
+        if mark is not None:
+            what += f" (line {mark.line + 1}, column {mark.column + 1})"
+        return what
+    if isinstance(exc, yaml.reader.ReaderError):  # bad UTF-8 or a control character
+        return f"{exc.reason} (position {exc.position})"
+    return _show(str(exc))[1:-1]
 
 
 def rule_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -108,7 +248,8 @@ def load_rules(
     texts: list[tuple[str, bytes]] = []
     for file in files:
         try:
-            data = file.read_bytes()
+            with file.open("rb") as stream:  # no more than the bound: the file may be endless
+                data = stream.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             raise RuleLoadError([RuleProblem(str(file), None, None, str(exc))]) from exc
         if len(data) > MAX_FILE_BYTES:
@@ -124,13 +265,31 @@ def load_rules_from_texts(
     regions: Iterable[str] = DEFAULT_REGIONS,
     now: Callable[[], float] = time.time,
 ) -> RuleTable:
+    """Validate rule files given as text; raise ``RuleLoadError`` (and nothing else,
+    whatever the texts hold) listing the problems."""
+    try:
+        return _load_texts(texts, regions, now)
+    except RuleLoadError:
+        raise
+    except Exception as exc:  # a bug here must refuse the files, not kill the reloader
+        names = ", ".join(str(n) for n, _ in texts)
+        message = f"could not be loaded: {type(exc).__name__}: {_show(str(exc))[1:-1]}"
+        raise RuleLoadError([RuleProblem(names, None, None, message)]) from exc
+
+
+def _load_texts(
+    texts: Sequence[tuple[str, bytes | str]],
+    regions: Iterable[str],
+    now: Callable[[], float],
+) -> RuleTable:
     known = frozenset(regions) | DEFAULT_REGIONS
     problems: list[RuleProblem] = []
     rules: list[Rule] = []
     seen_ids: dict[str, str] = {}
     digest = hashlib.sha256()
     for name, text in texts:
-        raw = text.encode() if isinstance(text, str) else text
+        # A lone surrogate passes through, for the YAML reader to refuse as not UTF-8.
+        raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
         digest.update(name.encode() + b"\0" + raw + b"\0")
         for rule in _parse_file(name, raw, known, problems):
             if rule.id in seen_ids:
@@ -145,6 +304,12 @@ def load_rules_from_texts(
                 continue
             seen_ids[rule.id] = name
             rules.append(rule)
+    everywhere = ", ".join(n for n, _ in texts)
+    if not problems and len(rules) > MAX_RULES:
+        problems.append(RuleProblem(everywhere, None, None, f"over {MAX_RULES} rules"))
+    if not problems and sum(len(r.alternatives) for r in rules) > MAX_ALTERNATIVES:
+        message = f"over {MAX_ALTERNATIVES} match alternatives in all"
+        problems.append(RuleProblem(everywhere, None, None, message))
     if not problems:
         for position, rule in enumerate(rules):
             earlier = shadowing_rule(rule, rules[:position])
@@ -158,10 +323,14 @@ def load_rules_from_texts(
                         f"{earlier.id!r} ({earlier.source} #{earlier.index}); move it above",
                     )
                 )
+    if len(problems) > MAX_PROBLEMS:
+        rest = len(problems) - MAX_PROBLEMS
+        del problems[MAX_PROBLEMS:]
+        problems.append(RuleProblem(everywhere, None, None, f"and {rest} more problem(s)"))
     if problems:
         raise RuleLoadError(problems)
     if not rules:
-        raise RuleLoadError([RuleProblem(", ".join(n for n, _ in texts), None, None, "no rules")])
+        raise RuleLoadError([RuleProblem(everywhere, None, None, "no rules")])
     return RuleTable(
         rules=tuple(rules),
         sources=tuple(n for n, _ in texts),
@@ -179,19 +348,22 @@ def _parse_file(
     name: str, raw: bytes, regions: frozenset[str], problems: list[RuleProblem]
 ) -> list[Rule]:
     try:
-        doc = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        problems.append(RuleProblem(name, None, None, f"not valid YAML: {exc}"))
+        doc = load_yaml_bounded(raw, name)
+    except RuleLoadError as exc:
+        problems.extend(exc.problems)
         return []
     if not isinstance(doc, dict):
         problems.append(RuleProblem(name, None, None, "expected a mapping with a 'rules' list"))
         return []
     extra = set(doc) - {"rules", "version"}
     if extra:
-        problems.append(RuleProblem(name, None, None, f"unknown top-level key(s): {sorted(extra)}"))
+        problems.append(RuleProblem(name, None, None, f"unknown top-level key(s): {_keys(extra)}"))
     items = doc.get("rules")
     if not isinstance(items, list):
         problems.append(RuleProblem(name, None, "rules", "expected a list of rules"))
+        return []
+    if len(items) > MAX_RULES:
+        problems.append(RuleProblem(name, None, "rules", f"over {MAX_RULES} rules"))
         return []
     rules = []
     for index, item in enumerate(items, start=1):
@@ -230,7 +402,7 @@ def _parse_rule(
         ctx.label = f"{rule_id!r} (#{index})"
     unknown = set(item) - RULE_KEYS
     if unknown:
-        ctx.error(None, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(RULE_KEYS)}")
+        ctx.error(None, f"unknown key(s) {_keys(unknown)}; allowed: {sorted(RULE_KEYS)}")
     category = item.get("category", "")
     if not isinstance(category, str):
         ctx.error("category", "must be a string")
@@ -241,7 +413,7 @@ def _parse_rule(
     identity = _identity(ctx, item.get("identity", "ip" if unlimited else None))
     failure_mode = item.get("failure_mode", "open")
     if failure_mode not in ("open", "closed"):
-        ctx.error("failure_mode", f"must be 'open' or 'closed', not {failure_mode!r}")
+        ctx.error("failure_mode", f"must be 'open' or 'closed', not {_show(failure_mode)}")
     alternatives = _alternatives(ctx, item.get("match"))
     limits: dict[str, tuple[LimitSpec, ...]] = {}
     if unlimited:
@@ -266,10 +438,15 @@ def _parse_rule(
     )
 
 
+def _keys(keys: Iterable[Any]) -> str:
+    """Unknown keys for a message: keys may be of any type (``1:``, ``null:``) and long."""
+    return _show(sorted(keys, key=_show))
+
+
 def _bool(ctx: _RuleContext, item: Mapping[str, Any], key: str) -> bool:
     value = item.get(key, False)
     if not isinstance(value, bool):
-        ctx.error(key, f"must be true or false, not {value!r}")
+        ctx.error(key, f"must be true or false, not {_show(value)}")
         return False
     return value
 
@@ -279,7 +456,7 @@ def _identity(ctx: _RuleContext, value: Any) -> IdentityKind | None:
         return IdentityKind(value)
     except ValueError:
         allowed = ", ".join(k.value for k in IdentityKind)
-        ctx.error("identity", f"required; one of {allowed}, not {value!r}")
+        ctx.error("identity", f"required; one of {allowed}, not {_show(value)}")
         return None
 
 
@@ -305,7 +482,7 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
         return None
     unknown = set(entry) - MATCH_KEYS
     if unknown:
-        ctx.error(field, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(MATCH_KEYS)}")
+        ctx.error(field, f"unknown key(s) {_keys(unknown)}; allowed: {sorted(MATCH_KEYS)}")
         return None
     methods: frozenset[str] | None = None
     if "methods" in entry:
@@ -335,7 +512,7 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
         ctx.error(path_field, "expected a non-empty string")
         return None
     if kind in (PathKind.PATH, PathKind.PREFIX, PathKind.TEMPLATE) and not value.startswith("/"):
-        ctx.error(path_field, f"must start with '/': {value!r}")
+        ctx.error(path_field, f"must start with '/': {_show(value)}")
         return None
     if kind is PathKind.PREFIX and value != "/" and value.endswith("/"):
         ctx.error(path_field, "a prefix is whole segments; drop the trailing '/'")
@@ -344,7 +521,7 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
     if kind is PathKind.REGEX:
         try:
             pattern = re.compile(value)
-        except re.error as exc:
+        except Exception as exc:  # re.error, or RecursionError for deeply nested groups
             ctx.error(path_field, f"bad regular expression: {exc}")
             return None
     elif kind is PathKind.TEMPLATE:
@@ -389,9 +566,10 @@ def _limits(
         return {}
     parsed: dict[str, tuple[LimitSpec, ...]] = {}
     for region, spec in value.items():
-        field = f"limits.{region}"
+        field = f"limits.{_show(region)[1:-1] if isinstance(region, str) else _show(region)}"
         if region != "default" and region not in regions:
-            ctx.error(field, f"unknown region {region!r}; known: {sorted(regions)} or 'default'")
+            known = f"known: {sorted(regions)} or 'default'"
+            ctx.error(field, f"unknown region {_show(region)}; {known}")
             continue
         specs = spec if isinstance(spec, list) else [spec]
         limits: list[LimitSpec] = []
@@ -420,14 +598,15 @@ def _limits(
 def _limit(ctx: _RuleContext, field: str, raw: Any) -> LimitSpec | None:
     match = LIMIT_PATTERN.fullmatch(raw) if isinstance(raw, str) else None
     if match is None:
-        ctx.error(field, f"bad limit {raw!r}: write 'count/seconds', e.g. '100/60'")
+        ctx.error(field, f"bad limit {_show(raw)}: write 'count/seconds', e.g. '100/60'")
         return None
-    count, seconds = int(match.group(1)), int(match.group(2))
+    # int() refuses over 4,300 digits (ValueError); anything over 18 is out of range anyway.
+    count, seconds = (int(g) if len(g) <= 18 else 10**18 for g in match.groups())
     if not 1 <= count <= MAX_COUNT:
-        ctx.error(field, f"bad limit {raw!r}: count must be 1..{MAX_COUNT}")
+        ctx.error(field, f"bad limit {_show(raw)}: count must be 1..{MAX_COUNT}")
         return None
     if not 1 <= seconds <= MAX_WINDOW_SECONDS:
-        ctx.error(field, f"bad limit {raw!r}: seconds must be 1..{MAX_WINDOW_SECONDS}")
+        ctx.error(field, f"bad limit {_show(raw)}: seconds must be 1..{MAX_WINDOW_SECONDS}")
         return None
     return LimitSpec(count, seconds)
 

@@ -5,6 +5,10 @@ request sees either the old table or the new one, never a mix. A table that does
 validate is refused: the running one stays, the problems are logged and counted.
 Counters carry over because counter keys depend only on region, rule id, identity and
 window, never on the table's version.
+
+Loading runs in a worker thread (``reload_async``, which the watcher and
+``request_reload`` use), so a large or hostile file never holds the event loop; whatever
+a load raises is a refusal, never the end of the watcher.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class RuleSource:
         self._metrics = metrics
         self._fingerprint = self._stat()
         self.last_error: str | None = None
+        # Loads may overlap (the watcher's and a SIGHUP's, each in a thread): each takes a
+        # ticket when it starts, and an outcome counts only if no later load's has.
+        self._tickets = 0
+        self._settled = 0
+        self._requests: set[asyncio.Task[bool]] = set()  # running request_reload tasks
         metrics.rules_loaded.set(table.loaded_at)
         metrics.rules_count.set(len(table.rules))
 
@@ -44,26 +53,51 @@ class RuleSource:
         return cls(paths, regions, metrics, table)
 
     def reload(self, reason: str) -> bool:
-        """Load the files again; True when a new table is in force."""
-        self._fingerprint = self._stat()
+        """Load the files again, here and now (on the event loop if called from it);
+        True when a new table is in force."""
+        ticket = self._start()
+        return self._settle(ticket, reason, self._load())
+
+    async def reload_async(self, reason: str) -> bool:
+        """``reload`` with the reading and parsing in a worker thread."""
+        ticket = self._start()
+        outcome = await asyncio.to_thread(self._load)
+        return self._settle(ticket, reason, outcome)
+
+    def request_reload(self, reason: str) -> None:
+        """For a signal handler on the running loop: start ``reload_async`` and return."""
+        task = asyncio.get_running_loop().create_task(self.reload_async(reason))
+        self._requests.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._requests.discard)
+
+    def _start(self) -> int:
+        self._fingerprint = self._stat()  # before reading: an edit during the load shows
+        self._tickets += 1
+        return self._tickets
+
+    def _load(self) -> RuleTable | Exception:
+        """The new table or why not (runs in a worker thread for ``reload_async``)."""
         try:
-            table = load_rules(self.paths, self.regions)
-        except RuleLoadError as exc:
-            self.last_error = str(exc)
-            self._metrics.rule_reloads.labels("error").inc()
-            log.error(
-                "rule reload (%s) refused, still serving table %s:\n%s",
-                reason,
-                self.table.digest[:12],
-                exc,
-            )
+            return load_rules(self.paths, self.regions)
+        except Exception as exc:  # whatever the files hold: a refusal, not a dead watcher
+            return exc
+
+    def _settle(self, ticket: int, reason: str, outcome: RuleTable | Exception) -> bool:
+        if ticket < self._settled:
+            return False  # a load started later has settled already: this one is older
+        self._settled = ticket
+        if isinstance(outcome, Exception):
+            self._refuse(reason, outcome)
             return False
+        table = outcome
+        # A load that succeeds clears the last error, also when it gives the running table
+        # again (a bad edit reverted): nothing refused is pending any more.
+        self.last_error = None
         if table.digest == self.table.digest:
             self._metrics.rule_reloads.labels("unchanged").inc()
             return False
         previous = self.table
         self.table = table
-        self.last_error = None
         self._metrics.rule_reloads.labels("ok").inc()
         self._metrics.rules_loaded.set(table.loaded_at)
         self._metrics.rules_count.set(len(table.rules))
@@ -77,13 +111,35 @@ class RuleSource:
         )
         return True
 
+    def _refuse(self, reason: str, exc: Exception) -> None:
+        self._metrics.rule_reloads.labels("error").inc()
+        if isinstance(exc, RuleLoadError):
+            self.last_error = str(exc)
+            log.error(
+                "rule reload (%s) refused, still serving table %s:\n%s",
+                reason,
+                self.table.digest[:12],
+                exc,
+            )
+            return
+        # The loader turns every problem into a RuleLoadError; anything else is a bug in
+        # it, still a refusal (with the traceback, to report it).
+        self.last_error = f"the rule files could not be loaded: {type(exc).__name__}: {exc}"
+        log.error(
+            "rule reload (%s) refused, still serving table %s: %s",
+            reason,
+            self.table.digest[:12],
+            self.last_error,
+            exc_info=exc,
+        )
+
     def _stat(self) -> tuple[tuple[str, int, int], ...]:
         """Names, sizes and mtimes of every rule file: cheap to poll, catches edits and
         files added to or removed from a rules directory."""
         try:
             files = rule_files(self.paths)
-        except RuleLoadError:
-            return ()
+        except (RuleLoadError, OSError):  # gone, or a directory we may not list: the
+            return ()  # load reports it
         out = []
         for file in files:
             try:
@@ -100,7 +156,11 @@ class RuleSource:
         """Poll the files; polling needs no extra dependency and works on every mount."""
         while True:
             await asyncio.sleep(interval)
-            if self.changed_on_disk():
-                # Editors write in several steps; give the write a moment to finish.
-                await asyncio.sleep(min(0.2, interval))
-                self.reload("file changed")
+            try:
+                if self.changed_on_disk():
+                    # Editors write in several steps; give the write a moment to finish.
+                    await asyncio.sleep(min(0.2, interval))
+                    await self.reload_async("file changed")
+            except Exception:  # the watcher outlives anything one round raises
+                self._metrics.rule_reloads.labels("error").inc()
+                log.exception("rule watcher: this round failed; still watching")
