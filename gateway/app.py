@@ -434,7 +434,7 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
 
 
 def _reload(rules: RuleSource) -> None:
-    rules.reload("SIGHUP")
+    rules.request_reload("SIGHUP")  # parsed in a worker thread, not on the event loop
 
 
 def _redact(url: str) -> str:

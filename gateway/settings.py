@@ -11,8 +11,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gateway.policy.loader import DEFAULT_REGIONS
 
 
@@ -184,10 +182,14 @@ def _read_config(path: str) -> dict[str, Any]:
         text = Path(path).read_text()
     except OSError as exc:
         raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from exc
+    # Bounded like rule files (depth, aliases, size): a config file is operator input too.
+    from gateway.policy.loader import RuleLoadError, load_yaml_bounded
+
     try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from exc
+        data = load_yaml_bounded(text, path) or {}
+    except RuleLoadError as exc:
+        shown = exc.problems[0].message if exc.problems else str(exc)
+        raise SettingsError(f"config file {path} is not valid YAML: {shown}") from exc
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path}: expected a mapping of setting names")
     return {str(k).replace("-", "_"): v for k, v in data.items()}

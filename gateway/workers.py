@@ -141,7 +141,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
 
         def hup() -> None:
             _signal_all(workers, signal.SIGHUP)
-            rules.reload("SIGHUP")
+            rules.request_reload("SIGHUP")
 
         loop.add_signal_handler(signal.SIGHUP, hup)
         watcher = asyncio.create_task(
