@@ -119,6 +119,9 @@ def parse_entries(data: bytes, name: str) -> tuple[KeyEntry, ...]:
         doc = safe_yaml.load(data)
     except yaml.YAMLError as exc:
         raise KeyFileError(f"{name}: not valid YAML: {safe_yaml.describe_error(exc)}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # a tag whose value does not construct (!!int x, a bad !!timestamp ...)
+        raise KeyFileError(f"{name}: not valid YAML ({type(exc).__name__})") from None
     # An empty document is refused rather than read as "no keys": it is what a file
     # caught half-written looks like, and revoking every key by accident is worse.
     if not isinstance(doc, dict) or "keys" not in doc:
