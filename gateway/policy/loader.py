@@ -6,6 +6,7 @@ A rule file is YAML with a top-level ``rules:`` list (see ``rules/default.yaml``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import reprlib
@@ -37,8 +38,11 @@ REGION_FALLBACKS = {"us2": "us"}
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"})
 RULE_KEYS = frozenset(
     {"id", "category", "match", "identity", "limits", "shadow", "unlimited", "failure_mode",
-     "description"}
+     "description", "tiers"}
 )  # fmt: skip
+# A ceiling takes a rule's keys but unlimited (it would exempt nothing) and tiers.
+CEILING_KEYS = RULE_KEYS - {"unlimited", "tiers"}
+TIER_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}")  # as key files name tiers
 MATCH_KEYS = frozenset({"methods", *PATH_KINDS})
 ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 LIMIT_PATTERN = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
@@ -285,13 +289,16 @@ def _load_texts(
     known = frozenset(regions) | DEFAULT_REGIONS
     problems: list[RuleProblem] = []
     rules: list[Rule] = []
+    ceilings: list[Rule] = []
     seen_ids: dict[str, str] = {}
     digest = hashlib.sha256()
     for name, text in texts:
         # A lone surrogate passes through, for the YAML reader to refuse as not UTF-8.
         raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
         digest.update(name.encode() + b"\0" + raw + b"\0")
-        for rule in _parse_file(name, raw, known, problems):
+        file_rules, file_ceilings = _parse_file(name, raw, known, problems)
+        # Ceilings share the rules' id space: an id names one set of counters.
+        for rule in (*file_rules, *file_ceilings):
             if rule.id in seen_ids:
                 problems.append(
                     RuleProblem(
@@ -303,7 +310,7 @@ def _load_texts(
                 )
                 continue
             seen_ids[rule.id] = name
-            rules.append(rule)
+            (ceilings if rule.ceiling else rules).append(rule)
     everywhere = ", ".join(n for n, _ in texts)
     if not problems and len(rules) > MAX_RULES:
         problems.append(RuleProblem(everywhere, None, None, f"over {MAX_RULES} rules"))
@@ -329,7 +336,7 @@ def _load_texts(
         problems.append(RuleProblem(everywhere, None, None, f"and {rest} more problem(s)"))
     if problems:
         raise RuleLoadError(problems)
-    if not rules:
+    if not rules and not ceilings:
         raise RuleLoadError([RuleProblem(everywhere, None, None, "no rules")])
     return RuleTable(
         rules=tuple(rules),
@@ -341,36 +348,47 @@ def _load_texts(
             region: tuple(r for r in rules if r.unlimited or r.limits_for(region))
             for region in known
         },
+        ceilings=tuple(ceilings),
     )
 
 
 def _parse_file(
     name: str, raw: bytes, regions: frozenset[str], problems: list[RuleProblem]
-) -> list[Rule]:
+) -> tuple[list[Rule], list[Rule]]:
+    """The file's rules and ceilings."""
     try:
         doc = load_yaml_bounded(raw, name)
     except RuleLoadError as exc:
         problems.extend(exc.problems)
-        return []
+        return [], []
     if not isinstance(doc, dict):
         problems.append(RuleProblem(name, None, None, "expected a mapping with a 'rules' list"))
-        return []
-    extra = set(doc) - {"rules", "version"}
+        return [], []
+    extra = set(doc) - {"rules", "ceilings", "version"}
     if extra:
         problems.append(RuleProblem(name, None, None, f"unknown top-level key(s): {_keys(extra)}"))
-    items = doc.get("rules")
+    items = doc.get("rules", [] if "ceilings" in doc else None)
     if not isinstance(items, list):
         problems.append(RuleProblem(name, None, "rules", "expected a list of rules"))
-        return []
-    if len(items) > MAX_RULES:
+        return [], []
+    ceiling_items = doc.get("ceilings") or []
+    if not isinstance(ceiling_items, list):
+        problems.append(RuleProblem(name, None, "ceilings", "expected a list of ceilings"))
+        return [], []
+    if len(items) + len(ceiling_items) > MAX_RULES:
         problems.append(RuleProblem(name, None, "rules", f"over {MAX_RULES} rules"))
-        return []
+        return [], []
     rules = []
     for index, item in enumerate(items, start=1):
         rule = _parse_rule(name, index, item, regions, problems)
         if rule is not None:
             rules.append(rule)
-    return rules
+    ceilings = []
+    for index, item in enumerate(ceiling_items, start=1):
+        ceiling = _parse_rule(name, index, item, regions, problems, ceiling=True)
+        if ceiling is not None:
+            ceilings.append(ceiling)
+    return rules, ceilings
 
 
 class _RuleContext:
@@ -389,9 +407,16 @@ class _RuleContext:
 
 
 def _parse_rule(
-    file: str, index: int, item: Any, regions: frozenset[str], problems: list[RuleProblem]
+    file: str,
+    index: int,
+    item: Any,
+    regions: frozenset[str],
+    problems: list[RuleProblem],
+    ceiling: bool = False,
 ) -> Rule | None:
     ctx = _RuleContext(file, index, problems)
+    if ceiling:
+        ctx.label = f"ceiling #{index}"
     if not isinstance(item, dict):
         ctx.error(None, "expected a mapping")
         return None
@@ -399,10 +424,11 @@ def _parse_rule(
     if not isinstance(rule_id, str) or not ID_PATTERN.fullmatch(rule_id):
         ctx.error("id", "required; lower-case letters, digits, '.', '_' or '-', at most 64")
     else:
-        ctx.label = f"{rule_id!r} (#{index})"
-    unknown = set(item) - RULE_KEYS
+        ctx.label = f"{'ceiling ' if ceiling else ''}{rule_id!r} (#{index})"
+    allowed = CEILING_KEYS if ceiling else RULE_KEYS
+    unknown = set(item) - allowed
     if unknown:
-        ctx.error(None, f"unknown key(s) {_keys(unknown)}; allowed: {sorted(RULE_KEYS)}")
+        ctx.error(None, f"unknown key(s) {_keys(unknown)}; allowed: {sorted(allowed)}")
     category = item.get("category", "")
     if not isinstance(category, str):
         ctx.error("category", "must be a string")
@@ -421,9 +447,20 @@ def _parse_rule(
             ctx.error("limits", "an unlimited rule takes no limits")
     else:
         limits = _limits(ctx, item.get("limits"), regions)
+    tier_limits: dict[str, dict[str, tuple[LimitSpec, ...]]] = {}
+    raw_tiers = item.get("tiers")
+    if raw_tiers is not None:
+        if unlimited or not isinstance(raw_tiers, dict) or not raw_tiers:
+            ctx.error("tiers", "a mapping of tier name to limits per region (not on unlimited)")
+        else:
+            for tier, spec in raw_tiers.items():
+                if not isinstance(tier, str) or not TIER_PATTERN.fullmatch(tier):
+                    ctx.error("tiers", f"bad tier name {_show(tier)}")
+                    continue
+                tier_limits[tier] = _limits(ctx, spec, regions)
     if ctx.failed or identity is None or alternatives is None:
         return None
-    return Rule(
+    rule = Rule(
         id=str(rule_id),
         category=str(category),
         alternatives=alternatives,
@@ -435,7 +472,16 @@ def _parse_rule(
         source=file,
         index=index,
         matcher=_compile(alternatives),
+        ceiling=ceiling,
     )
+    if tier_limits:
+        # Each tier: the same rule (id, match, counters) with the tier's limits.
+        tiers = {
+            tier: dataclasses.replace(rule, limits=spec, policy=f"{rule.id}.{tier}")
+            for tier, spec in tier_limits.items()
+        }
+        rule = dataclasses.replace(rule, tiers=tiers)
+    return rule
 
 
 def _keys(keys: Iterable[Any]) -> str:

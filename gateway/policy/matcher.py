@@ -63,7 +63,9 @@ def select(
             shadows.append((rule, key))
             continue
         if tier is not None and rule.tiers:
-            rule = rule.tiers.get(tier, rule)  # the tier's limits, the rule's counters
+            tiered = rule.tiers.get(tier)  # the tier's limits, the rule's counters
+            if tiered is not None and tiered.limits_for(region):
+                rule = tiered
         if rule.unlimited or not table.ceilings:
             return Selection(rule, key, tuple(shadows))  # (an exempt request stays exempt)
         ceilings = _ceilings(table, region, method, path, identity)

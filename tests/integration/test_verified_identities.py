@@ -211,3 +211,53 @@ async def test_invalid_tokens_counted_as_anonymous_when_so_configured(
         bad = _token(private, exp=int(time.time()) - 3600)
         status, fields, _ = await _get(_port(gw), "/x", b"Authorization: Bearer " + bad)
         assert status == 200 and _remaining(fields)[0] == '"catch-all"'
+
+
+CEILING = """
+ceilings:
+  - id: per-address
+    identity: ip
+    limits: {us: 50/60, eu: 50/60}
+"""
+
+
+async def test_key_spraying_is_held_to_the_per_address_ceiling(tmp_path, upstream):
+    """1,000 requests from one address with 1,000 random keys: each key is a fresh
+    per-key quota, but the ceiling counts the address whatever key is sent."""
+    from tests.support.gateway import DEFAULT_RULES
+
+    (tmp_path / "ceilings.yaml").write_text(CEILING)
+    rules = [DEFAULT_RULES, str(tmp_path / "ceilings.yaml")]
+    async with running_gateway(upstream, rules=rules) as gw:
+        statuses = []
+        for _ in range(1000):
+            key = b"x-api-key: k-" + uuid.uuid4().hex.encode()
+            status, fields, _ = await _get(_port(gw), "/x", key, source="127.0.0.2")
+            statuses.append(status)
+            if status == 429:
+                assert '"per-address"' in fields["ratelimit-policy"]
+        assert statuses.count(200) == 50 and statuses.count(429) == 950
+        # another address is served, and its RateLimit-Policy lists both policies
+        status, fields, _ = await _get(_port(gw), "/x", b"x-api-key: k", source="127.0.0.3")
+        assert status == 200
+        assert fields["ratelimit-policy"] == (
+            '"default-api-key";q=1000;w=10, "per-address";q=50;w=60'
+        )
+
+
+async def test_key_spraying_with_reject_costs_the_upstream_nothing(tmp_path, keys_file):
+    from tests.support.gateway import DEFAULT_RULES
+
+    path, *_ = keys_file
+    (tmp_path / "ceilings.yaml").write_text(CEILING)
+    config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}, unknown: reject}}\n")
+    rules = [DEFAULT_RULES, str(tmp_path / "ceilings.yaml")]
+    async with running_raw_upstream() as up:
+        async with running_gateway(up.url, rules=rules, config_file=config) as gw:
+            statuses = []
+            for _ in range(1000):
+                key = b"x-api-key: k-" + uuid.uuid4().hex.encode()
+                status, _, _ = await _get(_port(gw), "/x", key, source="127.0.0.2")
+                statuses.append(status)
+        assert statuses.count(401) == 50 and statuses.count(429) == 950
+        assert not up.recording.requests
