@@ -131,7 +131,7 @@ class YamlBounds:
 try:  # libyaml: the same documents and errors, in a tenth of the time
     from yaml import CSafeLoader as _SafeLoader
 except ImportError:  # pragma: no cover - PyYAML built without libyaml
-    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
+    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment,unused-ignore]
 
 
 def load_yaml_bounded(text: bytes | str, source: str, bounds: YamlBounds = YamlBounds()) -> Any:
