@@ -166,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--client-ip", default="203.0.113.7", help="client address")
     explain.add_argument("--rules", action="append", metavar="PATH", help="rule files")
     explain.add_argument("--region", help="only this region")
+    explain.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the gateway's config file: its identity: section says which consumer, tier\n"
+        "and user the key and token below are counted as (default: GATEWAY_CONFIG)",
+    )
+    explain.add_argument("--api-key", metavar="KEY", help="the request's API key")
+    explain.add_argument("--token", metavar="JWT", help="the request's bearer token")
     explain.set_defaults(func=_rules_explain)
 
     simulate = rules_commands.add_parser(
@@ -291,22 +299,76 @@ def _rules_explain(args: argparse.Namespace) -> int:
     from gateway.settings import Settings
 
     try:
+        headers = list(args.header)
+        if args.api_key:
+            headers.append(f"x-api-key: {args.api_key}")
+        resolved = _explain_identity(args, headers)
         text = explain(
             rules=args.rules or _rules_from_env() or Settings().rules,
             method=args.method,
             target=args.target,
-            headers=args.header,
+            headers=headers,
             client_ip=args.client_ip,
             region=args.region,
+            resolved=resolved,
         )
     except RuleLoadError as exc:
         print(f"the rules do not load:\n{exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        print(f"gateway rules explain: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"gateway rules explain: {exc}", file=sys.stderr)
         return 2
     print(text)
     return 0
+
+
+def _explain_identity(args: argparse.Namespace, headers: list[str]) -> Any:
+    """The config file's verified identities applied to the described request (None
+    without a config file or an identity: section). ``ValueError`` says what is wrong."""
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from gateway.policy.explain import ResolvedIdentity
+    from gateway.ratelimit.identity import valid_identity_header
+    from gateway.settings import load_settings
+
+    config = args.config or os.environ.get("GATEWAY_CONFIG")
+    if not config:
+        if args.token:
+            raise ValueError("--token needs --config (the identity.user.jwt it verifies with)")
+        return None
+    settings = load_settings({}, env={}, config_file=config)
+    if not settings.identity:
+        return None
+    from gateway.identity.config import parse_identity_config
+    from gateway.identity.jwt import JwtVerifier
+    from gateway.identity.keys import KeySource
+    from gateway.identity.verified import VerifiedIdentities, describe
+
+    identity = parse_identity_config(settings.identity, Path(config).parent)
+    keys = None if identity.api_key.keys is None else KeySource(identity.api_key.keys)
+    tokens = None
+    if identity.user.jwt is not None:
+        tokens = JwtVerifier(identity.user.jwt)
+        if identity.user.jwt.jwks_url is not None:
+            asyncio.run(tokens.start())
+    verified = VerifiedIdentities(identity, keys, tokens)
+    values: dict[str, str] = {}
+    for header in headers:
+        name, _, value = header.partition(":")
+        values[name.strip().lower()] = value.strip()
+    key = valid_identity_header(values.get(identity.api_key.header))
+    user = valid_identity_header(values.get("x-user-id"))
+    token = f"Bearer {args.token}".encode() if args.token else None
+    if token is None and verified.token_header is not None:
+        raw = values.get(verified.token_header.decode())
+        token = raw.encode() if raw else None
+    api_key, user_id, tier, notes = describe(verified, key, user, token)
+    return ResolvedIdentity(api_key, user_id, tier, tuple(notes))
 
 
 def _rules_simulate(args: argparse.Namespace) -> int:

@@ -91,3 +91,52 @@ class VerifiedIdentities:
 def counted_consumer(consumer: Consumer) -> str:
     """The value a known key is counted under: its consumer's, shared by all its keys."""
     return CONSUMER_PREFIX + consumer.name
+
+
+def describe(
+    verified: VerifiedIdentities,
+    api_key: str | None,
+    user_id: str | None,
+    token_value: bytes | None,
+) -> tuple[str | None, str | None, str | None, list[str]]:
+    """What the request path would count for these claimed values, from an untrusted
+    peer: (the api_key value, the user value, the tier, notes saying why), for
+    ``gateway rules explain``. Never shows a key or a token."""
+    notes: list[str] = []
+    tier: str | None = None
+    if api_key is not None and verified.keys is not None:
+        consumer = verified.consumer(api_key)
+        if consumer is None:
+            api_key = None
+            if verified.reject_unknown_keys:
+                notes.append("the API key is unknown: answered 401 after its per-address count")
+            else:
+                notes.append("the API key is unknown: counted as a request without a key")
+        else:
+            api_key = counted_consumer(consumer)
+            tier = consumer.tier
+            notes.append(
+                f"known API key of consumer {consumer.name}"
+                + (f", tier {consumer.tier}" if consumer.tier else "")
+                + ": counted per consumer (all its keys share the counters)"
+            )
+    elif api_key is not None:
+        notes.append("API keys are counted as claimed (no key file configured)")
+    if user_id is not None and verified.user_header_trusted_only:
+        user_id = None
+        notes.append("x-user-id ignored: believed only from trusted proxies")
+    if token_value is not None and verified.tokens is not None:
+        try:
+            user = verified.user(token_value)
+        except InvalidToken as exc:
+            action = "answered 401" if verified.reject_invalid_tokens else "counted without a user"
+            notes.append(f"the bearer token does not verify ({exc.reason}): {action}")
+        else:
+            user_id = user.user
+            if tier is None:
+                tier = user.tier
+            notes.append(
+                f"verified token of user {user.user}"
+                + (f", tier {user.tier}" if user.tier else "")
+            )
+    return api_key, user_id, tier, notes

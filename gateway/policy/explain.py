@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.policy.loader import DEFAULT_REGIONS, load_rules
@@ -13,6 +14,17 @@ from gateway.policy.paths import normalise_path, split_target
 from gateway.ratelimit.identity import IdentityHasher, RequestIdentity, valid_identity_header
 
 HEADER_FOR = {IdentityKind.API_KEY: "x-api-key", IdentityKind.USER_IP: "x-user-id"}
+
+
+@dataclass(frozen=True)
+class ResolvedIdentity:
+    """What verified identities made of the request's headers (``gateway rules explain
+    --config``): the values counted instead of the claimed ones, and why."""
+
+    api_key: str | None
+    user_id: str | None
+    tier: str | None
+    notes: tuple[str, ...]
 
 
 def _secret() -> tuple[bytes, str]:
@@ -32,13 +44,15 @@ def explain(
     headers: Sequence[str],
     client_ip: str,
     region: str | None = None,
+    resolved: ResolvedIdentity | None = None,
 ) -> str:
     """A human-readable account of how the table treats the described request."""
     table = load_rules(rules, DEFAULT_REGIONS | ({region} if region else set()))
     secret, secret_source = _secret()
     return explain_request(
-        table, IdentityHasher(secret), secret_source, method, target, headers, client_ip, region
-    )
+        table, IdentityHasher(secret), secret_source, method, target, headers, client_ip, region,
+        resolved,
+    )  # fmt: skip
 
 
 def explain_request(
@@ -50,6 +64,7 @@ def explain_request(
     headers: Sequence[str],
     client_ip: str,
     region: str | None = None,
+    resolved: ResolvedIdentity | None = None,
 ) -> str:
     """``explain`` for a loaded table and hasher (the admin console's explain form).
     ``ValueError`` names what is wrong with the described request."""
@@ -72,6 +87,10 @@ def explain_request(
             found.append(valid_identity_header(values.get(name)))
         except ValueError as exc:  # the gateway answers such a request 400
             raise ValueError(f"the {name} header {exc}: the gateway refuses it (400)") from exc
+    tier = None
+    if resolved is not None:
+        found = [resolved.api_key, resolved.user_id]
+        tier = resolved.tier
     identity = RequestIdentity(hasher, client_ip, found[0], found[1])
     regions = [region] if region else sorted(table.regions)
     lines = [
@@ -79,10 +98,12 @@ def explain_request(
         + (f"  (normalised from {raw_path})" if path != raw_path else "")
     ]
     lines.append(f"identity hashes keyed with {secret_source}")
+    if resolved is not None:
+        lines.extend(f"identity: {note}" for note in resolved.notes)
     for name in regions:
         lines.append("")
         lines.append(f"region {name}:")
-        region_lines = _explain_region(table, name, method, path, identity)
+        region_lines = _explain_region(table, name, method, path, identity, tier)
         lines.extend(region_lines)
         if table.ceilings:
             exempt = any(": MATCHES, exempt" in line for line in region_lines)
@@ -119,7 +140,12 @@ def _explain_ceilings(
 
 
 def _explain_region(
-    table: RuleTable, region: str, method: str, path: str, identity: RequestIdentity
+    table: RuleTable,
+    region: str,
+    method: str,
+    path: str,
+    identity: RequestIdentity,
+    tier: str | None = None,
 ) -> list[str]:
     lines: list[str] = []
     for rule in table.rules:
@@ -136,8 +162,13 @@ def _explain_region(
                 f"  = {rule.id}: MATCHES, exempt (unlimited)  [{rule.source} #{rule.index}]"
             )
             return lines
+        tiered = rule.tiers.get(tier) if tier is not None else None
+        if tiered is not None and tiered.limits_for(region):
+            rule = tiered  # the tier's limits, the rule's counters
         limits = ", ".join(str(s) for s in rule.limits_for(region))
         lines.append(f"  = {rule.id}: MATCHES  [{rule.source} #{rule.index}]")
+        if rule.policy:
+            lines.append(f"      tier: {tier} (policy {rule.policy})")
         lines.append(f"      category: {rule.category}")
         lines.append(f"      identity: {rule.identity.value} -> {key}")
         lines.append(f"      limit in {region}: {limits} (count/seconds)")

@@ -261,3 +261,48 @@ async def test_key_spraying_with_reject_costs_the_upstream_nothing(tmp_path, key
                 statuses.append(status)
         assert statuses.count(401) == 50 and statuses.count(429) == 950
         assert not up.recording.requests
+
+
+def test_rules_explain_says_which_consumer_tier_user_and_ceilings_apply(
+    tmp_path, keys_file, signing_key
+):
+    import subprocess
+    import sys
+
+    path, acme1, _, gold = keys_file
+    private, _ = signing_key
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n"
+        "  - id: per-key\n    identity: api_key\n    limits: {us: 5/60}\n"
+        "    tiers: {gold: {us: 50/60}}\n"
+        "  - id: per-user\n    identity: user_ip\n    limits: {us: 7/60}\n"
+        "  - id: per-ip\n    identity: ip\n    limits: {us: 100/60}\n" + CEILING
+    )
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f"identity:\n  api_key: {{keys: {path}, unknown: reject}}\n  user:\n    jwt:\n"
+        f"      public_key_file: {tmp_path / 'idp.pem'}\n"
+        f"      issuer: {ISSUER}\n      audience: {AUDIENCE}\n      algorithms: [RS256]\n"
+    )
+
+    def explain(*extra: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "rules", "explain", "GET", "/x", "--rules",
+             str(rules), "--config", str(config), "--region", "us", *extra],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert gold not in done.stdout and acme1 not in done.stdout  # never a key
+        return done.stdout
+
+    out = explain("--api-key", gold)
+    assert "known API key of consumer beta, tier gold" in out
+    assert "tier: gold (policy per-key.gold)" in out and "50/60" in out
+    assert "+ per-address: APPLIES" in out
+    out = explain("--api-key", "not-known")
+    assert "unknown: answered 401" in out and "= per-ip: MATCHES" in out
+    out = explain("--token", _token(private).decode())
+    assert "verified token of user alice" in out and "= per-user: MATCHES" in out
+    out = explain("--token", _token(private, aud="other").decode())
+    assert "does not verify (audience)" in out
