@@ -189,7 +189,10 @@ class Proxy:
     async def info(self) -> dict[str, object]:
         """The operator's view (the admin port's ``/info``)."""
         assert self.gateway is not None
-        return await self.gateway.info(full=True)
+        info = await self.gateway.info(full=True)
+        if self.gateway.verified is not None:
+            info["identity"] = self.gateway.verified.status()
+        return info
 
     async def _identities(self) -> VerifiedIdentities | None:
         """The config file's ``identity:`` section at work: the key file watched, the

@@ -78,6 +78,34 @@ class VerifiedIdentities:
             raise InvalidToken("malformed")
         return self.tokens.verify(token)
 
+    def status(self) -> dict[str, object]:
+        """For the admin port's ``/info``: what is loaded and whether it is current
+        (never a key, a digest or a token)."""
+        out: dict[str, object] = {}
+        if self.keys is not None:
+            ring = self.keys.ring
+            out["api_keys"] = {
+                "file": str(self.keys.path),
+                "keys": len(ring),
+                "consumers": len(ring.consumers),
+                "unknown": self.config.api_key.unknown,
+                "last_reload_error": self.keys.last_error,
+            }
+        if self.tokens is not None:
+            stats = self.tokens.stats
+            key_set = self.tokens.keys
+            out["jwt"] = {
+                "keys_from": self.tokens.source,
+                "keys": 0 if key_set is None else len(key_set.keys),
+                "last_error": self.tokens.last_error,
+                "invalid": self.config.user.invalid,
+                "signature_checks": stats.signature_checks,
+                "cache_hits": stats.cache_hits,
+                "refreshes": stats.refreshes,
+                "refresh_failures": stats.refresh_failures,
+            }
+        return out
+
     def invalid_token(self, reason: str) -> Refusal | None:
         if not self.reject_invalid_tokens:
             return None

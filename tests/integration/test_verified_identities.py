@@ -124,6 +124,11 @@ async def test_a_key_added_under_traffic_is_known_without_a_restart(tmp_path, up
         await asyncio.sleep(0.5)
         status, _, _ = await _get(_port(gw), "/x", b"x-api-key: " + fresh.encode())
         assert status == 200
+        # the operator's /info says so, without a key or a digest
+        shown = (await gw.proxy.info())["identity"]["api_keys"]
+        assert shown["keys"] == 4 and shown["consumers"] == 3
+        assert shown["last_reload_error"]  # the bad edit, refused whole
+        assert fresh not in json.dumps(shown)
 
 
 @pytest.fixture
