@@ -330,15 +330,20 @@ class ClientConnection(asyncio.Protocol):
         self.head_fields += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.in_head and self.current is not None:  # not trailers
+        req = self.current
+        if self.in_head and req is not None:  # not trailers
             # RFC 9110 5.5: trailing SP / HTAB are not part of a field value (llhttp
             # drops the leading ones). Trimmed here, once, every header the gateway
             # reads (identities, Host, request id ...) and the one it forwards are the
             # value every conforming upstream reads: "K " is "K", not a fresh quota.
-            if value and (value[-1] == 32 or value[-1] == 9):
-                value = value.rstrip(b" \t")
-            self.head_fields += len(name) + len(value) + 4  # ": " and CRLF
-            self.current.headers.append((name, value))
+            size = len(value)  # (a native int: no truth test of the bytes object)
+            if size:
+                last = value[size - 1]
+                if last == 32 or last == 9:
+                    value = value.rstrip(b" \t")
+                    size = len(value)
+            self.head_fields += len(name) + size + 4  # ": " and CRLF
+            req.headers.append((name, value))
 
     def on_chunk_header(self) -> None:
         req = self.current
