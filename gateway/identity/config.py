@@ -236,10 +236,27 @@ def _claim_name(raw: Any, where: str) -> str:
     return name
 
 
+# Headers the gateway reads or sets for itself (framing, routing, forwarding, the other
+# identity): an identity read from one of them would change what they mean to it.
+_RESERVED_HEADERS: Final = frozenset(
+    {
+        "host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
+        "trailer", "keep-alive", "expect", "proxy-connection", "proxy-authorization",
+        "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port",
+        "forwarded", "x-real-ip", "via", "x-request-id", "x-user-id",
+        "x-http-method-override", "x-http-method", "x-method-override",
+    }
+)  # fmt: skip
+
+
 def _header(section: Mapping[str, Any], where: str, default: str) -> str:
     raw = section.get("header", default)
     if not isinstance(raw, str) or not _TOKEN.fullmatch(raw):
         raise IdentityConfigError(f"{where}.header: {raw!r} is not a header name")
+    if raw.lower() in _RESERVED_HEADERS:
+        raise IdentityConfigError(
+            f"{where}.header: {raw!r} is a header the gateway reads for itself; choose another"
+        )
     return raw.lower()
 
 

@@ -272,8 +272,10 @@ class Gateway:
         if self._refusals:
             if table is not self._refusals_table:  # limits may have changed: forget all
                 self._refusals.clear()
-            elif not selection.shadows and selection.rule is not None:
-                known = self._refusals.get((region, selection.rule.id, selection.identity or ""))
+            elif not selection.shadows and not selection.ceilings and selection.rule is not None:
+                # keyed by the policy (a tier's is its own), not only the rule's id
+                policy = selection.rule.policy or selection.rule.id
+                known = self._refusals.get((region, policy, selection.identity or ""))
                 if known is not None:
                     answer = self._repeat_refusal(req, known)
                     if answer is not None:
@@ -297,6 +299,7 @@ class Gateway:
                 req.tier = consumer.tier
         if verified.user_header_trusted_only and not peer.trusted:
             req.user_id = None
+            req.drop_user_header = True
         value = req.token_header
         if (
             value is not None
@@ -318,7 +321,8 @@ class Gateway:
         now = _monotonic()
         decision = known.decision
         if now >= known.until:
-            self._refusals.pop((req.region, decision.rule_id or "", decision.identity_hash or ""))
+            policy = decision.reports[0].name
+            self._refusals.pop((req.region, policy, decision.identity_hash or ""))
             return None
         record = req.record
         assert record is not None
@@ -360,7 +364,7 @@ class Gateway:
         if len(refusals) >= MAX_KNOWN_REFUSALS:
             del refusals[next(iter(refusals))]
         now = _monotonic()
-        key = (req.region, decision.rule_id or "", decision.identity_hash or "")
+        key = (req.region, decision.reports[0].name, decision.identity_hash or "")
         # The backend's clock read whole milliseconds a moment ago: one less is certain.
         m, region = self.metrics, req.region
         refusals[key] = KnownRefusal(
@@ -474,11 +478,11 @@ class Gateway:
                 return problem
         if api_key is not None:
             key_name = "x-api-key" if self.verified is None else self.verified.config.api_key.header
-            problem = _identity_header(req, key_name, api_key, api_keys, tokens)
+            problem = _identity_header(req, key_name, api_key, api_keys, tokens, True)
             if problem is not None:
                 return problem
         if user_id is not None:
-            return _identity_header(req, "x-user-id", user_id, user_ids, tokens)
+            return _identity_header(req, "x-user-id", user_id, user_ids, tokens, False)
         return None
 
     # --- after the decision
@@ -625,7 +629,7 @@ class Gateway:
 
 
 def _identity_header(
-    req: Incoming, name: str, raw: bytes, count: int, tokens: set[bytes] | None
+    req: Incoming, name: str, raw: bytes, count: int, tokens: set[bytes] | None, is_key: bool
 ) -> Answer | None:
     """Take an identity header (``x-api-key``, ``x-user-id``) into ``req``, or the 400."""
     if count > 1:
@@ -638,7 +642,7 @@ def _identity_header(
         value = valid_identity_header(raw)
     except ValueError as exc:
         return Answer.error(400, f"the {name} header {exc}")
-    if name == "x-api-key":
+    if is_key:  # (by role: the key's header may have another name, identity.api_key.header)
         req.api_key = value
     else:
         req.user_id = value

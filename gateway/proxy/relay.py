@@ -62,7 +62,7 @@ _MET_HERE: Final = frozenset({b"expect"})
 # Request header names the loop below looks at; everything else is copied as it came.
 _REQUEST_SPECIAL = (
     HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | _MET_HERE | METHOD_OVERRIDES
-    | {b"host", b"content-length"}
+    | {b"host", b"content-length", b"x-user-id"}
 )  # fmt: skip
 
 
@@ -124,6 +124,11 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
                 pass  # a trusted proxy's own forwarding headers pass on
             elif req.keep_override and lower in METHOD_OVERRIDES and lower not in tokens:
                 pass
+            elif lower == b"x-user-id":
+                if req.drop_user_header:
+                    continue  # believed only from trusted proxies: not passed on either
+                if tokens and lower in tokens:
+                    continue
             else:
                 continue
         elif tokens and lower in tokens:

@@ -57,6 +57,7 @@ class Incoming:
     consumer: str | None = None  # the known key's consumer
     tier: str | None = None  # the consumer's or the token's tier
     refusal: Refusal | None = None  # answered 401 once its per-address count lets it through
+    drop_user_header = False  # x-user-id from an untrusted peer, where only trusted ones count
     client_ip = "-"
     trusted_peer = False
     forwarded_proto: bytes | None = None

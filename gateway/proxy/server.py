@@ -675,9 +675,15 @@ class ClientConnection(asyncio.Protocol):
         """An answer outlasted the read its head came in: it holds its upstream
         connection until the client has read it, counted per client address."""
         req = relay.req
-        if req is self.active and req.download_client is None:
+        # Only a slot taken is released (in _finish): answers that started together past
+        # the cap (the check in _connect came before any of them streamed) are not
+        # counted, rather than releasing slots other answers hold.
+        if (
+            req is self.active
+            and req.download_client is None
+            and self.plane.take_download(req.client_ip)
+        ):
             req.download_client = req.client_ip
-            self.plane.take_download(req.client_ip)
 
     def _end_upload(self, req: Incoming) -> None:
         client, req.upload_client = req.upload_client, None

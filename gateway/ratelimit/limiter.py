@@ -316,7 +316,10 @@ class Limiter:
                         break
         elif named is None and enforced:
             # No rule matched, a ceiling counted the request: it is what the fields name.
-            named, identity = selection.ceilings[0] if selection.ceilings else (None, None)
+            for ceiling, key in selection.ceilings:
+                if not ceiling.shadow:
+                    named, identity = ceiling, key
+                    break
         return Decision(
             outcome,
             rule_id=None if named is None else named.id,

@@ -323,3 +323,36 @@ async def test_the_head_bound_holds_whatever_the_reads(upstream, write_size):
         reply = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         assert reply.startswith(b"HTTP/1.1 431"), reply[:120]
+
+
+async def test_the_download_count_matches_the_answers_holding_a_slot(upstream):
+    """Answers that start streaming together past the cap (the check comes before any
+    of them streams) are not counted, and never release slots others hold."""
+    async with running_gateway(upstream, max_downloads_per_client=3) as gw:
+        port, plane = _port(gw), gw.proxy.plane
+        attack = b"GET /ticks?n=10000&every=0.05 HTTP/1.1\r\nHost: a\r\n\r\n"
+        streams = []
+        for _ in range(6):  # sent together: all pass the check before any streams
+            reader, writer = await _connect(port, ATTACKER)
+            writer.write(attack)
+            streams.append((reader, writer))
+        for reader, _ in streams:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.sleep(0.3)
+
+        def holding() -> int:
+            return sum(
+                1
+                for conn in plane.connections
+                if conn.active is not None and conn.active.download_client is not None
+            )
+
+        assert plane.downloads.get(ATTACKER, 0) == holding() <= 3
+        for _, writer in streams[:3]:
+            writer.close()
+        await asyncio.sleep(0.3)
+        assert plane.downloads.get(ATTACKER, 0) == holding()
+        for _, writer in streams[3:]:
+            writer.close()
+        await asyncio.sleep(0.3)
+        assert plane.downloads == {}

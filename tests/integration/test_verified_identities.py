@@ -311,3 +311,41 @@ def test_rules_explain_says_which_consumer_tier_user_and_ceilings_apply(
     assert "verified token of user alice" in out and "= per-user: MATCHES" in out
     out = explain("--token", _token(private, aud="other").decode())
     assert "does not verify (audience)" in out
+
+
+async def test_a_key_header_of_another_name_is_still_a_key(tmp_path, upstream, keys_file):
+    path, acme1, _, _ = keys_file
+    config = _config(
+        tmp_path, f"identity:\n  api_key: {{header: x-key, keys: {path}, unknown: reject}}\n"
+    )
+    async with running_gateway(upstream, config_file=config) as gw:
+        status, fields, _ = await _get(_port(gw), "/x", b"x-key: " + acme1.encode())
+        assert status == 200 and _remaining(fields)[0] == '"default-api-key"'
+        status, _, _ = await _get(_port(gw), "/x", b"x-key: unknown")
+        assert status == 401
+        # x-api-key is now just a header like any other
+        status, fields, _ = await _get(_port(gw), "/x", b"x-api-key: " + acme1.encode())
+        assert status == 200 and _remaining(fields)[0] == '"catch-all"'
+
+
+async def test_an_untrusted_x_user_id_is_neither_counted_nor_passed_on(tmp_path, upstream):
+    config = _config(tmp_path, "identity:\n  user: {header_from: trusted}\n")
+    async with running_gateway(upstream, config_file=config) as gw:
+        status, fields, body = await _get(_port(gw), "/x", b"x-user-id: mallory")
+        assert status == 200 and _remaining(fields)[0] == '"catch-all"'
+        assert "x-user-id" not in {k.lower() for k in json.loads(body)["headers"]}
+
+
+async def test_a_refusal_of_one_tier_is_not_replayed_to_another(tmp_path, upstream, keys_file):
+    path, acme1, _, gold = keys_file
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n  - id: per-ip\n    identity: ip\n    limits: {us: 2/60}\n"
+        "    tiers: {gold: {us: 1000/60}}\n"
+    )
+    config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}}}\n")
+    async with running_gateway(upstream, rules=[str(rules)], config_file=config) as gw:
+        free = b"x-api-key: " + acme1.encode()
+        assert [(await _get(_port(gw), "/x", free))[0] for _ in range(4)] == [200, 200, 429, 429]
+        status, fields, _ = await _get(_port(gw), "/x", b"x-api-key: " + gold.encode())
+        assert status == 200 and _remaining(fields)[0] == '"per-ip.gold"'

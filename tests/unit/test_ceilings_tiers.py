@@ -130,3 +130,28 @@ def test_a_tier_picks_its_limits_shares_the_counters_and_names_its_policy():
     # an unknown tier falls back to the rule's own limits
     _, other = decide(limiter, table, key="acme", ip="10.1.0.3", tier="silver")
     assert other.reports[0].name == "per-key"
+
+
+def test_without_a_rule_the_first_enforced_ceiling_names_the_decision():
+    table = load_rules_from_texts(
+        [("t.yaml", """
+rules:
+  - id: only-posts
+    match: {methods: [POST]}
+    identity: ip
+    limits: {us: 5/60}
+ceilings:
+  - id: shadow-first
+    identity: ip
+    limits: {us: 1000/60}
+    shadow: true
+  - id: enforced
+    identity: ip
+    limits: {us: 3/60}
+""")],
+        ["us"],
+    )
+    limiter = Limiter({"us": MemoryBackend(clock=Clock())})
+    selection, decision = decide(limiter, table)
+    assert selection.rule is None
+    assert decision.outcome is Outcome.ALLOWED and decision.rule_id == "enforced"
