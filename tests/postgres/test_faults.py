@@ -132,10 +132,17 @@ async def test_database_killed_under_traffic_then_back(tmp_path: Path) -> None:
                         break
                     offset += 1000
                 assert set(acknowledged) <= stored
-                async with http.get(
-                    f"{gw.url}/v2/deployments/{deployment}", headers=headers()
-                ) as r:
-                    assert r.status == 200
-                    assert (await r.json())["name"] == "survivor"
+                # The control plane's own breaker closes after its next probe (at most
+                # database_retry_seconds after the database is back): until then, 503.
+                deadline = time.monotonic() + 60
+                while True:
+                    status, body, _ = await _timed(
+                        http, "GET", f"{gw.url}/v2/deployments/{deployment}", headers=headers()
+                    )
+                    if status != 503 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.2)
+                assert status == 200
+                assert body["name"] == "survivor"
         finally:
             await store.runner.cleanup()

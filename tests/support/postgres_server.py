@@ -125,6 +125,18 @@ class PostgresServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
         time.sleep(0.2)
+        # The killed postmaster may stay a zombie until this machine's init reaps it; a new
+        # postmaster would take its still-existing PID in postmaster.pid for a running
+        # server and refuse to start ("lock file already exists", for the data directory
+        # and for the socket). Dead is dead: wait for it to be gone or a zombie, and then
+        # both lock files are stale.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if not _alive(pid):
+            for stale in (pid_file, self.root / f".s.PGSQL.{self.port}.lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
 
     def create_database(self) -> str:
         """A new empty database; returns its URL."""
@@ -138,6 +150,15 @@ class PostgresServer:
         name = url.rsplit("/", 1)[1]
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _alive(pid: int) -> bool:
+    """Running: it exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _children_of(pid: int) -> list[int]:
