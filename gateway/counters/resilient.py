@@ -308,13 +308,20 @@ class ResilientBackend:
         if inner_submit is None:
             return False
         if self._breaker.allow():
-            if self._carry_until:
-                return self._submit_carried(checks, done, inner_submit)
+            # While fallback admissions are carried over, the local count is asked first
+            # and counts what the store admits.
+            carried = bool(self._carry_until)
+            if carried:
+                refused = self._carried_refusal(checks)
+                if refused is not None:
+                    self._breaker.release()
+                    asyncio.get_running_loop().call_soon(done, refused)
+                    return True
 
             def settled(outcome: HitResult | Exception) -> None:
                 if isinstance(outcome, HitResult):
                     self._breaker.success()
-                    done(outcome)
+                    done(self._carried(checks, outcome) if carried else outcome)
                 elif self._failed(outcome):
                     done(outcome)
                 else:
@@ -326,34 +333,6 @@ class ResilientBackend:
             return False
         asyncio.get_running_loop().call_soon(done, self._fallback_outcome(checks))
         return True
-
-    def _submit_carried(
-        self,
-        checks: Sequence[LimitCheck],
-        done: HitSettled,
-        inner_submit: Callable[[Sequence[LimitCheck], HitSettled], bool],
-    ) -> bool:
-        """``submit`` while fallback admissions are carried over (the breaker allowed
-        the call): the local count is asked first, and counts what the store admits."""
-        refused = self._carried_refusal(checks)
-        if refused is not None:
-            self._breaker.release()
-            asyncio.get_running_loop().call_soon(done, refused)
-            return True
-
-        def settled(outcome: HitResult | Exception) -> None:
-            if isinstance(outcome, HitResult):
-                self._breaker.success()
-                done(self._carried(checks, outcome))
-            elif self._failed(outcome):
-                done(outcome)
-            else:
-                done(self._fallback_outcome(checks))
-
-        if inner_submit(checks, settled):
-            return True
-        self._breaker.release()
-        return False
 
     def _carried_refusal(self, checks: Sequence[LimitCheck]) -> HitResult | None:
         """While fallback admissions are carried over: the refusal the fallback's count

@@ -237,12 +237,7 @@ class ClientConnection(asyncio.Protocol):
             # upgrade as its context instead of its own cause)
             upgrade_at = int(exc.args[0]) if exc.args else len(data)
         except httptools.HttpParserCallbackError as exc:
-            if not isinstance(exc.__context__, StopParsingError):
-                # A bug of ours, not the client's: drop the connection, say where.
-                log.error("request parser callback failed", exc_info=exc.__context__)
-                self.dead_parser = True
-                if self.transport is not None:
-                    self.transport.abort()
+            self._callback_failed(exc)
             return
         except httptools.HttpParserError as exc:
             self.dead_parser = True
@@ -267,11 +262,7 @@ class ClientConnection(asyncio.Protocol):
         try:
             body.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            if not isinstance(exc.__context__, StopParsingError):
-                log.error("request parser callback failed", exc_info=exc.__context__)
-                self.dead_parser = True
-                if self.transport is not None:
-                    self.transport.abort()
+            self._callback_failed(exc)
             return
         except httptools.HttpParserError as exc:
             if not body.done:
@@ -279,6 +270,15 @@ class ClientConnection(asyncio.Protocol):
                 self.dead_parser = True
                 self._protocol_error(exc)
             return
+
+    def _callback_failed(self, exc: httptools.HttpParserCallbackError) -> None:
+        """A parser callback raised: StopParsingError is ours (stop reading this input);
+        anything else is a bug of ours, not the client's: drop the connection, say where."""
+        if not isinstance(exc.__context__, StopParsingError):
+            log.error("request parser callback failed", exc_info=exc.__context__)
+            self.dead_parser = True
+            if self.transport is not None:
+                self.transport.abort()
 
     def _head_too_large(self) -> None:
         detail = f"request head is larger than {self.limits.max_head_bytes} bytes"
