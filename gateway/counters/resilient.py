@@ -36,6 +36,14 @@ outage may also hold those admissions: at most the limit more, shared by all pro
 A store that refuses the credentials (a wrong password, no password where one is
 required, an ACL without the script's commands) is reported as ``auth``, not as a
 connection failure, with a log line that says so (never the password).
+
+An outage is logged as it is lived: one line when the breaker opens (the store is down),
+one summary every ``outage_summary_seconds`` while it stays open (how long, how many
+requests the fallback answered and how many fail-closed ones were refused, how many
+probes failed), and one line when it closes again. The probes in between (one every
+``reset_seconds``, each a move to ``half_open`` and, failing, back to ``open``) are
+counted by the metrics, not logged: at one probe a second they were two log lines a
+second per process, which buried everything else.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ log = logging.getLogger("gateway.counters")
 # refused credentials.
 OVERLOAD_LOG_SECONDS: Final = 10.0
 AUTH_LOG_SECONDS: Final = 10.0
+# While the store stays down, one summary line this often (see the module docstring).
+OUTAGE_SUMMARY_SECONDS: Final = 60.0
 # Added to the inner backend's own bound: the outer timeout is only a safety net.
 SAFETY_MARGIN_SECONDS: Final = 0.5
 
@@ -149,13 +159,17 @@ class CircuitBreaker:
         reset_seconds: float = 1.0,
         events: CounterEvents | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        moved: Callable[[str], None] | None = None,
     ) -> None:
+        """``moved`` is told every state entered, after ``events`` (the backend's
+        outage log)."""
         if failure_threshold < 1 or reset_seconds < 0:
             raise ValueError("failure_threshold must be >= 1 and reset_seconds >= 0")
         self._threshold = failure_threshold
         self._reset = reset_seconds
         self._events: CounterEvents = events or NoEvents()
         self._monotonic = monotonic
+        self._moved = moved
         self._state = CLOSED
         self._failures = 0
         self._opened_at = 0.0
@@ -200,6 +214,8 @@ class CircuitBreaker:
     def _move(self, state: str) -> None:
         self._state = state
         self._events.breaker_changed(state)
+        if self._moved is not None:
+            self._moved(state)
 
 
 class ResilientBackend:
@@ -215,9 +231,12 @@ class ResilientBackend:
         fallback: MemoryBackend | None = None,
         events: CounterEvents | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        outage_summary_seconds: float = OUTAGE_SUMMARY_SECONDS,
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be > 0")
+        if outage_summary_seconds <= 0:
+            raise ValueError("outage_summary_seconds must be > 0")
         self._inner = inner
         self._timeout = timeout_seconds
         # When the inner backend times the store on the wire itself, waiting outside
@@ -245,11 +264,21 @@ class ResilientBackend:
         # Until then (the fallback's clock, ms) the fallback's admissions are carried over
         # (see the module's docstring); 0: none to carry, the usual path.
         self._carry_until = 0
+        # The outage being lived (see the module docstring); None: the store is not down.
+        self._down_since: float | None = None
+        self._last_failure = "error"  # the kind of the latest failed call, for the log
+        self._reset_seconds = reset_seconds
+        self._summary_seconds = outage_summary_seconds
+        self._summary_due = 0.0
+        self._down_served = 0  # answered by the fallback since the outage began
+        self._down_refused = 0  # fail-closed checks refused since then
+        self._down_probes = 0  # probes that failed since then
         self._breaker = CircuitBreaker(
             failure_threshold=failure_threshold,
             reset_seconds=reset_seconds,
             events=self._events,
             monotonic=monotonic,
+            moved=self._breaker_moved,
         )
 
     @property
@@ -377,6 +406,7 @@ class ResilientBackend:
             self._note_overload()
             return False
         kind = failure_kind(exc)
+        self._last_failure = kind
         self._events.store_error(kind)
         log.debug("counter store call failed: %s (%s)", kind, type(exc).__name__)
         if kind == "auth":
@@ -419,9 +449,66 @@ class ResilientBackend:
                 self._overloaded,
             )
 
+    def _breaker_moved(self, state: str) -> None:
+        """The outage's first and last log lines (probes in between are not logged)."""
+        if state == OPEN and self._down_since is None:
+            now = self._monotonic()
+            self._down_since = now
+            self._summary_due = now + self._summary_seconds
+            self._down_served = self._down_refused = self._down_probes = 0
+            log.warning(
+                "counter store %s: unreachable (%s), circuit breaker open; until a probe "
+                "(one every %g s) reaches it, fail-open rules are counted by this process "
+                "alone and fail-closed rules answer 503",
+                self._inner.name,
+                self._last_failure,
+                self._reset_seconds,
+            )
+        elif state == OPEN:
+            self._down_probes += 1
+        elif state == CLOSED and self._down_since is not None:
+            log.info(
+                "counter store %s: reachable again after %.0f s, circuit breaker closed; "
+                "meanwhile %d request(s) were answered by the local fallback and %d "
+                "refused (fail closed)",
+                self._inner.name,
+                self._monotonic() - self._down_since,
+                self._down_served,
+                self._down_refused,
+            )
+            self._down_since = None
+
+    def _count_outage(self, served: bool) -> None:
+        """A decision taken without the store while it is down: counted, and the
+        periodic summary written when one is due."""
+        since = self._down_since
+        if since is None:
+            return  # not an outage (a single failed call, local overload)
+        if served:
+            self._down_served += 1
+        else:
+            self._down_refused += 1
+        now = self._monotonic()
+        if now < self._summary_due:
+            return
+        self._summary_due = now + self._summary_seconds
+        log.warning(
+            "counter store %s: still unreachable after %.0f s (%s, %d probe(s) failed); "
+            "since it went down %d request(s) were answered by the local fallback and %d "
+            "refused (fail closed)",
+            self._inner.name,
+            now - since,
+            self._last_failure,
+            self._down_probes,
+            self._down_served,
+            self._down_refused,
+        )
+
     def _fallback_hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         if any(check.enforce and not check.fail_open for check in checks):
+            self._count_outage(served=False)
             raise CounterUnavailableError("the counter store is unavailable")
+        self._count_outage(served=True)
         self._events.fallback_used()
         fallback = self._fallback
         result = fallback.hit_now(checks)
