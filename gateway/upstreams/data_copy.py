@@ -2,9 +2,11 @@
 control plane (the files in ``--data-dir``) into PostgreSQL.
 
 It loses nothing and can run twice: every row is upserted by its natural key (an item by
-namespace and key, every control-plane row by its id), so a second run rewrites the same
-rows with the same values and adds none. Rows keep their ids and timestamps; identity
-sequences are moved past the copied ids. The SQLite files are opened read-only, so a
+namespace and key, every control-plane row by its id), so a second run adds no row and
+rewrites only rows whose values changed in SQLite since. The report counts what each run
+did (added, updated, already up to date), not what it read: a second run that said
+"120 row(s) copied" read as if it had added 120 more. Rows keep their ids and timestamps;
+identity sequences are moved past the copied ids. The SQLite files are opened read-only, so a
 running gateway may keep serving from them (what it writes after a table was copied is in
 the next run). The target is migrated first, as at gateway start.
 """
@@ -12,7 +14,7 @@ the next run). The target is migrated first, as at gateway start.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,18 +43,74 @@ _CP_TABLES = (
 
 
 @dataclass
-class CopyReport:
-    """Rows read from SQLite and present in PostgreSQL afterwards, per table."""
+class TableCopy:
+    """What one table's copy did."""
 
-    copied: dict[str, int] = field(default_factory=dict)
-    in_target: dict[str, int] = field(default_factory=dict)
+    read: int = 0  # rows in SQLite
+    added: int = 0  # not in PostgreSQL before: inserted
+    updated: int = 0  # in PostgreSQL with other values: overwritten
+    in_target: int = 0  # rows in PostgreSQL afterwards
+
+    @property
+    def unchanged(self) -> int:
+        """Already in PostgreSQL with the same values: left alone."""
+        return self.read - self.added - self.updated
+
+
+@dataclass
+class CopyReport:
+    """Per table: rows read from SQLite, what became of them, rows in PostgreSQL after."""
+
+    tables: dict[str, TableCopy] = field(default_factory=dict)
     missing_files: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [f"skipped (no such file): {path}" for path in self.missing_files]
-        for table, count in self.copied.items():
-            out.append(f"{table}: {count} row(s) copied, {self.in_target[table]} in PostgreSQL")
+        for table, c in self.tables.items():
+            out.append(
+                f"{table}: {c.added + c.updated} row(s) copied, {c.in_target} in PostgreSQL "
+                f"({c.added} added, {c.updated} updated, {c.unchanged} already up to date)"
+            )
         return out
+
+
+def _upsert_sql(table: str, columns: Sequence[str], key: Sequence[str]) -> str:
+    """Insert a row, or overwrite the row of the same key when any value differs.
+
+    A row whose values are all the same is not written (its old version stays, no dead
+    tuple) and returns nothing; a written one returns whether it was inserted (``xmax``
+    is 0 in a freshly inserted row version, the locking transaction's id in one written
+    by ``DO UPDATE``). Values are compared as text: ``json`` (the Store's ``value``) has
+    no equality operator, and float8's text form is exact (shortest round trip)."""
+    updated = [c for c in columns if c not in key]
+    names = ", ".join(columns)
+    marks = ", ".join(["%s"] * len(columns))
+    assignments = ", ".join(f"{c} = excluded.{c}" for c in updated)
+    old = ", ".join(f"{table}.{c}::text" for c in updated)
+    new = ", ".join(f"excluded.{c}::text" for c in updated)
+    return (
+        f"INSERT INTO {table} ({names}) VALUES ({marks}) "
+        f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {assignments} "
+        f"WHERE ({old}) IS DISTINCT FROM ({new}) "
+        "RETURNING (xmax = 0)"
+    )
+
+
+def _upsert(
+    target: psycopg.Connection[Any], sql: str, rows: Sequence[sqlite3.Row], count: TableCopy
+) -> None:
+    """One batch in one transaction, counted into ``count``."""
+    with target.transaction(), target.cursor() as out:
+        out.executemany(sql, [tuple(row) for row in rows], returning=True)
+        while True:  # one result per row: empty when the row was already up to date
+            for (inserted,) in out.fetchall():
+                if inserted:
+                    count.added += 1
+                else:
+                    count.updated += 1
+            if not out.nextset():
+                break
+    count.read += len(rows)
 
 
 def _read_only(path: Path) -> sqlite3.Connection:
@@ -88,25 +146,16 @@ def copy_to_postgres(data_dir: Path, url: str) -> CopyReport:
 def _copy_items(
     source: sqlite3.Connection, target: psycopg.Connection[Any], report: CopyReport
 ) -> None:
-    columns = ", ".join(_ITEM_COLUMNS)
-    marks = ", ".join(["%s"] * len(_ITEM_COLUMNS))
-    updates = ", ".join(f"{c} = excluded.{c}" for c in _ITEM_COLUMNS[2:])
-    sql = (
-        f"INSERT INTO store_items ({columns}) VALUES ({marks}) "
-        f"ON CONFLICT (namespace, key) DO UPDATE SET {updates}"
-    )
-    copied = 0
+    sql = _upsert_sql("store_items", _ITEM_COLUMNS, ("namespace", "key"))
+    count = report.tables["store items"] = TableCopy()
     with source:
         source.execute("BEGIN")  # one snapshot of the file
-        cursor = source.execute(f"SELECT {columns} FROM items ORDER BY id")
+        cursor = source.execute(f"SELECT {', '.join(_ITEM_COLUMNS)} FROM items ORDER BY id")
         for rows in _batches(cursor):
-            with target.transaction(), target.cursor() as out:
-                out.executemany(sql, [tuple(row) for row in rows])
-            copied += len(rows)
+            _upsert(target, sql, rows, count)
     source.close()
-    report.copied["store items"] = copied
     row = target.execute("SELECT count(*) FROM store_items").fetchone()
-    report.in_target["store items"] = int(row[0]) if row else 0
+    count.in_target = int(row[0]) if row else 0
     target.commit()
 
 
@@ -117,27 +166,18 @@ def _copy_control_plane(
         source.execute("BEGIN")
         for table, key in _CP_TABLES:
             columns = [r[1] for r in source.execute(f"PRAGMA table_info({table})")]
-            names = ", ".join(columns)
-            marks = ", ".join(["%s"] * len(columns))
-            updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c != key)
-            sql = (
-                f"INSERT INTO {table} ({names}) VALUES ({marks}) "
-                f"ON CONFLICT ({key}) DO UPDATE SET {updates}"
-            )
-            copied = 0
-            cursor = source.execute(f"SELECT {names} FROM {table}")
+            sql = _upsert_sql(table, columns, (key,))
+            count = report.tables[table] = TableCopy()
+            cursor = source.execute(f"SELECT {', '.join(columns)} FROM {table}")
             for rows in _batches(cursor):
-                with target.transaction(), target.cursor() as out:
-                    out.executemany(sql, [tuple(row) for row in rows])
-                copied += len(rows)
+                _upsert(target, sql, rows, count)
             if "seq" in columns:
                 # New rows must get ids after the copied ones.
                 target.execute(
                     f"SELECT setval(pg_get_serial_sequence('{table}', 'seq'), "
                     f"greatest((SELECT max(seq) FROM {table}), 1))"
                 )
-            report.copied[table] = copied
             row = target.execute(f"SELECT count(*) FROM {table}").fetchone()
-            report.in_target[table] = int(row[0]) if row else 0
+            count.in_target = int(row[0]) if row else 0
             target.commit()
     source.close()
