@@ -25,6 +25,15 @@ process CPU time per request (quick, but as noisy as the machine). Kinds:
   ``redis-server`` of its own on a free loopback port, and 50 client connections with one
   request each in flight, as ``wrk -c50`` keeps them, so checks are coalesced into
   pipelines as under load. Only the gateway process is measured, not Redis.
+* ``known-key``: ``proxied`` with every key known (``identity.api_key.keys``, 10
+  consumers): the key's hash is looked up and the consumer counted;
+* ``user``: ``GET /u/x`` with one of 1,000 ``x-user-id`` values (a ``user_ip`` rule,
+  identities as claimed), the row ``token`` is compared with;
+* ``token``: ``user`` with the user taken from one of 1,000 Ed25519-signed JWTs instead
+  (``identity.user.jwt``), each verified once in the warm-up: the measured requests are
+  cache hits, as a client repeating its token gets;
+* ``ceiling`` / ``flood-ceiling``: ``proxied`` / ``flood`` with a per-address ceiling
+  beside the rule (counted in the same call, all or nothing).
 
 Needs valgrind (Debian: ``apt-get install valgrind``) unless ``--cpu`` is given.
 """
@@ -61,7 +70,8 @@ rules:
 RESPONSE = (
     b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 23 Nov 2026 15:00:00 GMT\r\n"
     b"Content-Type: application/json\r\nContent-Length: 104\r\nConnection: keep-alive\r\n\r\n"
-    + b"x" * 104
+    + b"x"
+    * 104
 )
 # Distinct API keys of the proxied and redis kinds: more than a connection's identity memo
 # holds (each request hashes its key, as under wrk's 10,000), few enough that the warm-up
@@ -70,7 +80,19 @@ RESPONSE = (
 KEYS = 1_000
 WARM = KEYS
 CONNECTIONS = 50  # the redis kind: requests in flight at once, one per connection
-KINDS = ("proxied", "flood", "redis")
+KINDS = ("proxied", "flood", "redis", "known-key", "user", "token", "ceiling", "flood-ceiling")
+USER_RULE = """\
+  - id: bench-user
+    match: {prefix: /u}
+    identity: user_ip
+    limits: {default: 1000000000/60}
+"""
+CEILING = """\
+ceilings:
+  - id: per-address
+    identity: ip
+    limits: {default: 1000000000/60}
+"""
 
 
 class Round:
@@ -139,10 +161,22 @@ class UpstreamTransport(ClientTransport):
         self.protocol.data_received(RESPONSE)
 
 
-def requests(kind: str, count: int) -> list[bytes]:
-    if kind == "flood":
+def requests(kind: str, count: int, tokens: list[str] | None = None) -> list[bytes]:
+    if kind.startswith("flood"):
         one = b"GET /flood HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nx-api-key: flood-0\r\n\r\n"
         return [one] * count
+    if kind == "user":
+        return [
+            b"GET /u/x HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nx-user-id: user-%d\r\n\r\n" % (i % KEYS)
+            for i in range(count)
+        ]
+    if kind == "token":
+        assert tokens is not None
+        return [
+            b"GET /u/x HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nAuthorization: Bearer %s\r\n\r\n"
+            % tokens[i % KEYS].encode()
+            for i in range(count)
+        ]
     return [
         b"GET /x HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nx-api-key: bench-%d\r\n\r\n" % (i % KEYS)
         for i in range(count)
@@ -164,7 +198,9 @@ async def drive(kind: str, count: int) -> dict[str, float]:
     access.propagate = False
     with tempfile.TemporaryDirectory() as tmp:
         rules = Path(tmp) / "rules.yaml"
-        rules.write_text(RULES)
+        ceiling = CEILING if kind.endswith("ceiling") else ""
+        rules.write_text(RULES.replace("rules:\n", "rules:\n" + USER_RULE) + ceiling)
+        tokens = identity_config(kind, Path(tmp))
         flags: dict[str, Any] = {
             "rules": [str(rules)],
             "upstream": "http://127.0.0.1:9",
@@ -176,7 +212,10 @@ async def drive(kind: str, count: int) -> dict[str, float]:
         }
         if kind == "redis":
             flags["redis_url"] = os.environ["INSTRUCTIONS_REDIS_URL"]
-        settings = load_settings(flags, env={}, config_file=None)
+        config = Path(tmp) / "gateway.yaml"
+        settings = load_settings(
+            flags, env={}, config_file=str(config) if config.exists() else None
+        )
         metrics = Metrics()
         source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
         proxy = Proxy(settings, Upstreams({}), metrics, source, b"instructions-bench-secret-0123")
@@ -225,21 +264,71 @@ async def drive(kind: str, count: int) -> dict[str, float]:
                         missing = f"{kind}: {waiting.left} answers missing after 60 s"
                         raise SystemExit(missing) from None
 
-            await feed(requests(kind, WARM))
-            batch = requests(kind, count)
+            await feed(requests(kind, WARM, tokens))
+            batch = requests(kind, count, tokens)
             before = sum(t.written for _, t in conns)
             started = time.process_time()
             await feed(batch)
             await asyncio.sleep(0)
             cpu = time.process_time() - started
             answered = sum(t.written for _, t in conns) - before
-            want = b"HTTP/1.1 429" if kind == "flood" else b"HTTP/1.1 200"
+            want = b"HTTP/1.1 429" if kind.startswith("flood") else b"HTTP/1.1 200"
             last = conns[0][1].last
             if answered != count or not last.startswith(want):
                 raise SystemExit(f"{kind}: {answered} of {count} answered, last {last!r}")
             return {"cpu_s": cpu, "answered": answered}
         finally:
             await proxy.stop(1)
+
+
+def identity_config(kind: str, tmp: Path) -> list[str] | None:
+    """Write ``gateway.yaml`` (and what it names) for the identity kinds; the tokens of
+    the ``token`` kind."""
+    if kind == "known-key":
+        import hashlib
+
+        entries = [
+            {"sha256": hashlib.sha256(b"bench-%d" % i).hexdigest(), "consumer": f"c{i % 10}"}
+            for i in range(KEYS)
+        ]
+        (tmp / "keys.yaml").write_text(json.dumps({"keys": entries}))
+        (tmp / "gateway.yaml").write_text(
+            json.dumps({"identity": {"api_key": {"keys": "keys.yaml", "unknown": "reject"}}})
+        )
+        return None
+    if kind != "token":
+        return None
+    import jwt
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    private = Ed25519PrivateKey.generate()
+    public = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    (tmp / "idp.pem").write_bytes(public)
+    (tmp / "gateway.yaml").write_text(
+        json.dumps(
+            {
+                "identity": {
+                    "user": {
+                        "jwt": {
+                            "public_key_file": "idp.pem",
+                            "issuer": "https://idp.bench",
+                            "audience": "bench",
+                            "algorithms": ["EdDSA"],
+                        },
+                        "invalid": "reject",
+                    }
+                }
+            }
+        )
+    )
+    expires = int(time.time()) + 3600
+    claims = {"iss": "https://idp.bench", "aud": "bench", "exp": expires}
+    return [
+        jwt.encode({**claims, "sub": f"user-{i}"}, private, algorithm="EdDSA") for i in range(KEYS)
+    ]
 
 
 def child(kind: str, count: int) -> None:

@@ -339,6 +339,12 @@ class Metrics:
             "Bearer tokens that did not verify, by reason (signature, expired, issuer ...).",
             ["reason"],
         )
+        self.consumer_requests = Counter(
+            "gateway_consumer_requests",
+            "Decisions on requests of a verified identity, by consumer (a known key's, '-' "
+            "for a token's user) and tier ('-': none); never a key or a token.",
+            ["region", "consumer", "tier", "decision"],
+        )
         self.identity_refusals = Counter(
             "gateway_identity_refusals",
             "Requests answered 401: an unknown API key (unknown_key) or a token that did "
@@ -364,8 +370,8 @@ class Metrics:
             self.requests, self.near_limit, self.overhead, self.upstream_latency,
             self.upstream_errors, self.responses, self.counter_errors, self.breaker_state,
             self.breaker_transitions, self.fallback_decisions, self.deny_cache_hits,
-            self.token_failures, self.identity_refusals, self.rule_reloads, self.rules_loaded,
-            self.rules_count, self.inflight,
+            self.token_failures, self.consumer_requests, self.identity_refusals,
+            self.rule_reloads, self.rules_loaded, self.rules_count, self.inflight,
         )  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(cast(Collector, FamilyCollector(self.families)))

@@ -263,6 +263,7 @@ class Gateway:
         req.trusted_peer = peer.trusted
         if self.verified is not None:
             self._verify(req, peer, self.verified)
+            record.consumer, record.tier = req.consumer, req.tier
         identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
         record.identities = identity  # the access log's identity components (for replays)
         table = req.table = self.rules.table
@@ -330,6 +331,8 @@ class Gateway:
         known.counted.inc()
         if known.deny_cache_hits is not None:
             known.deny_cache_hits.inc()
+        if record.consumer is not None or record.tier is not None:
+            self._count_consumer(req.region, record, "limited")
         record.rule = decision.rule_id
         record.decision = "limited"
         record.identity = decision.logged_identity
@@ -579,6 +582,16 @@ class Gateway:
         record.decision = label
         if decision.identity_hash:
             record.identity = decision.logged_identity
+        if record.consumer is not None or record.tier is not None:
+            self._count_consumer(region, record, label)
+
+    def _count_consumer(self, region: str, record: AccessRecord, label: str) -> None:
+        # Consumers come from keys.yaml and tiers from it or the identity provider's
+        # claim: labels the operator controls, never a client (unknown keys have none).
+        metrics = self.metrics
+        metrics.child(
+            metrics.consumer_requests, region, record.consumer or "-", record.tier or "-", label
+        ).inc()
 
     def _count(self, region: str, rule: str, kind: str, decision: str) -> None:
         self.metrics.child(self.metrics.requests, region, rule, kind, decision).inc()

@@ -60,14 +60,16 @@ _PLAIN = re.compile(
     rf'{_V} "{_V} {_P}" (-?[0-9]+) region={_V} rule={_V} decision={_V} id={_V} '
     rf"upstream={_V} dur_ms={_V} upstream_ms={_V} rid={_V}(?: time={_V})?"
     rf"(?: key={_V} user={_V} ip={_V} start_us={_V})?"
+    rf"(?: consumer={_V} tier={_V})?"
 )
 PLAIN_FIELDS = (
     "client", "method", "path", "status", "region", "rule", "decision", "id", "upstream",
-    "dur_ms", "upstream_ms", "rid", "time", "key", "user", "ip", "start_us",
+    "dur_ms", "upstream_ms", "rid", "time", "key", "user", "ip", "start_us", "consumer",
+    "tier",
 )  # fmt: skip
 # Fields where a bare "-" stands for none.
 _OPTIONAL = frozenset({"rule", "decision", "id", "upstream", "upstream_ms", "rid", "key",
-                       "user", "ip"})  # fmt: skip
+                       "user", "ip", "consumer", "tier"})  # fmt: skip
 
 
 class Request(NamedTuple):
@@ -82,6 +84,7 @@ class Request(NamedTuple):
     ip: str  # ip identity hash
     decision: str | None  # what the gateway logged: allowed, limited, exempt, ...
     request_id: str | None
+    tier: str | None = None  # a verified identity's tier: it picks a rule's tier limits
 
 
 @dataclass
@@ -185,6 +188,11 @@ def _from_json(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Re
         or _token(decision, strings, tokens)
     ) is None:
         return MALFORMED
+    tier = get("tier")
+    if tier is None or tier == "":
+        tier = None
+    elif (tier := _token(tier, strings, tokens)) is None:
+        return MALFORMED
     # One setdefault per repeated string: a million requests share a few thousand.
     intern = strings.setdefault
     return Request(
@@ -197,6 +205,7 @@ def _from_json(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Re
         ip,
         decision,
         request_id if type(request_id) is str else None,
+        tier,
     )
 
 
@@ -258,7 +267,7 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
     if not line.isprintable():  # never written by a gateway: what it cannot print, it quotes
         return MALFORMED
     (_, method, path, _, region, _, decision, _, _, _, _, rid, _, key, user, ip,
-     start_text) = match.groups()  # fmt: skip
+     start_text, _, tier) = match.groups()  # fmt: skip
     if ip is None or start_text is None:
         return NO_COMPONENTS
     if ip == "-":
@@ -291,6 +300,10 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
         decision = None
     elif (decision := _token(_value(decision), s, t)) is None:
         return MALFORMED
+    if tier is None or tier == "-":
+        tier = None
+    elif (tier := _token(_value(tier), s, t)) is None:
+        return MALFORMED
     return Request(
         start,
         s.setdefault(method, method),
@@ -301,6 +314,7 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
         ip,
         decision,
         request_id,
+        tier,
     )
 
 

@@ -97,7 +97,9 @@ class Replayer:
         ids = {IdentityKind.API_KEY: request.key, IdentityKind.USER_IP: request.user,
                IdentityKind.IP: request.ip}  # fmt: skip
         result = self.result
-        selection = select(result.table, request.region, request.method, request.path, ids.get)
+        selection = select(
+            result.table, request.region, request.method, request.path, ids.get, request.tier
+        )
         decision = self.limiter.decide_with(request.region, selection, self._hit)
         rules = result.rules
         for shadow_rule, _ in selection.shadows:
@@ -126,8 +128,14 @@ class Replayer:
                 result.disagreed += 1
                 if len(result.disagreements) < MAX_EXAMPLES:
                     result.disagreements.append(
-                        Disagreement(request.request_id, request.start_us, request.method,
-                                     request.path, logged, label)
+                        Disagreement(
+                            request.request_id,
+                            request.start_us,
+                            request.method,
+                            request.path,
+                            logged,
+                            label,
+                        )
                     )
         return label
 

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import time
 import uuid
 
@@ -17,6 +18,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from prometheus_client import generate_latest
 
 from gateway.identity.key_edit import add_key
 from tests.support.gateway import running_gateway
@@ -349,3 +351,44 @@ async def test_a_refusal_of_one_tier_is_not_replayed_to_another(tmp_path, upstre
         assert [(await _get(_port(gw), "/x", free))[0] for _ in range(4)] == [200, 200, 429, 429]
         status, fields, _ = await _get(_port(gw), "/x", b"x-api-key: " + gold.encode())
         assert status == 200 and _remaining(fields)[0] == '"per-ip.gold"'
+
+
+@pytest.mark.parametrize("mode", ["plain", "json"])
+async def test_the_access_log_and_metrics_carry_consumer_and_tier_never_the_key(
+    tmp_path, upstream, keys_file, caplog, mode
+):
+    from gateway.replay.records import parse_line
+
+    path, acme1, _, gold = keys_file
+    config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}}}\n")
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        async with running_gateway(upstream, config_file=config, access_log=mode) as gw:
+            for key in (gold, acme1, "not-a-known-key"):
+                assert (await _get(_port(gw), "/x", b"x-api-key: " + key.encode()))[0] == 200
+            gw.proxy.gateway.access_log.flush()
+            scraped = generate_latest(gw.metrics.registry).decode()
+    lines = [
+        line
+        for r in caplog.records
+        if r.name == "gateway.access"
+        for line in r.getMessage().splitlines()
+    ]
+    assert len(lines) == 3
+    for line in lines:
+        assert gold not in line and acme1 not in line and "not-a-known-key" not in line
+    if mode == "json":
+        parsed = [json.loads(line) for line in lines]
+        assert [(p["consumer"], p["tier"]) for p in parsed] == [
+            ("beta", "gold"), ("acme", None), (None, None)
+        ]  # fmt: skip
+    else:
+        assert lines[0].endswith(" consumer=beta tier=gold")
+        assert lines[1].endswith(" consumer=acme tier=-")
+        assert "consumer=" not in lines[2]  # an unknown key verifies no consumer
+    # a replay reads the tier back (it picks the rule's tier limits)
+    assert [parse_line(line, {}).tier for line in lines] == ["gold", None, None]
+    assert (
+        'gateway_consumer_requests_total{consumer="beta",decision="allowed",region="us",'
+        'tier="gold"} 1.0' in scraped
+    )
+    assert 'consumer="acme"' in scraped and "not-a-known-key" not in scraped

@@ -25,7 +25,7 @@ from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
 FIELDS = [
     "method", "path", "status", "region", "client", "rule", "decision", "identity",
     "upstream", "duration_ms", "upstream_ms", "request_id", "time", "key", "user", "ip",
-    "start_us",
+    "start_us", "consumer", "tier",
 ]  # fmt: skip
 
 

@@ -39,6 +39,9 @@ FAMILIES = [
      "Requests refused from the local deny cache without asking the counter store."),
     ("gateway_token_failures_total", "counter", ("reason",),
      "Bearer tokens that did not verify, by reason (signature, expired, issuer ...)."),
+    ("gateway_consumer_requests_total", "counter", ("region", "consumer", "tier", "decision"),
+     "Decisions on requests of a verified identity, by consumer (a known key's, '-' for a "
+     "token's user) and tier ('-': none); never a key or a token."),
     ("gateway_identity_refusals_total", "counter", ("reason",),
      "Requests answered 401: an unknown API key (unknown_key) or a token that did not "
      "verify (its reason), with identity.*: reject."),
@@ -189,6 +192,7 @@ def test_the_exposition_parses_with_the_declared_label_names():
     m.rule_reloads.labels("ok").inc()
     m.child(m.token_failures, "expired").inc()
     m.child(m.identity_refusals, "unknown_key").inc()
+    m.child(m.consumer_requests, "us", "acme", "gold", "allowed").inc()
     parsed = {f.name: f for f in text_string_to_metric_families(scrape(m))}
     for name, kind, labels, help_text in FAMILIES:
         family = parsed[name.removesuffix("_total")]
