@@ -22,8 +22,8 @@ from gateway.counters.base import CounterBackend
 from gateway.identity.jwt import InvalidToken
 from gateway.identity.verified import VerifiedIdentities, counted_consumer
 from gateway.metrics import CounterChild, HistogramChild, Metrics
-from gateway.policy.matcher import select
-from gateway.policy.model import IdentityKind, RuleTable
+from gateway.policy.matcher import Selection, select
+from gateway.policy.model import IdentityKind, Rule, RuleTable
 from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
 from gateway.proxy.relay import METHOD_OVERRIDES
@@ -33,7 +33,7 @@ from gateway.proxy.request_id import accept_request_id, new_request_id
 from gateway.proxy.routing import RegionMap, Router
 from gateway.proxy.upstream_pool import Upstream
 from gateway.proxy.wire import Answer, json_body
-from gateway.ratelimit.decision import Decision, Outcome
+from gateway.ratelimit.decision import Decision, LimitReport, Outcome
 from gateway.ratelimit.identity import (
     ClientAddressPolicy,
     IdentityHasher,
@@ -105,7 +105,12 @@ _OUTCOME_LABELS: Final = {outcome: outcome.value for outcome in Outcome}
 class KnownRefusal:
     """A refusal any repeat is sure to get until ``until`` (monotonic seconds), with its
     answer rendered once per whole second of wait: a flood from one identity costs a
-    dict lookup and a write (benchmarks/README.md, "Data plane", the flood rows)."""
+    dict lookup and a write (benchmarks/README.md, "Data plane", the flood rows).
+
+    Kept under the policy that refused and that policy's identity (the rule's, or a
+    ceiling's: a client spraying keys meets its address's ceiling refusal, whatever the
+    key). A repeat takes it only when its own selection names the same rule and ceilings,
+    so the answer's ``RateLimit-Policy`` is the one its own decision would list."""
 
     decision: Decision
     until: float
@@ -113,6 +118,11 @@ class KnownRefusal:
     counted: CounterChild  # gateway_requests_total{...,decision="limited"}
     deny_cache_hits: CounterChild | None  # for refusals the deny cache knew
     overhead: HistogramChild
+    key: tuple[str, str, str]  # (region, policy, identity): where it is kept
+    report: LimitReport  # the policy that refused
+    policy: str  # the RateLimit-Policy field of the decision
+    rule: Rule | None  # what the decision's selection named
+    ceilings: tuple[Rule, ...]
     wait: int = 0
     answer: Answer | None = None
 
@@ -126,6 +136,11 @@ class KnownRefusal:
         counted: CounterChild,
         deny_cache_hits: CounterChild | None,
         overhead: HistogramChild,
+        key: tuple[str, str, str],
+        report: LimitReport,
+        policy: str,
+        rule: Rule | None,
+        ceilings: tuple[Rule, ...],
         wait: int = 0,
         answer: Answer | None = None,
     ) -> None:
@@ -135,6 +150,11 @@ class KnownRefusal:
         self.counted = counted
         self.deny_cache_hits = deny_cache_hits
         self.overhead = overhead
+        self.key = key
+        self.report = report
+        self.policy = policy
+        self.rule = rule
+        self.ceilings = ceilings
         self.wait = wait
         self.answer = answer
 
@@ -273,10 +293,8 @@ class Gateway:
         if self._refusals:
             if table is not self._refusals_table:  # limits may have changed: forget all
                 self._refusals.clear()
-            elif not selection.shadows and not selection.ceilings and selection.rule is not None:
-                # keyed by the policy (a tier's is its own), not only the rule's id
-                policy = selection.rule.policy or selection.rule.id
-                known = self._refusals.get((region, policy, selection.identity or ""))
+            elif not selection.shadows:
+                known = self._known_refusal(region, selection)
                 if known is not None:
                     answer = self._repeat_refusal(req, known)
                     if answer is not None:
@@ -318,12 +336,35 @@ class Gateway:
                 if req.tier is None:
                     req.tier = user.tier
 
+    def _known_refusal(self, region: str, selection: Selection) -> KnownRefusal | None:
+        """The refusal a repeat of this selection is sure to get, if one is known: kept
+        under the rule's policy and identity, or under a ceiling's."""
+        refusals = self._refusals
+        rule = selection.rule
+        known = None
+        if rule is not None:
+            # keyed by the policy (a tier's is its own), not only the rule's id
+            known = refusals.get((region, rule.policy or rule.id, selection.identity or ""))
+        ceilings = selection.ceilings
+        if known is None:
+            for ceiling, identity in ceilings:
+                known = refusals.get((region, ceiling.policy or ceiling.id, identity))
+                if known is not None:
+                    break
+            else:
+                return None
+        if known.rule is not rule or len(known.ceilings) != len(ceilings):
+            return None
+        for remembered, (ceiling, _) in zip(known.ceilings, ceilings, strict=True):
+            if remembered is not ceiling:
+                return None  # another set of policies: its own decision lists them
+        return known
+
     def _repeat_refusal(self, req: Incoming, known: KnownRefusal) -> Answer | None:
         now = _monotonic()
         decision = known.decision
         if now >= known.until:
-            policy = decision.reports[0].name
-            self._refusals.pop((req.region, policy, decision.identity_hash or ""))
+            self._refusals.pop(known.key, None)
             return None
         record = req.record
         assert record is not None
@@ -338,12 +379,11 @@ class Gateway:
         record.identity = decision.logged_identity
         wait = max(1, -int((now - known.report_at) // 1))  # whole seconds, rounded up
         if known.answer is None or known.wait != wait:
-            report = decision.reports[0]
-            policy = f'"{report.name}";q={report.count};w={report.seconds}'
+            report = known.report
             state = f'"{report.name}";r={report.remaining};t={wait}'
             known.wait = wait
             known.answer = self._limited(
-                decision, [("RateLimit-Policy", policy), ("RateLimit", state)], wait
+                decision, [("RateLimit-Policy", known.policy), ("RateLimit", state)], wait
             )
         req.rate_headers = []
         known.overhead.observe(_perf_counter() - req.started)
@@ -351,15 +391,31 @@ class Gateway:
 
     def _remember_refusal(self, req: Incoming, decision: Decision) -> None:
         selection = req.selection
-        if (
-            not decision.certain_ms
-            or len(decision.reports) != 1
-            or selection is None
-            or selection.shadows
-        ):
+        if not decision.certain_ms or selection is None or selection.shadows:
             return
         if req.table is not self.rules.table:
             return  # decided under a table a reload has replaced since
+        reports = decision.reports
+        if len(reports) == 1:  # the common case
+            report = reports[0]
+        else:
+            # Exactly one policy refused, with one window (its report named after the
+            # policy, as the lookup keys it), and it names the decision.
+            refused = [r for r in reports if r.exceeded and not r.shadow]
+            if len(refused) != 1 or refused[0].rule_id != decision.rule_id:
+                return
+            report = refused[0]
+        policy_name = report.name
+        rule = selection.rule
+        if rule is not None and rule.id == report.rule_id:
+            if policy_name != (rule.policy or rule.id):
+                return  # a rule of several windows: not kept
+        else:
+            for ceiling, _ in selection.ceilings:
+                if ceiling.id == report.rule_id and policy_name == (ceiling.policy or ceiling.id):
+                    break
+            else:
+                return
         refusals = self._refusals
         if self._refusals_table is not self.rules.table:
             refusals.clear()
@@ -367,17 +423,23 @@ class Gateway:
         if len(refusals) >= MAX_KNOWN_REFUSALS:
             del refusals[next(iter(refusals))]
         now = _monotonic()
-        key = (req.region, decision.reports[0].name, decision.identity_hash or "")
+        key = (req.region, policy_name, decision.identity_hash or "")
         # The backend's clock read whole milliseconds a moment ago: one less is certain.
         m, region = self.metrics, req.region
+        headers = req.rate_headers
         refusals[key] = KnownRefusal(
             decision,
             now + (decision.certain_ms - 1) / 1000,
-            now + decision.reports[0].reset_ms / 1000,
+            now + report.reset_ms / 1000,
             m.child(m.requests, region, decision.rule_id or "-",
                     decision.identity_kind or "-", "limited"),
             m.child(m.deny_cache_hits, region) if decision.source == "deny-cache" else None,
             m.child(m.overhead, region),
+            key,
+            report,
+            headers[0][1] if headers else "",
+            rule,
+            tuple(c for c, _ in selection.ceilings),
         )  # fmt: skip
 
     def _read_headers(self, req: Incoming) -> Answer | None:

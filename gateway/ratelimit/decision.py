@@ -113,7 +113,9 @@ class Decision:
         return any(not r.shadow and r.remaining < r.count * 0.2 for r in reports)
 
     def header_fields(self) -> list[tuple[str, str]]:
-        """``RateLimit-Policy`` and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11)."""
+        """``RateLimit-Policy`` (every policy that applied) and ``RateLimit`` (their state;
+        for a refusal, the state of those that refused) (draft-ietf-httpapi-ratelimit-
+        headers-11)."""
         reports = self.reports
         if len(reports) == 1:  # the common case, without generators and joins
             r = reports[0]
@@ -123,6 +125,11 @@ class Decision:
             ]
         if not reports:
             return []
-        policy = ", ".join(f'"{r.name}";q={r.count};w={r.seconds}' for r in self.reports)
-        state = ", ".join(f'"{r.name}";r={r.remaining};t={r.reset_seconds}' for r in self.reports)
+        policy = ", ".join(f'"{r.name}";q={r.count};w={r.seconds}' for r in reports)
+        if self.outcome is Outcome.LIMITED:
+            # A refusal's state names the policies that had no room (the draft lets a
+            # server send only those): what a repeat, answered from the known refusal
+            # without a counter call, can still state exactly.
+            reports = tuple(r for r in reports if r.exceeded and not r.shadow) or reports
+        state = ", ".join(f'"{r.name}";r={r.remaining};t={r.reset_seconds}' for r in reports)
         return [("RateLimit-Policy", policy), ("RateLimit", state)]
