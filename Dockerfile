@@ -2,7 +2,10 @@
 # The rate-limiting gateway as a small, non-root image.
 #
 #   docker build -t ratelimit-gateway .
-#   docker run --rm -p 8080:8080 -p 9090:9090 ratelimit-gateway
+#   docker run --rm -p 8080:8080 -p 127.0.0.1:9090:9090 ratelimit-gateway
+#
+# The operator console (port 9090) answers 403 until GATEWAY_ADMIN_TOKEN is set (the admin
+# port listens on 0.0.0.0 here, not on loopback): docker run -e GATEWAY_ADMIN_TOKEN ...
 #
 # Without GATEWAY_UPSTREAM the container serves the built-in Store and control plane with
 # in-process counters. Sidecar / Redis / several regions: see docs/deployment.md.
@@ -37,7 +40,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 # Listen on every interface inside the container (the gateway's own default is loopback);
-# the admin port serves /metrics for Prometheus.
+# the admin port serves /metrics for Prometheus (open), /info (to a Host naming the
+# container) and /console (only with GATEWAY_ADMIN_TOKEN set, since this is not loopback).
 ENV GATEWAY_HOST=0.0.0.0 \
     GATEWAY_ADMIN_HOST=0.0.0.0 \
     GATEWAY_RULES=/etc/gateway/rules \
