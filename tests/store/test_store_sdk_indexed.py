@@ -75,11 +75,14 @@ async def test_indexed_query_with_more_terms_prefers_items_matching_more(corpus:
     assert _keys(found)[0] == "lions"
 
 
-async def test_indexed_index_false_is_never_found(sdk: Any) -> None:
+async def test_indexed_index_false_follows_the_ranked_items_with_score_null(sdk: Any) -> None:
     await sdk.put_item(["idx"], key="hidden", value={"text": "secret giraffe"}, index=False)
     titled = {"title": "giraffe", "body": "x"}
     await sdk.put_item(["idx"], key="titled", value=titled, index=["title"])
-    assert _keys(await sdk.search_items(["idx"], query="giraffe")) == ["titled"]
+    found = await sdk.search_items(["idx"], query="giraffe")
+    assert _keys(found) == ["titled", "hidden"]
+    assert found["items"][0]["score"] is not None
+    assert found["items"][1]["score"] is None
 
 
 async def test_indexed_rewriting_an_item_reembeds_it(sdk: Any) -> None:

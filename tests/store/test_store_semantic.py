@@ -206,8 +206,10 @@ async def test_index_false_and_paths_choose_what_is_found_by_meaning(vector_only
     titled = {"title": "car", "body": "latte"}
     await sdk.put_item(["idx"], key="titled", value=titled, index=["title"])
     found = await sdk.search_items(["idx"], query="coffee")
-    assert _keys(found) == ["titled"]  # the only item with vectors
+    # The only item with vectors, then the item without (score null, as langgraph answers).
+    assert _keys(found) == ["titled", "hidden"]
     assert found["items"][0]["score"] < 0.5  # its title is about cars, not coffee
+    assert found["items"][1]["score"] is None
 
 
 async def test_prefix_filter_limit_and_offset_hold_in_search_mode(indexed: Indexed) -> None:

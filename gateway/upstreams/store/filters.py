@@ -1,14 +1,18 @@
-"""Search filters on top-level keys of an item's value, compiled to SQLite predicates.
+"""Search filters on fields of an item's value, compiled to SQLite predicates.
 
-A plain value means exact JSON equality; an object whose keys all start with ``$`` is a set
-of operators (``$eq $ne $gt $gte $lt $lte``), ANDed. Ordering operators compare numbers with
-numbers and strings with strings; any other pairing is "no match", never an error.
-``$ne`` matches items that have the key with any other value; items without the key do not
-match any clause.
+A filter key is a path into the value: field names joined by ``.`` (``user.access-level`` is
+``value["user"]["access-level"]``), as langgraph's stores address nested fields; every step
+is an object key (an array is not indexed into). A plain value means exact JSON equality; an
+object whose keys all start with ``$`` is a set of operators (``$eq $ne $gt $gte $lt $lte``),
+ANDed. Ordering operators compare numbers with numbers and strings with strings; any other
+pairing is "no match", never an error. A ``null`` bound of an ordering operator is an
+infinite one (see ``_member_predicate``). ``$ne`` matches items that have the field with any
+other value; items without the field do not match any clause.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -23,6 +27,12 @@ OPERATORS: tuple[Operator, ...] = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte")
 _SQL_COMPARISON = {"$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
 # A filter names at most this many keys (each with at most the six operators).
 MAX_FILTER_KEYS = 64
+# A filter key names at most this many fields (SQLite joins one json_each per field, and a
+# query may join at most 64 tables; values nest at most 64 levels anyway).
+MAX_FILTER_PATH_FIELDS = 32
+# What a filter key may be: field names joined by '.', none empty. Any other character is
+# fine (keys are bound as parameters, never spliced into SQL).
+FILTER_KEY_PATTERN = rf"^[^.]+(?:\.[^.]+){{0,{MAX_FILTER_PATH_FIELDS - 1}}}$"
 
 # Name of the SQLite function (registered on every connection) that canonicalises JSON
 # text, so object equality does not depend on key order.
@@ -31,11 +41,34 @@ CANONICAL_JSON_SQL_FUNCTION = "store_canonical_json"
 
 @dataclass(frozen=True, slots=True)
 class FilterClause:
-    """One condition on one top-level key of the value."""
+    """One condition on one field of the value; ``key`` is the filter's key as given."""
 
     key: str
     operator: Operator
     operand: Any
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The field names from the top of the value down (``"a.b"`` is ``("a", "b")``)."""
+        return tuple(self.key.split("."))
+
+
+def check_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` when every key is a path of non-empty field names, at most
+    ``MAX_FILTER_PATH_FIELDS`` of them (langgraph's stores raise on keys they cannot use)."""
+    for key in raw:
+        fields = key.split(".")
+        if "" in fields:
+            raise invalid_at(
+                [key],
+                "invalid filter key: expected field names joined by '.' (such as "
+                "'user.name'), none of them empty",
+            )
+        if len(fields) > MAX_FILTER_PATH_FIELDS:
+            raise invalid_at(
+                [key], f"invalid filter key: at most {MAX_FILTER_PATH_FIELDS} field names"
+            )
+    return raw
 
 
 def check_operators(raw: dict[str, Any]) -> dict[str, Any]:
@@ -88,16 +121,23 @@ Filter = Annotated[
     dict[str, Any],
     Field(
         max_length=MAX_FILTER_KEYS,
-        json_schema_extra={"additionalProperties": CONDITION_SCHEMA},
+        json_schema_extra={
+            "additionalProperties": CONDITION_SCHEMA,
+            "propertyNames": {"pattern": FILTER_KEY_PATTERN},
+        },
         description=(
-            "Top-level keys of the value, ANDed: a plain value is exact JSON equality; an "
-            "object of operators ($eq $ne $gt $gte $lt $lte) compares"
+            "Fields of the value, ANDed; a key is a path of field names joined by '.' "
+            "('user.name' is value.user.name). A plain value is exact JSON equality; an "
+            "object of operators ($eq $ne $gt $gte $lt $lte) compares (a null bound of "
+            "$gt $gte $lt $lte is infinite: any number)"
         ),
     ),
     AfterValidator(check_json_tree),
+    AfterValidator(check_keys),
     AfterValidator(check_operators),
 ]
-"""A search filter: at most ``MAX_FILTER_KEYS`` keys, known operators, storable JSON."""
+"""A search filter: at most ``MAX_FILTER_KEYS`` keys, each a path of non-empty field names,
+known operators, storable JSON."""
 
 
 def canonical_json(value: Any) -> str:
@@ -142,14 +182,31 @@ def compile_filter(clauses: tuple[FilterClause, ...], value_column: str) -> tupl
     parts: list[str] = []
     params: list[Any] = []
     for clause in clauses:
+        source, source_params = _field_source(clause.path, value_column)
         predicate, predicate_params = _member_predicate(clause)
-        parts.append(
-            f"EXISTS (SELECT 1 FROM json_each({value_column}) AS f "
-            f"WHERE f.key = ? AND ({predicate}))"
-        )
-        params.append(clause.key)
+        parts.append(f"EXISTS (SELECT 1 FROM {source} AND ({predicate}))")
+        params.extend(source_params)
         params.extend(predicate_params)
     return (" AND ".join(parts) if parts else "1"), params
+
+
+def _field_source(path: tuple[str, ...], value_column: str) -> tuple[str, list[Any]]:
+    """``FROM``/``WHERE`` text yielding one json_each row ``f`` for the field at ``path``
+    (none when it is absent), and its parameters.
+
+    One json_each per field name, each over the object its parent row holds: keys are
+    compared as values, so no JSON path is ever built from a key (SQLite's path syntax
+    cannot quote every key). A parent that is not an object gives json_each NULL, hence no
+    rows: arrays are not indexed into, and json_each never parses a string as JSON.
+    """
+    aliases = [f"f{depth}" for depth in range(len(path) - 1)] + ["f"]
+    sources = [f"json_each({value_column}) AS {aliases[0]}"]
+    for parent, alias in itertools.pairwise(aliases):
+        sources.append(
+            f"json_each(CASE WHEN {parent}.type = 'object' THEN {parent}.value END) AS {alias}"
+        )
+    conditions = " AND ".join(f"{alias}.key = ?" for alias in aliases)
+    return f"{', '.join(sources)} WHERE {conditions}", list(path)
 
 
 def _member_predicate(clause: FilterClause) -> tuple[str, list[Any]]:
@@ -161,6 +218,11 @@ def _member_predicate(clause: FilterClause) -> tuple[str, list[Any]]:
         return f"NOT ({sql})", params
     comparison = _SQL_COMPARISON[clause.operator]
     operand = clause.operand
+    if operand is None:
+        # JSON has no infinity: the SDK sends $lt: inf and $gt: -inf as null. A null bound is
+        # read as that infinite bound, which every number is within (strings, as ever, are
+        # not ordered against a number).
+        return "f.type IN ('integer', 'real')", []
     if isinstance(operand, bool):
         return "0", []
     if isinstance(operand, int | float):

@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gateway.upstreams.store.models import StoreSearchRequest
-from gateway.upstreams.store.vector_dialect import IndexConnection
+from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 
 # The usual RRF constant (Cormack et al. 2009).
 RRF_K = 60
@@ -33,8 +32,8 @@ class Ranker(Protocol):
 
     ``scope_sql`` (over ``items AS i``, with ``scope_params``) keeps the live items under the
     namespace prefix that pass the filter; ``bm25(depth)`` is the word ranking's first
-    ``depth`` (item id, score), best first. Answers the requested page as (item id, score),
-    best first.
+    ``depth`` (item id, score), best first. Answers the first ``depth`` (item id, score) of
+    the ranking, best first; fewer only when the scope holds no more items it can score.
     """
 
     def __call__(
@@ -43,8 +42,14 @@ class Ranker(Protocol):
         scope_sql: str,
         scope_params: list[Any],
         bm25: Callable[[int], list[tuple[int, float]]],
-        request: StoreSearchRequest,
+        depth: int,
     ) -> list[tuple[int, float]]: ...
+
+    def unscored(self, dialect: VectorDialect) -> str:
+        """The condition (over ``items AS i``, no parameters) on the items this ranking can
+        never score; they follow the ranking with score null, as langgraph's stores answer
+        the items they have no vectors for."""
+        ...
 
 
 def reciprocal_rank_fusion(

@@ -88,4 +88,10 @@ STEPS: tuple[str, ...] = (
     CREATE TRIGGER store_items_vectors_delete AFTER DELETE ON store_items
         FOR EACH ROW EXECUTE FUNCTION store_items_vectors_delete();
     """,
+    # 3: the items no query can match (no searchable text), which follow a search's matches
+    # when those end within the page: a partial index, so finding them costs their number.
+    """
+    CREATE INDEX store_items_unsearchable ON store_items (namespace, updated_at, id)
+        INCLUDE (expires_at) WHERE search_text IS NULL;
+    """,
 )

@@ -341,7 +341,8 @@ class PostgresStorage:
     async def search(
         self, request: StoreSearchRequest, ranker: Ranker | None = None
     ) -> list[SearchItem]:
-        """Listing (newest update first) or, with a query, ranked matches (best first).
+        """Listing (newest update first) or, with a query, ranked matches (best first)
+        followed by the items no query can match (score null, newest update first).
 
         ``ranker``: ranks a query by meaning (vectors or hybrid) instead, see ``_ranked``.
         """
@@ -351,37 +352,67 @@ class PostgresStorage:
             return []
         prefix_sql, prefix_params = _prefix_sql(prefix)
         filter_sql, filter_params = compile_pg_filter(request.clauses(), _DOC)
+        scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
+        scope_params = [*prefix_params, now, *filter_params]
         query = request.search_query()
         rows: list[tuple[_Row, float | None]]
         if query is None:
-            found = await self._fetch(
-                f"SELECT {_COLUMNS} FROM store_items AS i "
-                f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
-                "ORDER BY i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s",
-                (*prefix_params, now, *filter_params, request.limit, request.offset),
+            rows = await self._unscored(scope, scope_params, "TRUE", request.offset, request.limit)
+        elif ranker is not None:  # ranked by meaning even when no word is searchable
+            rows = await self.read(
+                functools.partial(
+                    self._ranked, request, query_terms(query), prefix_sql, prefix_params, ranker
+                )
             )
-            rows = [(_Row(*r), None) for r in found]
         else:
-            terms = query_terms(query)
-            if ranker is not None:  # ranked by meaning even when no word is searchable
-                rows = await self.read(
-                    functools.partial(
-                        self._ranked, request, terms, prefix_sql, prefix_params, ranker
-                    )
-                )
-            elif not terms:
-                return []
-            else:
-                sql, params = _word_ranking(
-                    terms, prefix_sql, prefix_params, now, filter_sql, filter_params
-                )
-                found = await self._fetch(sql, (*params, request.limit, request.offset))
-                rows = [(_Row(*r[:-1]), float(r[-1])) for r in found]
+            rows = await self._by_words(request, query_terms(query), scope, scope_params)
         if self._refresh(request.refresh_ttl):
             expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
             if expiring:
                 await self._refresh_rows(expiring, now)
         return [row.as_search_item(score) for row, score in rows]
+
+    async def _unscored(
+        self, scope: str, scope_params: list[Any], condition: str, offset: int, limit: int
+    ) -> list[tuple[_Row, float | None]]:
+        """Items in ``scope`` meeting ``condition``, newest update first, score null: the
+        listing (condition ``TRUE``), or the items a query cannot score after its ranking."""
+        sql, params = _unscored_sql(scope, scope_params, condition, offset, limit)
+        return [(_Row(*r), None) for r in await self._fetch(sql, params)]
+
+    async def _by_words(
+        self,
+        request: StoreSearchRequest,
+        terms: list[str],
+        scope: str,
+        scope_params: list[Any],
+    ) -> list[tuple[_Row, float | None]]:
+        """The word ranking's page, then the items without searchable text (score null)."""
+        page: list[tuple[_Row, float | None]] = []
+        ranked = 0
+        if terms:
+            sql, params = _word_ranking(terms, scope, scope_params)
+            found = await self._fetch(sql, (*params, request.limit, request.offset))
+            page = [(_Row(*r[:-1]), float(r[-1])) for r in found]
+            if len(page) == request.limit:
+                return page
+            if page:
+                ranked = request.offset + len(page)
+            elif request.offset > 0:
+                # Matches before the page, counted no further than the offset.
+                counted = await self._fetch(
+                    f"SELECT count(*) FROM ({sql}) AS matches", (*params, request.offset, 0)
+                )
+                ranked = int(counted[0][0])
+        # The ranking ended within the page: the items no query can score follow it.
+        tail = await self._unscored(
+            scope,
+            scope_params,
+            "i.search_text IS NULL",
+            max(0, request.offset - ranked),
+            request.limit - len(page),
+        )
+        return page + tail
 
     def _ranked(
         self,
@@ -395,7 +426,8 @@ class PostgresStorage:
     ) -> list[tuple[_Row, float | None]]:
         """A search ranked by meaning, in one snapshot on a blocking connection: the ranker
         gets the scope as SQL over ``store_items AS i`` and the word ranking (ts_rank
-        weighted by BM25's idf, as ``search``) as (id, score) to any depth."""
+        weighted by BM25's idf, as ``search``) as (id, score) to any depth; the items it
+        cannot score follow its ranking."""
         filter_sql, filter_params = compile_pg_filter(request.clauses(), _DOC)
         scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
         scope_params = [*prefix_params, now, *filter_params]
@@ -403,14 +435,23 @@ class PostgresStorage:
         def by_words(depth: int) -> list[tuple[int, float]]:
             if not terms:
                 return []
-            sql, params = _word_ranking(
-                terms, prefix_sql, prefix_params, now, filter_sql, filter_params
-            )
+            sql, params = _word_ranking(terms, scope, scope_params)
             found = conn.execute(sql, (*params, depth, 0)).fetchall()
             return [(int(r[5]), float(r[-1])) for r in found]  # r[5]: i.id in _COLUMNS
 
-        page = ranker(conn, scope, scope_params, by_words, request)
-        return _rows_by_id(conn, page)
+        depth = request.offset + request.limit
+        ranking = ranker(conn, scope, scope_params, by_words, depth)
+        page = _rows_by_id(conn, ranking[request.offset :])
+        if len(ranking) == depth:
+            return page
+        sql, params = _unscored_sql(
+            scope,
+            scope_params,
+            ranker.unscored(POSTGRES),
+            max(0, request.offset - len(ranking)),
+            request.limit - len(page),
+        )
+        return page + [(_Row(*r), None) for r in conn.execute(sql, params).fetchall()]
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
@@ -479,17 +520,10 @@ class PostgresStorage:
 __all__ = ["DatabaseUnavailable", "PostgresStorage"]
 
 
-def _word_ranking(
-    terms: list[str],
-    prefix_sql: str,
-    prefix_params: list[Any],
-    now: float,
-    filter_sql: str,
-    filter_params: list[Any],
-) -> tuple[str, list[Any]]:
-    """The matches of ``terms`` ranked by words, best first: SQL whose last two parameters
-    (LIMIT, OFFSET) the caller appends, and the parameters before them. Rows are
-    ``_COLUMNS`` and the score."""
+def _word_ranking(terms: list[str], scope: str, scope_params: list[Any]) -> tuple[str, list[Any]]:
+    """The matches of ``terms`` in ``scope`` (SQL over ``store_items AS i``) ranked by
+    words, best first: SQL whose last two parameters (LIMIT, OFFSET) the caller appends,
+    and the parameters before them. Rows are ``_COLUMNS`` and the score."""
     # Terms are letters and digits only (text_index._TERM): no tsquery syntax.
     tsquery = " | ".join(terms)
     config = pg_schema.TEXT_SEARCH_CONFIG
@@ -517,10 +551,21 @@ def _word_ranking(
            (SELECT sum(w.idf * ts_rank(i.search_tsv, w.q, {_RANK_NORMALIZATION}))
             FROM weight AS w) AS rank
     FROM store_items AS i, to_tsquery('{config}', %s) AS q
-    WHERE i.search_tsv @@ q AND {prefix_sql} AND {_LIVE} AND {filter_sql}
+    WHERE i.search_tsv @@ q AND {scope}
     ORDER BY rank DESC, i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s
     """
-    return sql, [terms, tsquery, *prefix_params, now, *filter_params]
+    return sql, [terms, tsquery, *scope_params]
+
+
+def _unscored_sql(
+    scope: str, scope_params: list[Any], condition: str, offset: int, limit: int
+) -> tuple[str, list[Any]]:
+    """Rows (``_COLUMNS``) in ``scope`` meeting ``condition``, newest update first."""
+    return (
+        f"SELECT {_COLUMNS} FROM store_items AS i WHERE {scope} AND {condition} "
+        "ORDER BY i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s",
+        [*scope_params, limit, offset],
+    )
 
 
 def _rows_by_id(

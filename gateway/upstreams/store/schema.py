@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Namespaces are stored dot-joined (labels cannot contain '.'), so "every namespace under
 # a.b" is the index range ['a.b.', 'a.b/') plus 'a.b' itself.
@@ -11,6 +11,10 @@ SCHEMA_VERSION = 2
 # `items_by_namespace_recency` carries `expires_at` so that walking a namespace newest first
 # (a listing page, a deep offset, the set of ids a scoped search ranks) checks liveness from
 # the index alone, without reading each table row.
+# `items_unsearchable` (by namespace) and `items_unsearchable_by_updated` (the whole store)
+# hold just the items no query can match (no searchable text: put with `index: false`, or
+# nothing under their paths), which follow a search's matches when those end within the
+# page: finding them costs their number, not a walk of every item.
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS items (
     id INTEGER PRIMARY KEY,
@@ -28,6 +32,10 @@ CREATE INDEX IF NOT EXISTS items_by_namespace_recency
     ON items (namespace, updated_at, id, expires_at);
 CREATE INDEX IF NOT EXISTS items_by_updated ON items (updated_at, id);
 CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS items_unsearchable
+    ON items (namespace, updated_at, id, expires_at) WHERE search_text IS NULL;
+CREATE INDEX IF NOT EXISTS items_unsearchable_by_updated
+    ON items (updated_at, id) WHERE search_text IS NULL;
 
 CREATE VIRTUAL TABLE IF NOT EXISTS items_fts USING fts5(
     search_text,
@@ -57,6 +65,7 @@ PRAGMA user_version = {SCHEMA_VERSION};
 MIGRATIONS: dict[int, str] = {
     # 1 -> 2: the namespace index gained expires_at (see above).
     1: "DROP INDEX IF EXISTS items_by_namespace_updated;",
+    # 2 -> 3: items_unsearchable (see above), created by SCHEMA's IF NOT EXISTS.
 }
 
 

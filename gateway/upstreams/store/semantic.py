@@ -150,31 +150,9 @@ class SemanticIndex:
         await self.storage.read(lambda connection, _: self.mirror.catch_up(connection))
 
     def _ranker(self, query: Vector) -> Ranker:
-        def rank(
-            connection: IndexConnection,
-            scope_sql: str,
-            scope_params: list[Any],
-            bm25: Callable[[int], list[tuple[int, float]]],
-            request: StoreSearchRequest,
-        ) -> list[tuple[int, float]]:
-            depth = request.offset + request.limit
-            if self.config.ranking == "vector":
-                ranked = self._by_meaning(connection, scope_sql, scope_params, query, depth)
-                return ranked[request.offset : depth]
-            pool = depth * HYBRID_POOL_FACTOR
-            by_words = bm25(pool)
-            by_meaning = self._by_meaning(connection, scope_sql, scope_params, query, pool)
-            if self.config.fusion == "rrf":
-                fused = reciprocal_rank_fusion(
-                    [[item for item, _ in by_words], [item for item, _ in by_meaning]]
-                )
-            else:
-                fused = convex_fusion(by_words, by_meaning, self.config.hybrid_weight)
-            return fused[request.offset : depth]
+        return _MeaningRanker(self, query)
 
-        return rank
-
-    def _by_meaning(
+    def by_meaning(
         self,
         connection: IndexConnection,
         scope_sql: str,
@@ -332,6 +310,46 @@ class SemanticIndex:
                     REINDEX_RETRY_SECONDS,
                 )
                 await asyncio.sleep(REINDEX_RETRY_SECONDS)
+
+
+class _MeaningRanker:
+    """A query ranked by meaning (``ranking: vector``) or by words and meaning fused
+    (``hybrid``), for one search."""
+
+    def __init__(self, index: SemanticIndex, query: Vector) -> None:
+        self._index = index
+        self._query = query
+
+    def __call__(
+        self,
+        connection: IndexConnection,
+        scope_sql: str,
+        scope_params: list[Any],
+        bm25: Callable[[int], list[tuple[int, float]]],
+        depth: int,
+    ) -> list[tuple[int, float]]:
+        index, query = self._index, self._query
+        if index.config.ranking == "vector":
+            return index.by_meaning(connection, scope_sql, scope_params, query, depth)
+        pool = depth * HYBRID_POOL_FACTOR
+        by_words = bm25(pool)
+        by_meaning = index.by_meaning(connection, scope_sql, scope_params, query, pool)
+        if index.config.fusion == "rrf":
+            fused = reciprocal_rank_fusion(
+                [[item for item, _ in by_words], [item for item, _ in by_meaning]]
+            )
+        else:
+            fused = convex_fusion(by_words, by_meaning, index.config.hybrid_weight)
+        # Shorter than depth only when both rankings ran out (each took twice the depth).
+        return fused[:depth]
+
+    def unscored(self, dialect: VectorDialect) -> str:
+        # Every item with vectors is a candidate of the vector ranking; in hybrid, an item
+        # with searchable text is judged by its words too (no match: not returned).
+        no_vectors = f"NOT EXISTS (SELECT 1 FROM {dialect.vectors} AS v WHERE v.item_id = i.id)"
+        if self._index.config.ranking == "vector":
+            return no_vectors
+        return f"i.search_text IS NULL AND {no_vectors}"
 
 
 def _stale_batch(

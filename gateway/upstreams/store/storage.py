@@ -453,7 +453,8 @@ class SQLiteStorage:
     async def search(
         self, request: StoreSearchRequest, ranker: Ranker | None = None
     ) -> list[SearchItem]:
-        """Listing (newest update first) or, with a query, BM25-ranked matches (best first).
+        """Listing (newest update first) or, with a query, BM25-ranked matches (best first)
+        followed by the items no query can match (score null, newest update first).
 
         ``ranker`` (issue 12 hook): ranks a query by meaning (vectors or hybrid) instead.
         """
@@ -474,29 +475,46 @@ class SQLiteStorage:
             prefix_sql = _prefix_sql("i.namespace", bounds)
             prefix_params = bounds or []
             filter_sql, filter_params = compile_filter(request.clauses(), "i.value")
-            query = request.search_query()
-            if query is None:
-                cursor = connection.execute(
-                    f"SELECT {_ITEM_COLUMNS} FROM items AS i "
-                    f"WHERE {prefix_sql} AND {_LIVE} AND {filter_sql} "
-                    "ORDER BY i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
-                    (*prefix_params, now, *filter_params, request.limit, request.offset),
+            scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
+            scope_params = [*prefix_params, now, *filter_params]
+            if request.search_query() is None:
+                return _unscored(
+                    connection, scope, scope_params, "1", request.offset, request.limit
                 )
-                return [(_Row(*found), None) for found in cursor]
             if ranker is not None:
                 # Hook (issue 12): the ranker gets the scope as SQL over `items AS i` and
                 # the BM25 ranking (id, score) to any depth, and answers (id, score) best
-                # first.
-                scope = f"{prefix_sql} AND {_LIVE} AND {filter_sql}"
-                scope_params = [*prefix_params, now, *filter_params]
-
+                # first, to the depth of the page's end.
                 def bm25(depth: int) -> list[tuple[int, float]]:
                     ranked = self._bm25(connection, request, bounds, now, depth, 0)
                     return [(row.id, score or 0.0) for row, score in ranked]
 
-                page = ranker(connection, scope, scope_params, bm25, request)
-                return _rows_by_id(connection, page)
-            return self._bm25(connection, request, bounds, now, request.limit, request.offset)
+                depth = request.offset + request.limit
+                ranking = ranker(connection, scope, scope_params, bm25, depth)
+                page = _rows_by_id(connection, ranking[request.offset :])
+                if len(ranking) == depth:
+                    return page
+                ranked = len(ranking)
+                unscored = ranker.unscored(SQLITE)
+            else:
+                page = self._bm25(connection, request, bounds, now, request.limit, request.offset)
+                if len(page) == request.limit:
+                    return page
+                # Matches before the page: all of them when it holds some, else up to offset.
+                if page:
+                    ranked = request.offset + len(page)
+                else:
+                    ranked = self._bm25_count(connection, request, bounds, now, request.offset)
+                unscored = "i.search_text IS NULL"
+            # The ranking ended within the page: the items no query can score follow it.
+            return page + _unscored(
+                connection,
+                scope,
+                scope_params,
+                unscored,
+                max(0, request.offset - ranked),
+                request.limit - len(page),
+            )
 
     def _bm25(
         self,
@@ -508,15 +526,54 @@ class SQLiteStorage:
         offset: int,
     ) -> list[tuple[_Row, float | None]]:
         """BM25-ranked matches of the request's query, page [offset, offset + limit)."""
+        matches = self._bm25_matches(connection, request, bounds, now)
+        if matches is None:
+            return []
+        sql, params = matches
+        cursor = connection.execute(
+            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank {sql} "
+            "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+            (*params, limit, offset),
+        )
+        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
+        return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
+
+    def _bm25_count(
+        self,
+        connection: sqlite3.Connection,
+        request: StoreSearchRequest,
+        bounds: list[str] | None,
+        now: float,
+        at_most: int,
+    ) -> int:
+        """How many items the request's query matches, counting no further than ``at_most``."""
+        matches = self._bm25_matches(connection, request, bounds, now)
+        if matches is None or at_most == 0:
+            return 0
+        sql, params = matches
+        found = connection.execute(
+            f"SELECT count(*) FROM (SELECT 1 {sql} LIMIT ?)", (*params, at_most)
+        ).fetchone()
+        return int(found[0])
+
+    def _bm25_matches(
+        self,
+        connection: sqlite3.Connection,
+        request: StoreSearchRequest,
+        bounds: list[str] | None,
+        now: float,
+    ) -> tuple[str, list[Any]] | None:
+        """``FROM … WHERE …`` of the request's query matches in scope and its parameters;
+        None when the query has no searchable term (it matches nothing)."""
         query = request.search_query()
         if query is None:
-            return []
+            return None
+        expression = match_expression(query)
+        if expression is None:
+            return None
         prefix_sql = _prefix_sql("i.namespace", bounds)
         prefix_params = bounds or []
         filter_sql, filter_params = compile_filter(request.clauses(), "i.value")
-        expression = match_expression(query)
-        if expression is None:
-            return []
         if bounds is not None and _holds_at_most(connection, bounds, now, SCOPED_SEARCH_MAX_ITEMS):
             # A small prefix: collect its live ids off the namespace index into a
             # temporary set, and let FTS5 keep only the matches in that set before any
@@ -535,24 +592,12 @@ class SQLiteStorage:
             join = "CROSS JOIN"
         else:
             scope_sql, scope_params, join = "", [], "JOIN"
-        cursor = connection.execute(
-            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank "
+        sql = (
             f"FROM items_fts {join} items AS i ON i.id = items_fts.rowid "
             f"WHERE items_fts MATCH ? AND {scope_sql}{prefix_sql} AND {_LIVE} "
-            f"AND {filter_sql} "
-            "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
-            (
-                expression,
-                *scope_params,
-                *prefix_params,
-                now,
-                *filter_params,
-                limit,
-                offset,
-            ),
+            f"AND {filter_sql}"
         )
-        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
-        return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
+        return sql, [expression, *scope_params, *prefix_params, now, *filter_params]
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
@@ -705,6 +750,24 @@ def _rows_by_id(
         )
     }
     return [(found[item], score) for item, score in page if item in found]
+
+
+def _unscored(
+    connection: sqlite3.Connection,
+    scope: str,
+    scope_params: list[Any],
+    condition: str,
+    offset: int,
+    limit: int,
+) -> list[tuple[_Row, float | None]]:
+    """Items in ``scope`` meeting ``condition``, newest update first, score null: the
+    listing (condition ``1``), or the items a query cannot score after its ranking."""
+    cursor = connection.execute(
+        f"SELECT {_ITEM_COLUMNS} FROM items AS i WHERE {scope} AND {condition} "
+        "ORDER BY i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+        (*scope_params, limit, offset),
+    )
+    return [(_Row(*found), None) for found in cursor]
 
 
 def _delete(connection: sqlite3.Connection, *, namespace: str, key: str) -> None:
