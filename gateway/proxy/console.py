@@ -1,11 +1,15 @@
 """The operator console: a read-only page on the admin port (never on the public port).
 
 Server-rendered HTML, one small script and one stylesheet served from the package (no
-build chain, no external asset), under a strict Content-Security-Policy. It shows the
-loaded rules per region in table order, each region's counter store health and breaker
-state, live allowed / limited / shadow-limited rates per rule, the identities limited most
-recently (hashed, as logged), an explain form, and the last replay report saved with
-``gateway rules simulate --save``.
+build chain, no external asset, no JS library: the charts are SVG drawn by
+``console_static/console.js``), under a strict Content-Security-Policy. For one region at a
+time (a selector; ``?region=``), and the rules a text filter leaves (``?rule=``): the loaded
+rules in table order, each with a chart of its allowed / limited / shadow-limited rate
+over the last ten minutes; the counter stores' health now and over the same window; the
+identities limited most in it (hashed, as logged, with their consumer and tier when
+known); an explain form; and the last replay report saved with
+``gateway rules simulate --save``. The history is sampled server-side into a bounded ring
+(``console_history.py``) while the admin application runs.
 
 Access: with no ``admin_token`` configured the console answers only when the admin port
 listens on loopback; with one, a browser signs in once through a form (the token goes in
@@ -24,20 +28,34 @@ import hashlib
 import hmac
 import html
 import ipaddress
+import json
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from gateway.identity.keys import Consumer
+from gateway.identity.verified import VerifiedIdentities
 from gateway.policy.explain import explain_request
 from gateway.policy.model import Rule, RuleTable
+from gateway.proxy.console_history import (
+    BUCKET_SECONDS,
+    BUCKETS,
+    ConsoleHistory,
+    ConsumerNames,
+    Totals,
+    check_health_forever,
+    request_totals,
+    sample_forever,
+)
 from gateway.ratelimit.identity import IdentityHasher
 from gateway.replay.saved import load_report
 
@@ -50,7 +68,15 @@ SAMPLE_SECONDS = 2.0
 HISTORY_SECONDS = 300.0
 RATE_WINDOWS = (60, 300)  # rates over the last minute and the last five minutes
 DECISIONS = ("allowed", "limited", "shadow_limited")
-Recent = tuple[float, str, str | None, str | None]  # epoch s, region, rule, identity
+MAX_FILTER_CHARS = 200
+NO_CONSUMERS: Mapping[str, Consumer] = MappingProxyType({})
+# A refusal the gateway keeps for the console: epoch s, region, rule, identity as logged
+# (``<kind>:<12 hex>``), and, when the decision carries them, the consumer's name and
+# the tier (never a key).
+Recent = (
+    tuple[float, str, str | None, str | None]
+    | tuple[float, str, str | None, str | None, str | None, str | None]
+)
 
 
 @dataclass
@@ -69,6 +95,17 @@ class ConsoleSource:
     admin_token: str | None
     # Host values answered without a token besides loopback and admin_host (see admin.py).
     admin_allowed_hosts: tuple[str, ...] = ()
+    # The key file's consumers (name -> consumer), to name the consumer behind a limited
+    # ``api_key:`` identity; None: no key file, or not wired.
+    consumers: Callable[[], Mapping[str, Consumer]] | None = None
+
+
+def known_consumers(verified: VerifiedIdentities | None) -> Mapping[str, Consumer]:
+    """The consumers of the key file a gateway process has loaded (its latest reload), for
+    ``ConsoleSource.consumers``; none without a key file."""
+    if verified is None or verified.keys is None:
+        return NO_CONSUMERS
+    return verified.keys.ring.consumers
 
 
 def on_loopback(host: str) -> bool:
@@ -88,17 +125,10 @@ class RateSampler:
         self.registry = registry
         self.samples: deque[tuple[float, dict[tuple[str, str, str], float]]] = deque()
 
-    def take(self, now: float | None = None) -> None:
-        totals: dict[tuple[str, str, str], float] = {}
-        for metric in self.registry.collect():
-            if metric.name != "gateway_requests":
-                continue
-            for sample in metric.samples:
-                if not sample.name.endswith("_total"):
-                    continue
-                labels = sample.labels
-                key = (labels.get("region", ""), labels.get("rule", ""), labels.get("decision", ""))
-                totals[key] = totals.get(key, 0.0) + sample.value
+    def take(self, now: float | None = None, totals: Totals | None = None) -> None:
+        """One sample: ``totals`` as ``request_totals`` reads them (read here if not given)."""
+        if totals is None:
+            totals = request_totals(self.registry)
         now = time.monotonic() if now is None else now
         self.samples.append((now, totals))
         while self.samples and now - self.samples[0][0] > HISTORY_SECONDS + SAMPLE_SECONDS:
@@ -148,7 +178,7 @@ BREAKER_NAMES = {0: "closed", 1: "open", 2: "half-open"}
 e = html.escape
 
 
-def _rule_row(rule: Rule, region: str) -> str:
+def _rule_row(rule: Rule, region: str, rates: Mapping[str, Any] | None, hidden: bool) -> str:
     if rule.unlimited:
         limit, flags = "exempt", ["exempt"]
     else:
@@ -164,28 +194,65 @@ def _rule_row(rule: Rule, region: str) -> str:
         flags.append("fails closed")
     match = " or ".join(a.describe() for a in rule.alternatives) or "any request"
     cls = ' class="shadow"' if rule.shadow else ""
+    now = (rates or {}).get("now") or {}
+
+    def rate(name: str) -> str:
+        value = now.get(name, 0.0)
+        shown = "-" if rates is None else f"{value:.2f}"
+        return f'<td class="num {name}{"" if value else " zero"}">{shown}</td>'
+
     return (
-        f"<tr{cls}><td>{rule.index}</td><td>{e(rule.id)}</td><td>{e(rule.category)}</td>"
-        f"<td>{e(match)}</td><td>{e(rule.identity.value if not rule.unlimited else '-')}</td>"
-        f"<td>{e(limit)}</td><td>{e(', '.join(flags))}</td><td>{e(rule.source)}</td></tr>"
+        f'<tr{cls} data-rule="{e(rule.id)}"{" hidden" if hidden else ""}>'
+        f"<td>{rule.index}</td><td>{e(rule.id)}</td><td>{e(rule.category)}</td>"
+        f'<td class="match">{e(match)}</td>'
+        f"<td>{e(rule.identity.value if not rule.unlimited else '-')}</td>"
+        f"<td>{e(limit)}</td><td>{e(', '.join(flags))}</td>"
+        f"{rate('allowed')}{rate('limited')}"
+        f'<td class="chart"></td><td class="file">{e(rule.source)}</td></tr>'
     )
 
 
-def _rules_section(table: RuleTable, error: str | None, default_region: str) -> str:
+def region_rules(table: RuleTable, region: str) -> list[Rule]:
+    """The rules that apply in ``region`` in table order, then the ceilings with a limit
+    there (they apply besides the rule a request matches)."""
+    return [*table.for_region(region), *(c for c in table.ceilings if c.limits_for(region))]
+
+
+def _rules_section(
+    table: RuleTable,
+    error: str | None,
+    regions: list[str],
+    selected: str,
+    rule_filter: str,
+    rates: Mapping[str, Mapping[str, Any]],
+) -> str:
+    """One rule table per region, all but the selected one hidden (the selector shows
+    another without a round trip); rows the filter leaves out hidden too."""
+    wanted = rule_filter.casefold()
     parts = [
         f"<p>table <code>{e(table.digest[:12])}</code>, {len(table.rules)} rules from "
-        f"{e(', '.join(table.sources))}; first match in this order.</p>"
+        f"{e(', '.join(table.sources))}; first match in this order. "
+        '<span class="key allowed">allowed</span> <span class="key limited">limited</span> '
+        '<span class="key shadow">shadow-limited</span> per second, in 10-second bars; '
+        "rates: the last minute. Focus a chart and use the arrow keys to read its bars."
+        '</p><p id="rules-note" aria-live="polite"></p>'
     ]
     if error:
         parts.append(f'<p class="error">last reload refused: <pre>{e(error)}</pre></p>')
-    for region in sorted(table.regions, key=lambda r: (r != default_region, r)):
-        rows = "".join(_rule_row(r, region) for r in table.for_region(region))
-        # Ceilings apply besides the rule a request matches: listed after the rules.
-        rows += "".join(_rule_row(c, region) for c in table.ceilings if c.limits_for(region))
+    for region in regions:
+        shown = region == selected
+        rows = "".join(
+            _rule_row(r, region, rates.get(r.id) if shown else None,
+                      wanted not in r.id.casefold())
+            for r in region_rules(table, region)
+        )  # fmt: skip
         parts.append(
-            f'<h3>region {e(region)}</h3><table class="rules" data-region="{e(region)}">'
+            f'<table class="rules" data-region="{e(region)}"{"" if shown else " hidden"}>'
+            f"<caption>rules in region {e(region)}</caption>"
             "<thead><tr><th>#</th><th>rule</th><th>category</th><th>match</th>"
-            "<th>identity</th><th>limit (count/s)</th><th>flags</th><th>file</th></tr></thead>"
+            "<th>identity</th><th>limit (count/s)</th><th>flags</th>"
+            '<th class="num">allowed/s</th><th class="num">limited/s</th>'
+            "<th>last 10 minutes</th><th>file</th></tr></thead>"
             f"<tbody>{rows}</tbody></table>"
         )
     return "".join(parts)
@@ -199,21 +266,24 @@ def _regions_section(regions: list[dict[str, object]], breakers: dict[str, list[
         shown = ", ".join(BREAKER_NAMES.get(int(s), "?") for s in states) or "none (in-process)"
         health = "healthy" if region["healthy"] else "NOT ANSWERING"
         rows.append(
-            f"<tr><td>{e(name)}</td><td>{e(str(region['counter_backend']))}</td>"
-            f'<td class="{"ok" if region["healthy"] else "bad"}">{health}</td>'
-            f"<td>{e(shown)}</td></tr>"
+            f'<tr data-region="{e(name)}"><td>{e(name)}</td>'
+            f"<td>{e(str(region['counter_backend']))}</td>"
+            f'<td class="health {"ok" if region["healthy"] else "bad"}">{health}</td>'
+            f'<td>{e(shown)}</td><td class="strip"></td></tr>'
         )
     return (
         '<table id="regions"><thead><tr><th>region</th><th>counter store</th><th>health</th>'
-        "<th>breaker (per process)</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
-    )
+        "<th>breaker (per process)</th><th>last 10 minutes</th></tr></thead><tbody>"
+        + "".join(rows) + "</tbody></table>"
+    )  # fmt: skip
 
 
 def recent_identities(recent: list[Recent], limit: int = 20) -> list[dict[str, Any]]:
     """The identities limited most recently (newest first), each with its latest refusal
     and how many of the refusals kept it accounts for."""
     found: dict[tuple[str, str | None, str | None], dict[str, Any]] = {}
-    for at, region, rule, identity in recent:  # newest first
+    for item in recent:  # newest first
+        at, region, rule, identity = item[0], item[1], item[2], item[3]
         entry = found.get((region, rule, identity))
         if entry is None:
             if len(found) >= limit:
@@ -226,15 +296,20 @@ def recent_identities(recent: list[Recent], limit: int = 20) -> list[dict[str, A
     return list(found.values())
 
 
-def _recent_rows(recent: list[Recent]) -> str:
+def _clock(epoch: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(epoch))
+
+
+def _top_rows(top: list[dict[str, Any]]) -> str:
     rows = []
-    for item in recent_identities(recent):
-        when = time.strftime("%H:%M:%S", time.gmtime(item["time"]))
+    for item in top:
         rows.append(
-            f"<tr><td>{when}</td><td>{e(item['region'])}</td><td>{e(item['rule'] or '-')}</td>"
-            f"<td><code>{e(item['identity'] or '-')}</code></td><td>{item['refusals']}</td></tr>"
+            f'<tr><td><code class="id">{e(item["identity"])}</code></td>'
+            f"<td>{e(item['consumer'] or '-')}</td><td>{e(item['tier'] or '-')}</td>"
+            f'<td class="num">{int(item["refusals"]):,}</td>'
+            f"<td>{e(', '.join(item['rules']))}</td><td>{_clock(item['last'])}</td></tr>"
         )
-    return "".join(rows) or '<tr><td colspan="5">none yet</td></tr>'
+    return "".join(rows) or '<tr><td colspan="6">none in the last 10 minutes</td></tr>'
 
 
 def _replay_section(report: Mapping[str, Any] | None) -> str:
@@ -300,6 +375,8 @@ def _page(title: str, body: str) -> str:
 
 SOURCE_KEY = web.AppKey("console_source", ConsoleSource)
 SAMPLER_KEY = web.AppKey("console_sampler", RateSampler)
+HISTORY_KEY = web.AppKey("console_history", ConsoleHistory)
+CONSUMERS_KEY = web.AppKey("console_consumers", ConsumerNames)
 
 
 def _session_value(token: str) -> str:
@@ -362,35 +439,81 @@ def _see_other(location: str) -> web.Response:
     return web.Response(status=303, headers={"Location": location})
 
 
+def _region_names(table: RuleTable, regions: Sequence[Mapping[str, object]]) -> list[str]:
+    """Every region the console can show: the served ones (the default first), then the
+    others the rule files name, sorted."""
+    served = [str(r["name"]) for r in regions]
+    return served + sorted(set(table.regions) - set(served))
+
+
+def _view(request: web.Request, names: list[str]) -> tuple[str, str] | web.Response:
+    """The region and rule filter a request asks for (``?region=``, ``?rule=``), or the
+    4xx answer to a bad one."""
+    region = request.query.get("region") or (names[0] if names else "us")
+    if region not in names:
+        return _json_error(
+            422, f"unknown region {region[:64]!r}; this console shows {', '.join(names)}"
+        )
+    rule_filter = request.query.get("rule", "").strip()
+    if len(rule_filter) > MAX_FILTER_CHARS or not rule_filter.isprintable():
+        return _json_error(
+            422, f"rule must be printable text of at most {MAX_FILTER_CHARS} characters"
+        )
+    return region, rule_filter
+
+
+def _snapshot(request: web.Request, region: str, rule_filter: str) -> dict[str, Any]:
+    source = request.app[SOURCE_KEY]
+    history = request.app[HISTORY_KEY]
+    lookup = None
+    if source.consumers is not None:
+        names = request.app[CONSUMERS_KEY]
+        names.update(source.consumers())
+        lookup = names.lookup
+    rules = [r.id for r in region_rules(source.table(), region)]
+    return history.snapshot(region, rules, rule_filter, consumer_of=lookup)
+
+
 async def _index(request: web.Request) -> web.Response:
     source = request.app[SOURCE_KEY]
-    sampler = request.app[SAMPLER_KEY]
     table = source.table()
     regions = await source.regions()
-    default_region = str(regions[0]["name"]) if regions else "us"
+    names = _region_names(table, regions)
+    view = _view(request, names)
+    if isinstance(view, web.Response):
+        return view
+    region, rule_filter = view
+    snapshot = _snapshot(request, region, rule_filter)
+    rates = {row["rule"]: row for row in snapshot["rules"]}
     region_options = "".join(
-        f'<option{" selected" if r == default_region else ""}>{e(r)}</option>'
-        for r in sorted(table.regions)
+        f"<option{' selected' if r == region else ''}>{e(r)}</option>" for r in names
     )
     body = (
-        "<header><h1>ratelimit-gateway console</h1><p>read-only; refreshes live</p></header>"
-        "<section><h2>Counter stores</h2>"
+        "<header><h1>ratelimit-gateway console</h1>"
+        '<form id="view" method="get" action="/console" role="search">'
+        f'<label>region <select name="region" id="region">{region_options}</select></label>'
+        '<label>rules matching <input type="search" name="rule" id="rule-filter" '
+        f'value="{e(rule_filter)}" maxlength="{MAX_FILTER_CHARS}" placeholder="rule id" '
+        'autocomplete="off"></label>'
+        '<button type="submit" class="nojs">show</button>'
+        '<span id="filter-count" aria-live="polite"></span>'
+        "</form><p>read-only; refreshes live (sampled every few seconds, 10 minutes "
+        'kept)</p><p id="chart-status" class="visually-hidden" aria-live="polite"></p>'
+        "</header>"
+        '<div class="overview"><section id="stores"><h2>Counter stores</h2>'
         + _regions_section(regions, breaker_states(source.registry))
-        + "</section><section><h2>Rates per rule</h2>"
-        '<p>requests per second over the last minute (and five minutes), from this '
-        'gateway\'s metrics; updated every few seconds.</p>'
-        '<table id="rates"><thead><tr><th>region</th><th>rule</th><th>allowed/s</th>'
-        "<th>limited/s</th><th>shadow-limited/s</th><th>allowed</th><th>limited</th>"
-        "<th>shadow-limited</th></tr></thead><tbody>"
-        + "".join(_rate_row(r) for r in sampler.rates())
-        + "</tbody></table></section>"
-        "<section><h2>Recently limited identities</h2>"
-        "<p>latest first; refusals counted among the last few hundred.</p>"
-        '<table id="recent"><thead><tr><th>last limited (UTC)</th><th>region</th><th>rule</th>'
-        "<th>identity (hashed)</th><th>refusals</th></tr></thead><tbody>"
-        + _recent_rows(source.recent())
-        + "</tbody></table></section>"
-        "<section><h2>Explain a request</h2>"
+        + '</section><section id="limited"><h2>Top limited identities in region '
+        f'<span class="region-name">{e(region)}</span></h2>'
+        "<p>refusals in the last 10 minutes, read from the latest refusals each process keeps "
+        "(at high refusal rates, a sample); identities hashed as logged.</p>"
+        '<table id="top-limited"><thead><tr><th>identity</th><th>consumer</th><th>tier</th>'
+        '<th class="num">refusals</th><th>rules</th><th>last (UTC)</th></tr></thead><tbody>'
+        + _top_rows(snapshot["top_limited"])
+        + "</tbody></table></section></div>"
+        '<section id="rules-section"><h2>Rules and rates in region '
+        f'<span class="region-name">{e(region)}</span></h2>'
+        + _rules_section(table, source.last_reload_error(), names, region, rule_filter, rates)
+        + "</section><section><h2>Explain a request</h2>"
         '<form id="explain"><label>method <input name="method" value="GET" size="8">'
         '</label> <label>path <input name="path" value="/" size="40"></label> '
         f'<label>region <select name="region">{region_options}</select></label> '
@@ -399,24 +522,29 @@ async def _index(request: web.Request) -> web.Response:
         'cols="60" placeholder="x-api-key: ..."></textarea></label><br>'
         '<button type="submit">explain</button></form>'
         '<pre id="explain-answer" aria-live="polite"></pre></section>'
-        "<section><h2>Rules</h2>"
-        + _rules_section(table, source.last_reload_error(), default_region)
-        + "</section><section><h2>Last replay</h2>"
+        "<section><h2>Last replay</h2>"
         + _replay_section(load_report(source.data_dir))
         + "</section>"
     )
     return web.Response(text=_page("gateway console", body), content_type="text/html")
 
 
-def _rate_row(r: Mapping[str, Any]) -> str:
-    return (
-        f'<tr data-rule="{e(r["rule"])}"><td>{e(r["region"])}</td><td>{e(r["rule"])}</td>'
-        f'<td class="allowed">{r["allowed_60s"]:.2f}</td>'
-        f'<td class="limited">{r["limited_60s"]:.2f}</td>'
-        f'<td class="shadow">{r["shadow_limited_60s"]:.2f}</td>'
-        f'<td>{int(r.get("allowed_total", 0)):,}</td><td>{int(r.get("limited_total", 0)):,}</td>'
-        f'<td>{int(r.get("shadow_limited_total", 0)):,}</td></tr>'
-    )
+async def _history(request: web.Request) -> web.Response:
+    """The charts' data for one region (bounded: see ``ConsoleHistory.snapshot``)."""
+    source = request.app[SOURCE_KEY]
+    # The served regions as the health checks found them (no store asked per poll);
+    # before the first check, asked once.
+    served = request.app[HISTORY_KEY].served
+    regions = [{"name": r} for r in served] if served else await source.regions()
+    names = _region_names(source.table(), regions)
+    view = _view(request, names)
+    if isinstance(view, web.Response):
+        return view
+    return web.json_response(_snapshot(request, *view), dumps=_compact)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 async def _rates(request: web.Request) -> web.Response:
@@ -503,28 +631,35 @@ def _static(name: str, content_type: str) -> Callable[[web.Request], Awaitable[w
 
 
 async def _sampling(app: web.Application) -> Any:
-    sampler = app[SAMPLER_KEY]
+    """The history's sampler and health checks, for as long as the admin app runs."""
+    source = app[SOURCE_KEY]
+    rates = app[SAMPLER_KEY]
 
-    async def loop() -> None:
-        while True:
-            with suppress(Exception):  # a failed collection must not stop the sampling
-                sampler.take()
-            await asyncio.sleep(SAMPLE_SECONDS)
+    def also(totals: Totals) -> None:
+        rates.take(totals=totals)
 
-    task = asyncio.create_task(loop())
+    tasks = [
+        asyncio.create_task(sample_forever(app[HISTORY_KEY], source.registry, source.recent, also)),
+        asyncio.create_task(check_health_forever(app[HISTORY_KEY], source.regions)),
+    ]
     yield
-    task.cancel()
-    with suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with suppress(asyncio.CancelledError):
+            await task
 
 
 def add_console(app: web.Application, source: ConsoleSource) -> None:
     """Mount the console on an admin application."""
     app[SOURCE_KEY] = source
     app[SAMPLER_KEY] = RateSampler(source.registry)
+    app[HISTORY_KEY] = ConsoleHistory(BUCKET_SECONDS, BUCKETS)
+    app[CONSUMERS_KEY] = ConsumerNames(source.hasher)
     app.middlewares.append(_console_guard)
     app.cleanup_ctx.append(_sampling)
     app.router.add_get("/console", _index)
+    app.router.add_get("/console/api/history", _history)
     app.router.add_get("/console/api/rates", _rates)
     app.router.add_get("/console/api/recent", _recent)
     app.router.add_post("/console/api/explain", _explain)

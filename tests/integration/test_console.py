@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from pathlib import Path
 
 import aiohttp
@@ -33,6 +35,20 @@ rules:
     limits: {default: 6/2}
 """
 TOKEN = "console-token-0123456789"
+REFUSED_AT = time.time()  # within the console's ten minutes
+
+
+async def _history(http, url, query="", until=lambda data: True):
+    """The console's history JSON once ``until`` holds (the sampler reads every 2 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        async with http.get(url + "/console/api/history" + query) as r:
+            assert r.status == 200, await r.text()
+            data = await r.json()
+        if until(data):
+            return data
+        assert time.monotonic() < deadline, data
+        await asyncio.sleep(0.2)
 
 
 def _source(tmp_path: Path, metrics: Metrics, host: str, token: str | None) -> ConsoleSource:
@@ -49,7 +65,7 @@ def _source(tmp_path: Path, metrics: Metrics, host: str, token: str | None) -> C
         last_reload_error=lambda: None,
         regions=regions,
         registry=metrics.registry,
-        recent=lambda: [(1_795_428_000.0, "us", "q-key", "api_key:0123456789ab")],
+        recent=lambda: [(REFUSED_AT, "us", "q-key", "api_key:0123456789ab")],
         hasher=IdentityHasher(b"s" * 32),
         secret_source="a test secret",
         data_dir=tmp_path,
@@ -75,19 +91,22 @@ async def test_on_loopback_without_a_token_the_console_shows_everything(tmp_path
                       "top_limited": [{"identity": "api_key:feedfeedfeed"}]}]},
                  "baseline": None, "diff": None}, tmp_path)  # fmt: skip
     async with await _console(tmp_path, metrics) as url, aiohttp.ClientSession() as http:
+        await _history(http, url, until=lambda data: data["top_limited"])
         async with http.get(url + "/console") as r:
             assert r.status == 200
             assert r.headers["Content-Security-Policy"] == CSP
             assert r.headers["X-Content-Type-Options"] == "nosniff"
             page = await r.text()
-        # rules per region in table order, the shadow rule marked, the file named
-        us = page.split('data-region="us"')[1].split("</table>")[0]
+        # rules in table order for the selected region (the default one shown, the
+        # other hidden), the shadow rule marked, the file named
+        us = page.split('<table class="rules" data-region="us">')[1].split("</table>")[0]
         assert [m for m in re.findall(r"<td>(q-shadow|q-key|by-ip)</td>", us)] == [
             "q-shadow", "q-key", "by-ip"]  # fmt: skip
-        assert '<tr class="shadow">' in us and "rules/a.yaml" in us
-        assert "5/2" in us and "7/2" in page.split('data-region="eu"')[1]
+        assert '<tr class="shadow" data-rule="q-shadow">' in us and "rules/a.yaml" in us
+        assert '<table class="rules" data-region="eu" hidden>' in page
+        assert "5/2" in us and "7/2" in page.split('data-region="eu"')[-1]
         assert "NOT ANSWERING" in page and "healthy" in page
-        assert "api_key:0123456789ab" in page  # recent refusals, hashed
+        assert "api_key:0123456789ab" in page  # the top limited identities, hashed
         assert "api_key:feedfeedfeed" in page and "12 requests" in page  # the saved replay
         assert "<script" in page and "onclick" not in page and "style=" not in page
         for asset, kind in (("console.js", "javascript"), ("console.css", "css")):
@@ -193,3 +212,95 @@ def test_recent_refusals_are_grouped_by_identity_newest_first():
     assert [(i["identity"], i["time"], i["refusals"]) for i in recent_identities(recent)] == [
         ("ip:a", 30.0, 2), ("ip:b", 20.0, 1)]  # fmt: skip
     assert len(recent_identities(recent, limit=1)) == 1
+
+
+async def test_history_shows_one_region_bounded_and_refuses_a_bad_view(tmp_path, metrics):
+    async with await _console(tmp_path, metrics) as url, aiohttp.ClientSession() as http:
+        await _history(http, url, until=lambda d: d["sampled_at"])  # the baseline taken
+        metrics.requests.labels("eu", "q-key", "api_key", "allowed").inc(30)
+        metrics.requests.labels("eu", "q-key", "api_key", "limited").inc(12)
+        metrics.requests.labels("us", "by-ip", "ip", "allowed").inc(5)
+        data = await _history(
+            http, url, "?region=eu",
+            until=lambda d: any(r.get("total") for r in d["rules"]),
+        )  # fmt: skip
+        # one region's rules in table order, each with one rate per bucket
+        assert data["region"] == "eu" and [r["rule"] for r in data["rules"]] == [
+            "q-shadow", "q-key", "by-ip"]  # fmt: skip
+        q_key = data["rules"][1]
+        assert q_key["total"] == {"allowed": 30, "limited": 12, "shadow": 0}
+        assert len(q_key["allowed"]) == len(data["covered"]) == 60 and "shadow" not in q_key
+        assert data["rules"][0] == {"rule": "q-shadow", "idle": True}
+        # the counter stores' health, as a strip of states per region
+        await _history(http, url, until=lambda d: len(d["health"]) == 2)
+        data = await _history(http, url, "?region=eu&rule=KEY")
+        assert [r["rule"] for r in data["rules"]] == ["q-key"]  # the filter ignores case
+        states = {h["region"]: h["states"] for h in data["health"]}
+        assert set(states["us"]) <= {"u", "-"} and "u" in states["us"]
+        assert set(states["eu"]) <= {"d", "-"} and "d" in states["eu"]
+        for query, detail in [
+            ("?region=mars", "unknown region 'mars'"),
+            ("?rule=" + "x" * 201, "at most 200 characters"),
+            ("?rule=%01", "printable"),
+        ]:
+            for path in ("/console/api/history", "/console"):
+                async with http.get(url + path + query) as r:
+                    assert r.status == 422 and detail in (await r.json())["detail"], query
+        # the page for a region and a filter: that region's table, other rows hidden
+        async with http.get(url + "/console?region=eu&rule=q-") as r:
+            page = await r.text()
+        assert '<table class="rules" data-region="eu">' in page
+        assert '<table class="rules" data-region="us" hidden>' in page
+        eu = page.split('<table class="rules" data-region="eu">')[1].split("</table>")[0]
+        assert '<tr data-rule="by-ip" hidden>' in eu and '<tr data-rule="q-key">' in eu
+        assert '<option selected>eu</option>' in page and 'value="q-"' in page
+
+
+async def test_top_limited_identities_show_the_consumer_and_tier_of_a_known_key(
+    tmp_path, upstream
+):
+    """A real gateway with a key file: the key's consumer and tier are found from the
+    logged identity (the key file's consumer names hashed), and the key is never shown."""
+    from gateway.identity.key_edit import add_key
+    from gateway.proxy.console import known_consumers
+    from tests.support.gateway import SECRET, running_gateway
+
+    keys = tmp_path / "keys.yaml"
+    key = add_key(keys, "acme", "gold")
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"identity:\n  api_key: {{keys: {keys}}}\n")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - id: q\n    identity: api_key\n    limits: {default: 3/60}\n")
+    async with running_gateway(upstream, rules=[str(rules)], config_file=str(config)) as gw:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(7):
+                async with http.get(gw.url + "/q", headers={"x-api-key": key}) as r:
+                    await r.read()
+        refusals = gw.gateway.access_log.recent_limited
+        assert len(refusals) == 4
+        source = ConsoleSource(
+            table=lambda: gw.rules.table,
+            last_reload_error=lambda: None,
+            regions=_source(tmp_path, Metrics(), "127.0.0.1", None).regions,
+            registry=gw.metrics.registry,
+            recent=lambda: list(reversed(refusals)),
+            hasher=IdentityHasher(SECRET),
+            secret_source="the test gateway's secret",
+            data_dir=tmp_path,
+            admin_host="127.0.0.1",
+            admin_token=None,
+            consumers=lambda: known_consumers(gw.gateway.verified),
+        )
+        app = create_admin_app(gw.metrics.registry, None, source)
+        async with running_app(app) as url, aiohttp.ClientSession() as http:
+            data = await _history(http, url, until=lambda d: d["top_limited"])
+            (top,) = data["top_limited"]
+            assert re.fullmatch(r"api_key:[0-9a-f]{12}", top["identity"])
+            assert (top["consumer"], top["tier"], top["refusals"]) == ("acme", "gold", 4)
+            assert top["rules"] == ["q"] and top["kind"] == "api_key"
+            async with http.get(url + "/console") as r:
+                page = await r.text()
+            assert "<td>acme</td><td>gold</td>" in page
+            async with http.get(url + "/console/api/history") as r:
+                raw = await r.text()
+            assert key not in raw and key not in page

@@ -1,13 +1,14 @@
 """The operator console in a real browser: Playwright driving Debian's chromium.
 
-The page loads, shows the rules table, its rates move when traffic flows through the
-gateway, and the explain form answers. Set CONSOLE_SCREENSHOT=path to keep a screenshot
-(docs/images/console.png is made that way)."""
+The page loads, shows the rules table, its rates and charts move when traffic flows
+through the gateway (shadow-limited included), the limited identities show hashed, the
+saved replay shows, and the explain form answers. (The charts, region selector, filter
+and health strip in more depth, and the documentation's screenshot:
+test_console_charts.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import aiohttp
@@ -89,26 +90,31 @@ async def test_the_console_in_chromium(tmp_path, upstream):
             assert "shadow" in await shadow_row.inner_text()
 
             await _traffic(gateway.url)
-            # the page's script refreshes the rates: limited and shadow-limited move
+            # the page's script refreshes the rates and charts: limited and shadow move
             await page.wait_for_function(
                 """() => {
-                  const row = document.querySelector('#rates tr[data-rule="runs-query"]');
+                  const row = document.querySelector(
+                    'table.rules[data-region="us"] tr[data-rule="runs-query"]');
                   return row && parseFloat(row.querySelector('td.limited').textContent) > 0
-                      && parseFloat(row.querySelector('td.allowed').textContent) > 0;
+                      && parseFloat(row.querySelector('td.allowed').textContent) > 0
+                      && row.querySelector('svg.chart path.limited');
                 }""",
                 timeout=20_000,
             )
             await page.wait_for_function(
-                """() => {
-                  const row = document.querySelector('#rates tr[data-rule="runs-query-shadow"]');
-                  return row && parseFloat(row.querySelector('td.shadow').textContent) > 0;
-                }""",
+                """() => document.querySelector('table.rules[data-region="us"] '
+                    + 'tr[data-rule="runs-query-shadow"] svg.chart polyline.shadow')""",
                 timeout=20_000,
             )
             replay = await page.locator("#replay").inner_text()
             assert "runs-query" in replay and "5,000 requests" in await page.content()
-            recent = await page.locator("#recent tbody").inner_text()
-            assert "runs-query" in recent and "api_key:" in recent and "key-a" not in recent
+            await page.wait_for_function(
+                "() => document.querySelector('#top-limited tbody').textContent"
+                ".includes('api_key:')",
+                timeout=20_000,
+            )
+            limited = await page.locator("#top-limited tbody").inner_text()
+            assert "runs-query" in limited and "key-a" not in limited
 
             await page.fill('#explain input[name="method"]', "POST")
             await page.fill('#explain input[name="path"]', "/runs//query/")
@@ -122,9 +128,9 @@ async def test_the_console_in_chromium(tmp_path, upstream):
             assert "runs-query: MATCHES" in text and "15/10" in text
             assert "normalised from /runs//query/" in text and "sk-typed-here" not in text
             assert violations == [], violations  # no CSP violation, no script error
-            shot = os.environ.get("CONSOLE_SCREENSHOT") or str(tmp_path / "console.png")
-            await page.screenshot(path=shot, full_page=True)
-            assert Path(shot).stat().st_size > 10_000
+            shot = tmp_path / "console.png"
+            await page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
             await browser.close()
     finally:
         gateway.stop()
