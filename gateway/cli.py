@@ -98,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     add("--port", type=int, help="port to listen on (default: 8080)")
     add("--admin-host", help="address of the metrics endpoint (default: 127.0.0.1)")
-    add("--admin-port", type=int, help="port of /metrics (default: 9090; worker i uses port+i)")
+    add(
+        "--admin-port",
+        type=int,
+        help="port of /metrics, /info and /console (default: 9090; with --workers the "
+        "supervisor serves it once, for every worker)",
+    )
     add(
         "--workers",
         type=int,

@@ -400,8 +400,11 @@ class RegionCounterEvents:
     def breaker_changed(self, state: str) -> None:
         self._m.breaker_state.labels(self._region).set(BREAKER_STATES.get(state, 1))
         self._m.breaker_transitions.labels(self._region, state).inc()
-        level = logging.INFO if state == "closed" else logging.WARNING
-        log.log(level, "counter store for region %s: circuit breaker %s", self._region, state)
+        # DEBUG only: during an outage the breaker probes every second (half_open, then
+        # open again), and a line per move was two lines a second per process. The
+        # outage itself is logged by ResilientBackend: when it begins, once a minute
+        # while it lasts, and when it ends (gateway/counters/resilient.py).
+        log.debug("counter store for region %s: circuit breaker %s", self._region, state)
 
     def fallback_used(self) -> None:
         self._m.fallback_decisions.labels(self._region).inc()

@@ -13,11 +13,17 @@ import re
 
 import pytest
 
-from gateway.counters.base import CounterBackend, CounterUnavailableError, LimitCheck
+from gateway.counters.base import (
+    CounterBackend,
+    CounterEvents,
+    CounterUnavailableError,
+    LimitCheck,
+)
 from gateway.counters.coalesce import CoalescingBackend
 from gateway.counters.factory import MAX_IN_FLIGHT, parse_counter_url, store_client
 from gateway.counters.redis_backend import RedisBackend
 from gateway.counters.resilient import ResilientBackend
+from gateway.metrics import Metrics
 from tests.counters.helpers import RecordingEvents, called, new_key
 from tests.support.redis_servers import RedisServer
 
@@ -33,7 +39,7 @@ class HandClock:
         return self.now
 
 
-def _stack(server: RedisServer, clock: HandClock, events: RecordingEvents) -> ResilientBackend:
+def _stack(server: RedisServer, clock: HandClock, events: CounterEvents) -> ResilientBackend:
     """The factory's stack for one server (``open_counter_backend`` takes no clock)."""
     store = RedisBackend(store_client(parse_counter_url(server.url)), name=NAME)
     inner = CoalescingBackend(
@@ -163,3 +169,35 @@ async def test_a_single_failed_call_is_not_an_outage(
         assert [r for r in _ours(caplog) if r.levelno > logging.DEBUG] == []
     finally:
         await backend.close()
+
+
+async def test_wired_as_the_gateway_wires_it_a_probe_logs_nothing(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the gateway's own events (metrics, gateway/metrics.py): the breaker's moves
+    are counted, and over a minute of probes only the outage's first and last lines are
+    logged above DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="gateway.counters")
+    clock = HandClock()
+    metrics = Metrics()
+    backend = _stack(own_redis, clock, metrics.counter_events("us"))
+    check = LimitCheck(new_key(), limit=1_000_000, window_ms=60_000, bucket_ms=1_000)
+    try:
+        own_redis.kill9()
+        for _ in range(5):
+            await backend.hit([check])
+        for _ in range(59):
+            clock.now += 1.0
+            assert (await backend.hit([check])).source == "fallback"
+        own_redis.restart()
+        clock.now += 1.0
+        assert (await backend.hit([check])).source == "redis"
+    finally:
+        await backend.close()
+    above = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG]
+    assert len(above) == 2, above
+    assert above[0].startswith(f"counter store {NAME}: unreachable (connection)")
+    assert above[1].startswith(f"counter store {NAME}: reachable again after 60 s")
+    transitions = metrics.breaker_transitions
+    assert transitions.labels("us", "half_open").value == 60
+    assert transitions.labels("us", "open").value == 60
