@@ -179,7 +179,8 @@ async def test_without_an_index_a_query_ranks_by_bm25_and_leaves_out_non_matches
 
 
 async def test_items_a_query_cannot_score_follow_the_ranked_ones(sdk: Any) -> None:
-    # langgraph returns the items it holds no vectors for after the scored ones, score null.
+    # langgraph's InMemoryStore returns the items it holds no vectors for after the scored
+    # ones, score null (its SqliteStore and PostgresStore leave them out).
     await sdk.put_item(DOCS, key="hidden_old", value={"text": "giraffe", "kind": "a"}, index=False)
     await sdk.put_item(DOCS, key="nothing_indexed", value={"n": 1, "kind": "a"}, index=["title"])
     await sdk.put_item(DOCS, key="hidden_new", value={"text": "giraffe", "kind": "b"}, index=False)
@@ -246,12 +247,13 @@ async def test_filters_compare_typed_json_values(sdk: Any) -> None:
     async def matching(filter: dict[str, Any]) -> list[str]:
         return sorted(_keys(await sdk.search_items(DOCS, filter=filter, limit=100)))
 
-    # langgraph (SQLite, in memory) treats true and 1 as equal; here they are not.
+    # langgraph's SqliteStore and InMemoryStore treat true and 1 as equal; here they are not.
     assert await matching({"flag": True}) == ["true"]
     assert await matching({"flag": 1}) == ["one"]
-    # langgraph also matches items without the key; here null is a value like any other.
+    # Those two also match items without the key; here null is a value like any other.
     assert await matching({"n": None}) == ["true"]
-    # A partial object is no match: objects compare whole (use a dotted key for one field).
+    # A partial object is no match (InMemoryStore: a match): objects compare whole; a dotted
+    # key tests one field.
     assert await matching({"meta": {"a": 1}}) == ["one"]
     assert await matching({"meta.a": 1}) == ["one", "true"]
 

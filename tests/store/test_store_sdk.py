@@ -214,7 +214,7 @@ async def test_index_false_and_field_paths_choose_the_searchable_text(sdk: Any) 
         index=["sections[*].text"],
     )
     # An item with no searchable text follows the matches with score null, as langgraph's
-    # stores answer the items they hold no vectors for; "titled"'s body is not searchable.
+    # InMemoryStore answers the items it holds no vectors for; "titled"'s body is not searchable.
     found = await sdk.search_items(["idx"], query="giraffe")
     assert [(item["key"], item["score"] is None) for item in found["items"]] == [
         ("titled", False),

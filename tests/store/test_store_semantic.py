@@ -206,7 +206,7 @@ async def test_index_false_and_paths_choose_what_is_found_by_meaning(vector_only
     titled = {"title": "car", "body": "latte"}
     await sdk.put_item(["idx"], key="titled", value=titled, index=["title"])
     found = await sdk.search_items(["idx"], query="coffee")
-    # The only item with vectors, then the item without (score null, as langgraph answers).
+    # The only item with vectors, then the one without (score null, as InMemoryStore answers).
     assert _keys(found) == ["titled", "hidden"]
     assert found["items"][0]["score"] < 0.5  # its title is about cars, not coffee
     assert found["items"][1]["score"] is None

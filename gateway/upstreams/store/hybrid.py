@@ -47,8 +47,8 @@ class Ranker(Protocol):
 
     def unscored(self, dialect: VectorDialect) -> str:
         """The condition (over ``items AS i``, no parameters) on the items this ranking can
-        never score; they follow the ranking with score null, as langgraph's stores answer
-        the items they have no vectors for."""
+        never score; they follow the ranking with score null, as langgraph's InMemoryStore
+        answers the items it has no vectors for."""
         ...
 
 
