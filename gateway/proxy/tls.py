@@ -531,13 +531,14 @@ async def start_tls_server(
     """Serve TLS on host:port (or on the bound, listening-ready socket ``sock``) for
     ``protocol_factory``'s protocols, as ``loop.create_server`` serves plain TCP.
 
-    The protocol (an ``asyncio.Protocol``) is made and told ``connection_made`` on
-    accept; it reads decrypted bytes and sees plain TCP's transport API (plus
-    ``peercert``, ``ssl_object``, ``cipher``, ``sslcontext``; see ``peer_subject``). Each
-    handshake uses ``source.context`` as it is when the ClientHello arrives and must
-    finish within ``ssl_handshake_timeout`` s. A first byte that is not a TLS handshake
-    record is answered 400 (JSON ``detail``) and the connection closed. ``stats``
-    counts handshakes, their failures and timeouts, and plain-HTTP refusals.
+    The protocol (an ``asyncio.Protocol``; a ``BufferedProtocol`` is not fed) is made
+    and told ``connection_made`` on accept; it reads decrypted bytes and sees plain
+    TCP's transport API (plus ``peercert``, ``ssl_object``, ``cipher``, ``sslcontext``;
+    see ``peer_subject``). Each handshake uses ``source.context`` as it is when the
+    ClientHello arrives and must finish within ``ssl_handshake_timeout`` s. A first
+    byte that is not a TLS handshake record is answered 400 (JSON ``detail``) and the
+    connection closed. ``stats`` counts handshakes, their failures and timeouts, and
+    plain-HTTP refusals.
     """
     return await serve_tls(
         loop,

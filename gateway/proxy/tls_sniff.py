@@ -146,8 +146,14 @@ class TlsServerConnection(asyncio.Transport, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it
-        self._raw = cast(asyncio.Transport, transport)
-        app = self._factory()
+        raw = self._raw = cast(asyncio.Transport, transport)
+        try:
+            app = self._factory()
+        except BaseException:
+            # As when create_server's own factory call fails: the socket is closed.
+            self._closing = True
+            raw.abort()
+            raise
         self._app = cast(asyncio.Protocol, app)
         # Told at once, as on plain TCP: the application's connection caps and its
         # header deadline cover a client that never sends a byte or stalls mid-handshake.
@@ -177,8 +183,9 @@ class TlsServerConnection(asyncio.Transport, asyncio.Protocol):
         if self._state != OPEN or self._closing:
             return False  # the TCP transport closes itself; connection_lost follows
         self._drain()  # (nothing while the app has reading paused)
-        if self._app_paused:
-            # As on plain TCP, where the EOF is only read once reading resumes.
+        if self._app_paused or self._drain_scheduled:
+            # After the data still waiting, as on plain TCP, where the EOF is only read
+            # once reading resumes.
             self._peer_eof_pending = True
         else:
             self._peer_eof()
@@ -306,6 +313,8 @@ class TlsServerConnection(asyncio.Transport, asyncio.Protocol):
                 if size >= MAX_DELIVERY:
                     more = True
                     break
+                if not self._incoming.pending and not sslobj.pending():
+                    break  # all read: spare the SSLWantReadError another read would raise
         except ssl.SSLWantReadError:
             pass
         except (ssl.SSLError, OSError) as exc:
@@ -319,7 +328,10 @@ class TlsServerConnection(asyncio.Transport, asyncio.Protocol):
         if chunks and not self._lost:
             app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         if peer_eof:
-            self._peer_eof()
+            if self.is_reading():
+                self._peer_eof()
+            else:  # paused by the data just delivered: told once it resumes
+                self._peer_eof_pending = True
         elif more:
             self._schedule_drain()
 
@@ -334,7 +346,7 @@ class TlsServerConnection(asyncio.Transport, asyncio.Protocol):
             return
         try:
             self._drain()
-            if self._peer_eof_pending and not self._app_paused:
+            if self._peer_eof_pending and not self._app_paused and not self._drain_scheduled:
                 self._peer_eof_pending = False
                 self._peer_eof()
         except Exception as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import socket
@@ -238,7 +239,7 @@ def test_https_requests_through_aiohttp_server_and_client(
             async with aiohttp.ClientSession(connector=connector) as session:
                 for size in (0, 10, 3 * 1024 * 1024):
                     async with session.post(
-                        f"https://localhost:{port}/x", data=os.urandom(size)
+                        f"https://localhost:{port}/x", data=io.BytesIO(os.urandom(size))
                     ) as response:
                         assert response.status == 200
                         got = await response.json()
@@ -309,6 +310,42 @@ def test_alpn_is_http11_and_tls_1_1_is_refused(run: Runner, tmp_path: Path, pki:
             await until(lambda: site.seen.lost == site.seen.made == 3, "all connections closed")
         finally:
             await close(site)
+
+    run(scenario())
+
+
+def test_a_bound_socket_and_reuse_port(run: Runner, tmp_path: Path, pki: Pki) -> None:
+    """``sock=``: a socket bound beforehand (as a supervisor would); ``reuse_port``: two
+    listeners on one port (as --workers runs them), both serving TLS."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        source = TlsContextSource(server_files(tmp_path, pki, 110))
+        seen = Seen()
+        bound = socket.create_server(("127.0.0.1", 0))
+        bound.setblocking(False)
+        first = await start_tls_server(loop, lambda: TinyHttp(seen), source, sock=bound)
+        port = bound.getsockname()[1]
+        shared = await start_tls_server(
+            loop, lambda: TinyHttp(seen), source, "127.0.0.1", 0, reuse_port=True
+        )
+        shared_port = shared.sockets[0].getsockname()[1]
+        second = await start_tls_server(
+            loop, lambda: TinyHttp(seen), source, "127.0.0.1", shared_port, reuse_port=True
+        )
+
+        def ask(at: int) -> str:
+            with connect(at, client_context(pki)) as sock:
+                return str(request(sock, f"/{at}")["path"])
+
+        try:
+            assert await asyncio.to_thread(ask, port) == f"/{port}"
+            for _ in range(4):
+                assert await asyncio.to_thread(ask, shared_port) == f"/{shared_port}"
+        finally:
+            for server in (first, shared, second):
+                server.close()
+                await server.wait_closed()
 
     run(scenario())
 
@@ -713,8 +750,8 @@ def test_flow_control_both_ways(run: Runner, tmp_path: Path, pki: Pki) -> None:
 
 
 class PausedFromTheStart(asyncio.Protocol):
-    """Pauses reading as soon as it is connected (before the handshake is done); the
-    test resumes it. Records what it reads and whether it was told of the EOF."""
+    """Pauses reading as soon as it is connected (before the handshake is done), and
+    again after each read; the test resumes it. Records what it reads, and the EOF."""
 
     def __init__(self, seen: Seen) -> None:
         self.seen = seen
@@ -730,11 +767,16 @@ class PausedFromTheStart(asyncio.Protocol):
         self.seen.peers.append(self)
 
     def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
         if self.paused:
             self.seen.data_while_paused += 1
         self.received += data
+        self.paused = True
+        self.transport.pause_reading()
 
     def eof_received(self) -> bool | None:
+        if self.paused:
+            self.seen.data_while_paused += 1
         self.eof += 1
         return None  # the connection closes
 
@@ -752,7 +794,8 @@ def test_what_arrives_with_the_handshake_waits_for_resume_reading(
 ) -> None:
     """A client's request (and its close_notify) in the same packet as its last
     handshake message, to an app that paused reading: none of it is delivered while
-    paused, all of it (then the EOF) once it resumes, though nothing more arrives."""
+    paused, all of it once it resumes, though nothing more arrives; the EOF (read with
+    it) only once the app, paused again by that read, resumes again."""
 
     async def scenario() -> None:
         source = TlsContextSource(server_files(tmp_path, pki, 109))
@@ -792,6 +835,9 @@ def test_what_arrives_with_the_handshake_waits_for_resume_reading(
             app: PausedFromTheStart = seen.peers[0]
             await asyncio.sleep(0.2)  # (let whatever is in flight arrive; nothing may be read)
             assert app.received == b"" and app.eof == 0
+            app.resume()
+            await until(lambda: app.received == payload, "the data")
+            assert app.eof == 0  # (paused by that read)
             app.resume()
             await until(lambda: app.eof == 1, "the EOF after the data")
             assert app.received == payload and seen.data_while_paused == 0
@@ -871,7 +917,7 @@ def test_the_gateway_data_plane_serves_https(run: Runner, tmp_path: Path, pki: P
                         assert response.status == 200, await response.text()
                         assert (await response.json())["path"] == "/anything?x=1"
                     body = os.urandom(5 * 1024 * 1024)
-                    async with session.post(f"{url}/upload", data=body) as response:
+                    async with session.post(f"{url}/upload", data=io.BytesIO(body)) as response:
                         assert response.status == 200
                         assert (await response.json()) == {"received": len(body)}
                 reader, writer = await asyncio.open_connection(
