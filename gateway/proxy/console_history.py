@@ -248,11 +248,16 @@ class ConsoleHistory:
             if key is not None:
                 current[key] += 1
         new, self._seen = current - self._seen, current
+        window_start = self._start(now) - (self.size - 1) * self.bucket_seconds
         for key, times in new.items():
             at, region, rule, identity, consumer, tier = key
             bucket = self._bucket(min(at, now), create=False)
+            if bucket is None and self.buckets and window_start <= at < self.buckets[0].start:
+                # From before the history began (the first read): kept with the oldest
+                # bucket, so it leaves the top list a little late rather than never shows.
+                bucket = self.buckets[0]
             if bucket is None or not self._region(region):
-                continue  # older than the ring
+                continue  # older than the window
             tallies = bucket.refused.setdefault(region, {})
             tally = tallies.get(identity)
             if tally is None:

@@ -35,7 +35,6 @@ rules:
     limits: {default: 6/2}
 """
 TOKEN = "console-token-0123456789"
-REFUSED_AT = time.time()  # within the console's ten minutes
 
 
 async def _history(http, url, query="", until=lambda data: True):
@@ -53,6 +52,7 @@ async def _history(http, url, query="", until=lambda data: True):
 
 def _source(tmp_path: Path, metrics: Metrics, host: str, token: str | None) -> ConsoleSource:
     table = load_rules_from_texts([("rules/a.yaml", RULES)])
+    refused_at = time.time()  # within the console's ten minutes
 
     async def regions():
         return [
@@ -65,7 +65,7 @@ def _source(tmp_path: Path, metrics: Metrics, host: str, token: str | None) -> C
         last_reload_error=lambda: None,
         regions=regions,
         registry=metrics.registry,
-        recent=lambda: [(REFUSED_AT, "us", "q-key", "api_key:0123456789ab")],
+        recent=lambda: [(refused_at, "us", "q-key", "api_key:0123456789ab")],
         hasher=IdentityHasher(b"s" * 32),
         secret_source="a test secret",
         data_dir=tmp_path,

@@ -153,11 +153,14 @@ async def test_charts_region_selector_filter_and_health_in_chromium(
             height = await page.evaluate("document.documentElement.scrollHeight")
             assert height < PAGE_HEIGHT_LIMIT < TOO_TALL_BEFORE / 1.5, height
 
-            # top limited identities: hashed as logged, never the key
+            # top limited identities: hashed as logged, never the key (the sampler may have
+            # read the refusals mid-traffic: wait for all ten)
             top = page.locator("#top-limited tbody")
             await page.wait_for_function(
-                "() => /api_key:[0-9a-f]{12}/.test("
-                "document.querySelector('#top-limited tbody').textContent)",
+                """() => {
+                  const cells = document.querySelectorAll('#top-limited tbody tr:first-child td');
+                  return cells.length === 6 && cells[3].textContent === '10';
+                }""",
                 timeout=20_000,
             )
             first = await top.locator("tr").first.locator("td").all_inner_texts()
@@ -286,7 +289,9 @@ async def test_with_workers_the_history_counts_every_workers_requests(
                 (row,) = [x for x in data["rules"] if x["rule"] == "counted"]
                 totals = row.get("total", {})
                 top = data["top_limited"]
-                if (totals.get("allowed"), totals.get("limited")) == (40, 60) and top:
+                # a worker writes its metrics, then its refusals: wait for both
+                refusals = sum(t["refusals"] for t in top)
+                if (totals.get("allowed"), totals.get("limited"), refusals) == (40, 60, 60):
                     break
                 assert asyncio.get_running_loop().time() < deadline, (row, top)
                 await asyncio.sleep(0.5)

@@ -222,3 +222,16 @@ def test_a_wall_clock_that_goes_back_adds_to_the_newest_bucket(clock_back):
     _sample(history, 24, r_allowed=40)
     assert len(history.buckets) == 3
     assert all(b.start <= T0 + 20 for b in history.buckets)
+
+
+def test_refusals_from_before_the_history_began_are_kept_while_in_the_window():
+    history = ConsoleHistory()
+    history.record_totals({}, T0 + 300)  # the console starts 5 minutes after T0
+    history.record_refusals(
+        [_refusal(299, "ip:000000000001"), _refusal(100, "ip:000000000002"),
+         _refusal(-400, "ip:000000000003")],  # over ten minutes before: not shown
+        T0 + 301,
+    )  # fmt: skip
+    top = history.snapshot("us", [], now=T0 + 301)["top_limited"]
+    assert [t["identity"] for t in top] == ["ip:000000000001", "ip:000000000002"]
+    assert top[1]["last"] == T0 + 100
