@@ -417,8 +417,8 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
     table = rules.table
     log.info("ratelimit-gateway %s%s; %s", __version__, worker, native.describe())
     log.info(
-        "rules: %d rules from %s (table %s)%s",
-        len(table.rules),
+        "rules: %s from %s (table %s)%s",
+        table.size_text,
         ", ".join(table.sources),
         table.digest[:12],
         "; watching for changes, SIGHUP reloads" if settings.watch_rules else "; SIGHUP reloads",

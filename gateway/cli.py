@@ -293,7 +293,7 @@ def _rules_check(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
-    print(f"ok: {len(table.rules)} rules from {', '.join(table.sources)} "
+    print(f"ok: {table.size_text} from {', '.join(table.sources)} "
           f"(table {table.digest[:12]})")  # fmt: skip
     return 0
 

@@ -182,6 +182,13 @@ class RuleTable:
         default_factory=dict, compare=False, repr=False
     )
 
+    @property
+    def size_text(self) -> str:
+        """``30 rules`` or ``30 rules and 1 ceiling``, as logs and ``rules check`` say it."""
+        n = len(self.ceilings)
+        also = "" if n == 0 else f" and {n} ceiling{'' if n == 1 else 's'}"
+        return f"{len(self.rules)} rules{also}"
+
     def candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
         key = (region, method, path)
         found = self.match_cache.get(key)

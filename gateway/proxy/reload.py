@@ -102,9 +102,9 @@ class RuleSource:
         self._metrics.rules_loaded.set(table.loaded_at)
         self._metrics.rules_count.set(len(table.rules))
         log.info(
-            "rules reloaded (%s): %d rules from %s, table %s (was %s)",
+            "rules reloaded (%s): %s from %s, table %s (was %s)",
             reason,
-            len(table.rules),
+            table.size_text,
             ", ".join(table.sources),
             table.digest[:12],
             previous.digest[:12],

@@ -75,9 +75,18 @@ def _identity_value(kind: str, headers: dict[str, str]) -> tuple[IdentityKind, s
     return IdentityKind.IP, "127.0.0.1"
 
 
+# The default table's per-address ceiling, listed after the rule on every answer.
+CEILING = '"per-address";q=36000;w=10'
+
+
 def _check_headers(response: aiohttp.ClientResponse, rule_id: str, count: int, seconds: int):
-    policy = POLICY.match(response.headers["RateLimit-Policy"])
-    state = STATE.match(response.headers["RateLimit"])
+    rule_policy, _, ceiling_policy = response.headers["RateLimit-Policy"].partition(", ")
+    assert ceiling_policy == CEILING, response.headers
+    policy = POLICY.match(rule_policy)
+    states = response.headers["RateLimit"].split(", ")
+    # an answer states each policy; a refusal only the one that refused (the rule here)
+    assert len(states) == (1 if response.status == 429 else 2), response.headers
+    state = STATE.match(states[0])
     assert policy and state, response.headers
     assert policy["name"] == state["name"] == rule_id
     assert (int(policy["q"]), int(policy["w"])) == (count, seconds)

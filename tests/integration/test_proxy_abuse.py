@@ -105,7 +105,9 @@ async def test_uuid_spellings_and_head_stay_in_run_lookup(upstream):
             assert uuid.UUID(urllib.parse.unquote(spellings[n % len(spellings)].rsplit("/", 1)[1]))
             path = spellings[n % len(spellings)]
             async with http.request(method, gw.url + path, headers={"x-api-key": "k"}) as r:
-                assert r.headers["RateLimit-Policy"] == '"run-lookup";q=30;w=60', path
+                assert r.headers["RateLimit-Policy"].split(", ")[0] == '"run-lookup";q=30;w=60', (
+                    path
+                )
                 assert r.status == (200 if n < 30 else 429)
 
 
@@ -126,7 +128,9 @@ async def test_host_with_trailing_dot_is_the_same_region(tmp_path, upstream):
                 async with http.get(
                     gw.url + "/runs/stats", headers={"Host": host, "x-api-key": "k"}
                 ) as r:
-                    assert r.headers["RateLimit-Policy"] == '"runs-stats";q=20;w=10', host
+                    assert (
+                        r.headers["RateLimit-Policy"].split(", ")[0] == '"runs-stats";q=20;w=10'
+                    ), host
 
 
 async def test_client_hanging_up_mid_stream_is_quiet_and_not_an_upstream_error(upstream, caplog):

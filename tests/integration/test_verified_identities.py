@@ -226,6 +226,9 @@ ceilings:
     identity: ip
     limits: {us: 50/60, eu: 50/60}
 """
+# Beside the default table's own per-address ceiling (36000/10, which 1,000 requests do
+# not reach): a tighter one of the test's.
+SPRAY_CEILING = CEILING.replace("per-address", "spray-guard")
 
 
 async def test_key_spraying_is_held_to_the_per_address_ceiling(tmp_path, upstream):
@@ -233,7 +236,7 @@ async def test_key_spraying_is_held_to_the_per_address_ceiling(tmp_path, upstrea
     per-key quota, but the ceiling counts the address whatever key is sent."""
     from tests.support.gateway import DEFAULT_RULES
 
-    (tmp_path / "ceilings.yaml").write_text(CEILING)
+    (tmp_path / "ceilings.yaml").write_text(SPRAY_CEILING)
     rules = [DEFAULT_RULES, str(tmp_path / "ceilings.yaml")]
     async with running_gateway(upstream, rules=rules) as gw:
         statuses = []
@@ -242,13 +245,13 @@ async def test_key_spraying_is_held_to_the_per_address_ceiling(tmp_path, upstrea
             status, fields, _ = await _get(_port(gw), "/x", key, source="127.0.0.2")
             statuses.append(status)
             if status == 429:
-                assert '"per-address"' in fields["ratelimit-policy"]
+                assert fields["ratelimit"].startswith('"spray-guard";r=0;')
         assert statuses.count(200) == 50 and statuses.count(429) == 950
         # another address is served, and its RateLimit-Policy lists both policies
         status, fields, _ = await _get(_port(gw), "/x", b"x-api-key: k", source="127.0.0.3")
         assert status == 200
         assert fields["ratelimit-policy"] == (
-            '"default-api-key";q=1000;w=10, "per-address";q=50;w=60'
+            '"default-api-key";q=1000;w=10, "per-address";q=36000;w=10, "spray-guard";q=50;w=60'
         )
 
 
@@ -256,7 +259,7 @@ async def test_key_spraying_with_reject_costs_the_upstream_nothing(tmp_path, key
     from tests.support.gateway import DEFAULT_RULES
 
     path, *_ = keys_file
-    (tmp_path / "ceilings.yaml").write_text(CEILING)
+    (tmp_path / "ceilings.yaml").write_text(SPRAY_CEILING)
     config = _config(tmp_path, f"identity:\n  api_key: {{keys: {path}, unknown: reject}}\n")
     rules = [DEFAULT_RULES, str(tmp_path / "ceilings.yaml")]
     async with running_raw_upstream() as up:
