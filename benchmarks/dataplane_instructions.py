@@ -377,6 +377,12 @@ def main() -> None:
         metavar="LABEL=DIR",
         help="also measure the gateway of this checkout (repeatable)",
     )
+    parser.add_argument(
+        "--no-current",
+        action="store_true",
+        help="measure only the --gateway-src checkouts, not this one (e.g. when it runs "
+        "interpreted, with no compiled modules beside its sources)",
+    )
     parser.add_argument("--cpu", action="store_true", help="CPU time per request, no valgrind")
     parser.add_argument(
         "--access-log",
@@ -394,7 +400,7 @@ def main() -> None:
     callgrind = not args.cpu
     if callgrind and shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found (Debian: apt-get install valgrind), or use --cpu")
-    sources = [("current", ROOT)]
+    sources = [] if args.no_current else [("current", ROOT)]
     for item in args.gateway_src:
         label, sep, directory = item.partition("=")
         if not sep or not Path(directory, "gateway").is_dir():
