@@ -315,15 +315,18 @@ class AccessLogger:
         self._hasher: object = None
         # (epoch seconds, region, rule, identity as logged) of the latest refusals, for the
         # operator console; kept whatever the log mode (one append per refusal).
-        self.recent_limited: deque[tuple[float, str, str | None, str | None]] = deque(
-            maxlen=RECENT_LIMITED
-        )
+        # With the consumer and tier of a verified identity (names, never a key).
+        self.recent_limited: deque[
+            tuple[float, str, str | None, str | None, str | None, str | None]
+        ] = deque(maxlen=RECENT_LIMITED)
 
     def emit(self, record: AccessRecord) -> None:
         """Format the record now; write it within ``flush_seconds`` at the latest."""
         now = _time()  # one clock read for the console, the line's time and start_us
         if record.decision == "limited":
-            self.recent_limited.append((now, record.region, record.rule, record.identity))
+            self.recent_limited.append(
+                (now, record.region, record.rule, record.identity, record.consumer, record.tier)
+            )
         if self.mode == "off" or not log.isEnabledFor(logging.INFO):
             return
         if record.time is None:
