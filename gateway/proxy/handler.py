@@ -49,6 +49,7 @@ _perf_counter: Final = time.perf_counter
 
 REFUSED_METHODS: Final = frozenset({"CONNECT", "TRACE"})
 HEALTH_PATH: Final = "/ok"
+READY_PATH: Final = "/ready"  # readiness: exempt like /ok, answered by ``Gateway.readiness``
 INFO_PATH: Final = "/info"
 # What the gateway reads in a request header (by lower-case name); every other header is
 # only relayed. One dict lookup per header decides.
@@ -188,6 +189,9 @@ class Gateway:
     keep_method_override: bool = False
     # Known keys and JWT users (None: identities are counted as claimed).
     verified: VerifiedIdentities | None = None
+    # ``/ready``'s answer (status, JSON body), computed without waiting (None: not served,
+    # the path is an ordinary request). Set by ``gateway.app``.
+    readiness: Callable[[], tuple[int, bytes]] | None = None
     # What the gateway reads in a header, by lower-case name (the module's _ROLES, with
     # the configured identity headers: see use_identities).
     _roles: dict[bytes, int] = field(default_factory=lambda: dict(_ROLES))
@@ -265,6 +269,11 @@ class Gateway:
         req.path = record.path = path
         if path == HEALTH_PATH and (method == "GET" or method == "HEAD"):
             return OK_ANSWER
+        if path == READY_PATH and self.readiness is not None and (
+            method == "GET" or method == "HEAD"
+        ):
+            status, body = self.readiness()
+            return Answer.json(status, body)
 
         regions = self.regions
         if regions.by_host:
