@@ -339,6 +339,17 @@ class Metrics:
             "Bearer tokens that did not verify, by reason (signature, expired, issuer ...).",
             ["reason"],
         )
+        self.tunnels_opened = Counter(
+            "gateway_tunnels_opened",
+            "Upgraded connections (WebSocket ...) joined after the upstream's 101.",
+            [],
+        )
+        self.tunnels_closed = Counter(
+            "gateway_tunnels_closed",
+            "Upgraded connections that ended, by reason (closed, idle, max_bytes, "
+            "max_seconds, stopping).",
+            ["reason"],
+        )
         self.consumer_requests = Counter(
             "gateway_consumer_requests",
             "Decisions on requests of a verified identity, by consumer (a known key's, '-' "
@@ -370,7 +381,8 @@ class Metrics:
             self.requests, self.near_limit, self.overhead, self.upstream_latency,
             self.upstream_errors, self.responses, self.counter_errors, self.breaker_state,
             self.breaker_transitions, self.fallback_decisions, self.deny_cache_hits,
-            self.token_failures, self.consumer_requests, self.identity_refusals,
+            self.token_failures, self.tunnels_opened, self.tunnels_closed,
+            self.consumer_requests, self.identity_refusals,
             self.rule_reloads, self.rules_loaded, self.rules_count, self.inflight,
         )  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)

@@ -10,11 +10,12 @@ import logging
 import time
 from collections.abc import Coroutine
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.proxy.handler import Gateway
 from gateway.proxy.server import ClientConnection
+from gateway.proxy.tunnel import TunnelLimits, Tunnels
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
 
 log = logging.getLogger("gateway.proxy")
@@ -34,6 +35,8 @@ class PlaneLimits:
     max_uploads: int = 128  # all clients together: half the upstream pool
     max_downloads_per_client: int = 8
     max_client_connections: int = 1250  # open at once from one (untrusted) address
+    # upgraded connections (WebSocket ...)
+    tunnels: TunnelLimits = field(default_factory=TunnelLimits)
 
 
 class DataPlane:
@@ -54,6 +57,11 @@ class DataPlane:
         self.downloads: dict[str, int] = {}
         # Open connections per TCP peer address (trusted proxies are not capped).
         self.per_address: dict[str, int] = {}
+        self.tunnels = Tunnels(
+            self.loop,
+            limits.tunnels,
+            lambda reason: gateway.metrics.child(gateway.metrics.tunnels_closed, reason).inc(),
+        )
         self._refused_logged = 0.0
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -205,6 +213,8 @@ class DataPlane:
         for conn in list(self.connections):
             if conn.deadline or conn.body_deadline:
                 conn.check(now)
+        if self.tunnels.open:
+            self.tunnels.sweep(now)
         self._sweeps += 1
         if self._sweeps % max(1, int(10 / self._tick)) == 0:
             self.pool.sweep()
@@ -216,12 +226,19 @@ class DataPlane:
         for server in self._servers:
             server.close()
         for conn in list(self.connections):
-            if conn.active is None and conn.current is None and conn.transport is not None:
+            # (an upgraded connection gets the grace too: its peers may be closing it)
+            if (
+                conn.active is None
+                and conn.current is None
+                and conn.tunnel is None
+                and conn.transport is not None
+            ):
                 conn.transport.close()
         self._all_closed = self.loop.create_future()
         if self.connections:
             with suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._all_closed), grace)
+        self.tunnels.close_all()
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()

@@ -37,6 +37,7 @@ from gateway.proxy.relay import (
 )
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import new_request_id
+from gateway.proxy.tunnel import Tunnel
 from gateway.proxy.upstream_pool import Upstream, UpstreamConnection
 from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
 from gateway.ratelimit.decision import Decision
@@ -126,6 +127,9 @@ class ClientConnection(asyncio.Protocol):
         # of an Upgrade request's head, so the body is read by a second parser told only
         # the framing (see _UpgradeBody).
         self.upgrade_body: _UpgradeBody | None = None
+        # Once the upstream has switched protocols, the joined connections (the protocol
+        # of this connection's transport is then the tunnel's: see gateway.proxy.tunnel).
+        self.tunnel: Tunnel | None = None
 
     # --- asyncio.Protocol
 

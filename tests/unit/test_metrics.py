@@ -39,6 +39,11 @@ FAMILIES = [
      "Requests refused from the local deny cache without asking the counter store."),
     ("gateway_token_failures_total", "counter", ("reason",),
      "Bearer tokens that did not verify, by reason (signature, expired, issuer ...)."),
+    ("gateway_tunnels_opened_total", "counter", (),
+     "Upgraded connections (WebSocket ...) joined after the upstream's 101."),
+    ("gateway_tunnels_closed_total", "counter", ("reason",),
+     "Upgraded connections that ended, by reason (closed, idle, max_bytes, max_seconds, "
+     "stopping)."),
     ("gateway_consumer_requests_total", "counter", ("region", "consumer", "tier", "decision"),
      "Decisions on requests of a verified identity, by consumer (a known key's, '-' for a "
      "token's user) and tier ('-': none); never a key or a token."),
@@ -78,9 +83,10 @@ def test_a_fresh_registry_declares_every_family_with_its_help_and_type():
     for name, kind, _labels, help_text in FAMILIES:
         expected += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     assert declared == expected
-    # Labelled families have no series until used; unlabelled gauges start at 0.
+    # Labelled families have no series until used; unlabelled ones start at 0.
     values = [line for line in text.splitlines() if not line.startswith("#")]
     assert values == [
+        "gateway_tunnels_opened_total 0.0",
         "gateway_rules_loaded_timestamp_seconds 0.0",
         "gateway_rules 0.0",
         "gateway_inflight_requests 0.0",
@@ -193,6 +199,7 @@ def test_the_exposition_parses_with_the_declared_label_names():
     m.child(m.token_failures, "expired").inc()
     m.child(m.identity_refusals, "unknown_key").inc()
     m.child(m.consumer_requests, "us", "acme", "gold", "allowed").inc()
+    m.child(m.tunnels_closed, "idle").inc()
     parsed = {f.name: f for f in text_string_to_metric_families(scrape(m))}
     for name, kind, labels, help_text in FAMILIES:
         family = parsed[name.removesuffix("_total")]
