@@ -103,7 +103,9 @@ class Upstreams:
             routes.append((prefix, Upstream(f"route:{prefix}", url.rstrip("/"))))
         default = None
         if settings.upstream:
-            default = Upstream("default", settings.upstream.rstrip("/"))
+            # The upstream the gateway fronts as a sidecar takes upgrades (WebSocket ...);
+            # the built-in ones and extra routes speak plain HTTP only.
+            default = Upstream("default", settings.upstream.rstrip("/"), upgrade=True)
         return Router(routes, default)
 
 

@@ -32,6 +32,9 @@ class Upstream:
     name: str
     base_url: str
     preserve_host: bool = True
+    # A client's Upgrade (WebSocket ...) is passed on and, after a 101, the connections are
+    # joined (gateway.proxy.tunnel); otherwise Upgrade is dropped and the request is HTTP.
+    upgrade: bool = False
 
     def address(self) -> tuple[str, int, bool, str]:
         """(host, port, tls, path prefix)."""
