@@ -376,6 +376,24 @@ class Metrics:
         self.inflight = ScalarGauge(
             "gateway_inflight_requests", "Requests being handled right now.", mode="livesum"
         )
+        # Labelled, so a gateway without TLS exports no series (an unlabelled expiry
+        # gauge would read 0, "expired in 1970", and fire every expiry alert).
+        self.tls_reloads = Counter(
+            "gateway_tls_reloads",
+            "TLS certificate reloads (the files changed, or SIGHUP), by listener (proxy, "
+            "admin) and outcome: ok (a new pair in force), unchanged, refused (the pair "
+            "in force kept).",
+            ["listener", "outcome"],
+        )
+        # With --workers: the earliest any live worker serves (one that refused a
+        # rotation still serves the old certificate, and that is the one to alert on).
+        self.tls_expiry = Gauge(
+            "gateway_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate in force expires (its notAfter, Unix time), by "
+            "listener (proxy, admin).",
+            ["listener"],
+            mode="livemin",
+        )
         # Export order = definition order above (what prometheus-client did too).
         self.families: tuple[Family, ...] = (
             self.requests, self.near_limit, self.overhead, self.upstream_latency,
@@ -384,6 +402,7 @@ class Metrics:
             self.token_failures, self.tunnels_opened, self.tunnels_closed,
             self.consumer_requests, self.identity_refusals,
             self.rule_reloads, self.rules_loaded, self.rules_count, self.inflight,
+            self.tls_reloads, self.tls_expiry,
         )  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(cast(Collector, FamilyCollector(self.families)))

@@ -56,6 +56,12 @@ FAMILIES = [
      "When the running rule table was loaded."),
     ("gateway_rules", "gauge", (), "Rules in the running table."),
     ("gateway_inflight_requests", "gauge", (), "Requests being handled right now."),
+    ("gateway_tls_reloads_total", "counter", ("listener", "outcome"),
+     "TLS certificate reloads (the files changed, or SIGHUP), by listener (proxy, admin) and "
+     "outcome: ok (a new pair in force), unchanged, refused (the pair in force kept)."),
+    ("gateway_tls_certificate_expiry_timestamp_seconds", "gauge", ("listener",),
+     "When the TLS certificate in force expires (its notAfter, Unix time), by listener "
+     "(proxy, admin)."),
 ]  # fmt: skip
 
 LE = [
@@ -200,6 +206,8 @@ def test_the_exposition_parses_with_the_declared_label_names():
     m.child(m.identity_refusals, "unknown_key").inc()
     m.child(m.consumer_requests, "us", "acme", "gold", "allowed").inc()
     m.child(m.tunnels_closed, "idle").inc()
+    m.child(m.tls_reloads, "proxy", "ok").inc()
+    m.child(m.tls_expiry, "proxy").set(1.8e9)
     parsed = {f.name: f for f in text_string_to_metric_families(scrape(m))}
     for name, kind, labels, help_text in FAMILIES:
         family = parsed[name.removesuffix("_total")]
