@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -37,6 +37,7 @@ from gateway.proxy.admin import create_admin_app
 from gateway.proxy.console import ConsoleSource, Recent
 from gateway.proxy.handler import Gateway
 from gateway.proxy.plane import DataPlane, PlaneLimits
+from gateway.proxy.readiness import DatabaseCheck, Readiness, backend_health, database_probe
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.routing import RegionMap, Router
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
@@ -44,6 +45,11 @@ from gateway.ratelimit.identity import ClientAddressPolicy, IdentityHasher
 from gateway.ratelimit.limiter import Limiter
 from gateway.secrets import identity_secret
 from gateway.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from gateway.upstreams.control_plane.config import ControlPlaneConfig
+    from gateway.upstreams.postgres.breaker import DatabaseBreaker
+    from gateway.upstreams.store.config import StoreConfig
 
 log = logging.getLogger("gateway")
 
@@ -111,7 +117,11 @@ class Upstreams:
 
 class Proxy:
     """The proxy port and what it owns: counter backends, the upstream pool, the rule
-    watcher. ``start`` opens them and listens; ``stop`` drains and closes them."""
+    watcher, the readiness checks. ``start`` opens them and listens; ``stop`` drains and
+    closes them.
+
+    ``databases``: the built-in services' PostgreSQL, for ``/ready`` (none on SQLite, or
+    without the built-in upstreams)."""
 
     def __init__(
         self,
@@ -120,13 +130,16 @@ class Proxy:
         metrics: Metrics,
         rules: RuleSource,
         secret: bytes,
+        databases: Sequence[DatabaseCheck] = (),
     ) -> None:
         self.settings = settings
         self.upstreams = upstreams
         self.metrics = metrics
         self.rules = rules
         self.secret = secret
+        self.databases = tuple(databases)
         self.gateway: Gateway | None = None
+        self.readiness: Readiness | None = None
         self.plane: DataPlane | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._identity_tasks: list[asyncio.Task[None]] = []
@@ -167,6 +180,17 @@ class Proxy:
         verified = await self._identities()
         if verified is not None:
             self.gateway.use_identities(verified)
+        # ``/ready`` is answered from the first request the port accepts: set before it
+        # listens, checked in the background from now on.
+        rules = self.rules
+        self.readiness = Readiness(
+            rules=lambda: rules.table,
+            last_reload_error=lambda: rules.last_error,
+            stores=backend_health(backends),
+            databases=self.databases,
+        )
+        self.gateway.readiness = self.readiness.answer
+        self.readiness.start()
         max_connections = connection_cap(settings.max_connections, settings.upstream_pool_size)
         limits = PlaneLimits(
             max_body_bytes=settings.max_body_bytes,
@@ -241,9 +265,19 @@ class Proxy:
         assert self.plane is not None
         return self.plane.ports[0]
 
+    def drain(self) -> None:
+        """A graceful stop begins: ``/ready`` answers 503 from now on (the listener is
+        still open; ``stop`` closes it)."""
+        if self.readiness is not None:
+            self.readiness.drain()
+
     async def stop(self, grace: float) -> None:
+        # Not ready first, before the listener closes and while requests finish.
+        self.drain()
         if self.plane is not None:
             await self.plane.stop(grace)
+        if self.readiness is not None:
+            await self.readiness.stop()
         if self._watcher is not None:
             self._watcher.cancel()
             with suppress(asyncio.CancelledError):
@@ -294,11 +328,13 @@ def prepare_rules(settings: Settings, metrics: Metrics) -> RuleSource:
 
 @dataclass
 class Embedded:
-    """The built-in upstreams' applications and their listening sockets."""
+    """The built-in upstreams' applications and their listening sockets; ``databases``:
+    the PostgreSQL URL of each one that keeps its data there (by app name)."""
 
     apps: dict[str, web.Application]
     sockets: dict[str, socket.socket]
     notes: list[str]
+    databases: dict[str, str] = field(default_factory=dict)
 
     def urls(self) -> dict[str, str]:
         return {
@@ -306,22 +342,35 @@ class Embedded:
         }
 
 
-def build_embedded(settings: Settings) -> Embedded:
-    """Create the Store and control-plane apps and bind their loopback sockets."""
-    from gateway.upstreams.control_plane.app import create_control_plane_app
-    from gateway.upstreams.control_plane.config import ControlPlaneConfig, bootstrap_credentials
-    from gateway.upstreams.store.app import create_store_app
+def _embedded_configs(settings: Settings) -> tuple[StoreConfig, ControlPlaneConfig]:
+    """The Store's and control plane's configurations (``ValueError`` names a bad key)."""
+    from gateway.upstreams.control_plane.config import ControlPlaneConfig
     from gateway.upstreams.store.config import StoreConfig
 
     data_dir = Path(settings.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    store_config = StoreConfig.from_mapping(settings.store, data_dir)
+    cp_config = ControlPlaneConfig.from_mapping(settings.control_plane, data_dir, os.environ)
+    if settings.database_url is not None:
+        store_config = dataclasses.replace(store_config, database_url=settings.database_url)
+        cp_config = dataclasses.replace(cp_config, database_url=settings.database_url)
+    return store_config, cp_config
+
+
+def _database_urls(store: StoreConfig, control_plane: ControlPlaneConfig) -> dict[str, str]:
+    urls = {"store": store.database_url, "control-plane": control_plane.database_url}
+    return {name: url for name, url in urls.items() if url is not None}
+
+
+def build_embedded(settings: Settings) -> Embedded:
+    """Create the Store and control-plane apps and bind their loopback sockets."""
+    from gateway.upstreams.control_plane.app import create_control_plane_app
+    from gateway.upstreams.control_plane.config import bootstrap_credentials
+    from gateway.upstreams.store.app import create_store_app
+
+    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     try:
-        store_config = StoreConfig.from_mapping(settings.store, data_dir)
-        cp_config = ControlPlaneConfig.from_mapping(settings.control_plane, data_dir, os.environ)
-        if settings.database_url is not None:
-            store_config = dataclasses.replace(store_config, database_url=settings.database_url)
-            cp_config = dataclasses.replace(cp_config, database_url=settings.database_url)
+        store_config, cp_config = _embedded_configs(settings)
         cp_config, message = bootstrap_credentials(cp_config)
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
@@ -339,7 +388,39 @@ def build_embedded(settings: Settings) -> Embedded:
         sock.listen(512)
         sock.setblocking(False)
         sockets[name] = sock
-    return Embedded(apps, sockets, notes)
+    return Embedded(apps, sockets, notes, _database_urls(store_config, cp_config))
+
+
+def _closed(breaker: DatabaseBreaker) -> Callable[[], bool]:
+    return lambda: breaker.healthy
+
+
+def database_checks(
+    settings: Settings, embedded: Embedded | None, builtin: Sequence[str]
+) -> list[DatabaseCheck]:
+    """What ``/ready`` checks of the built-in services' PostgreSQL (SQLite: nothing).
+
+    In the process that runs them (``embedded``), each service's own breaker and a probe
+    of its URL; in a ``--workers`` worker, which reaches them over loopback (``builtin``:
+    their names), a probe of the URL each uses, read from the same settings."""
+    checks: list[DatabaseCheck] = []
+    if embedded is not None:
+        from gateway.upstreams.postgres.breaker import database_breaker
+
+        for name, app in embedded.apps.items():
+            breaker = database_breaker(app)
+            url = embedded.databases.get(name)
+            if breaker is None or url is None:
+                continue
+            checks.append(DatabaseCheck(name, database_probe(url), _closed(breaker)))
+        return checks
+    if not builtin:
+        return checks
+    try:
+        urls = _database_urls(*_embedded_configs(settings))
+    except ValueError:  # checked when the supervisor built them: not reached
+        return checks
+    return [DatabaseCheck(name, database_probe(urls[name])) for name in builtin if name in urls]
 
 
 class Service:
@@ -531,7 +612,8 @@ async def serve(
             upstreams.builtin.update(embedded.urls())
             for note in embedded.notes:
                 log.warning("%s", note)
-        proxy = Proxy(settings, upstreams, metrics, rules, secret)
+        databases = database_checks(settings, embedded, list(builtin_urls or ()))
+        proxy = Proxy(settings, upstreams, metrics, rules, secret, databases)
         worker = "" if worker_index is None else f" (worker {worker_index})"
         log_startup(settings, rules, upstreams.router(settings), worker)
         for name, url in upstreams.builtin.items():
@@ -566,7 +648,10 @@ async def serve(
             )  # fmt: skip
             # Hook (issue 12): the admin /info also shows the Store's embedding index.
             info = _with_store_index(proxy.info, embedded)
-            admin = create_admin_app(metrics.registry, info, console)
+            assert proxy.readiness is not None
+            admin = create_admin_app(
+                metrics.registry, info, console, readiness=proxy.readiness.answer
+            )
             for address in await service.start_tcp(admin, settings.admin_host, admin_port):
                 log.info("metrics on %s/metrics, console on %s/console", address, address)
         else:
@@ -579,8 +664,10 @@ async def serve(
 
             sharing = asyncio.create_task(_share_metrics(writer, sync))
         await stop.wait()
-        log.info("stopping: no new connections; waiting up to %.0fs for requests in flight",
-                 settings.shutdown_timeout)  # fmt: skip
+        # Not ready first (both ports' /ready answer 503), then the listener closes.
+        proxy.drain()
+        log.info("stopping: no new connections, /ready answers 503; waiting up to %.0fs for "
+                 "requests in flight", settings.shutdown_timeout)  # fmt: skip
     finally:
         await service.stop()
         if sharing is not None:

@@ -1,14 +1,15 @@
-"""The admin application (its own port): Prometheus metrics, a liveness probe, the
-operator's ``/info`` (counter store addresses, rule files, upstreams, the last reload
-error), which the public port does not show, and the operator console (``/console``).
+"""The admin application (its own port): Prometheus metrics, a liveness probe (``/ok``),
+a readiness probe (``/ready``, gateway/proxy/readiness.py), the operator's ``/info``
+(counter store addresses, rule files, upstreams, the last reload error), which the public
+port does not show, and the operator console (``/console``).
 
 Host check (a defence against DNS rebinding, hardening issue finding 8). A page in the
 operator's browser can point its own name at 127.0.0.1 (or at the admin port's private
 address) and then read, from its own origin, whatever the admin port answers. The
 browser sends that page's name as ``Host``, and no page can make it send an address, so:
 
-* Without ``admin_token``: everything but ``/metrics`` and ``/ok`` (scrapers and probes
-  reach those by any name) answers only a ``Host`` that names this port: ``localhost``
+* Without ``admin_token``: everything but ``/metrics``, ``/ok`` and ``/ready`` (scrapers
+  and probes reach those by any name) answers only a ``Host`` that names this port: ``localhost``
   and ``*.localhost`` (RFC 6761 reserves them for loopback, browsers resolve them
   without DNS, and nobody can register one), a loopback address (127.0.0.0/8, ``[::1]``,
   ``[::ffff:127.x.y.z]``), ``admin_host`` itself, the address the connection arrived at,
@@ -32,20 +33,21 @@ import hmac
 import ipaddress
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway.proxy.console import ConsoleSource, add_console
+from gateway.proxy.readiness import Readiness
 
 log = logging.getLogger(__name__)
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Host = str | Address  # a name (lower case, no trailing dot) or an address
 
-OPEN_PATHS = frozenset({"/metrics", "/ok"})  # scrapers and probes, any Host
+OPEN_PATHS = frozenset({"/metrics", "/ok", "/ready"})  # scrapers and probes, any Host
 # RFC 3986 reg-name: unreserved, sub-delims and percent-encoded octets.
 _REG_NAME = re.compile(r"(?:[a-z0-9\-._~!$&'()*+,;=]|%[0-9a-f]{2})+")
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?")
@@ -207,8 +209,8 @@ def _host_guard(
         if not policy.allows(host, _local_address(request)):
             return _refusal(
                 421,
-                "this admin port answers everything but /metrics and /ok only to a Host "
-                f"header naming its own address ({named}), a defence against DNS "
+                "this admin port answers everything but /metrics, /ok and /ready only to a "
+                f"Host header naming its own address ({named}), a defence against DNS "
                 f"rebinding; to reach it by another name, {fix}",
             )
         return await handler(request)
@@ -224,11 +226,18 @@ def create_admin_app(
     admin_host: str = "127.0.0.1",
     admin_token: str | None = None,
     allowed_hosts: Iterable[str] = (),
+    readiness: Callable[[], tuple[int, bytes]] | None = None,
 ) -> web.Application:
     """``registry``: this process's metrics, or (``--workers``) every worker's.
 
     The Host check reads ``admin_host``, ``admin_token`` and ``admin_allowed_hosts`` from
-    ``console`` when there is one, else from the keyword arguments."""
+    ``console`` when there is one, else from the keyword arguments.
+
+    ``readiness``: ``/ready``'s answer (a gateway process passes the one its public port
+    gives). Without it but with ``console`` (the supervisor of ``--workers``, which has no
+    request path of its own), ``/ready`` is made from what the console sees: the rule
+    table and each region's counter store, checked every second while the app runs.
+    With neither, there is no ``/ready``."""
     if console is not None:
         admin_host, admin_token = console.admin_host, console.admin_token
         allowed_hosts = console.admin_allowed_hosts
@@ -247,11 +256,46 @@ def create_admin_app(
         assert info is not None
         return web.json_response(await info())
 
+    cleanup: list[Callable[[web.Application], AsyncIterator[None]]] = []
+    if readiness is None and console is not None:
+        checks = _console_readiness(console)
+        readiness = checks.answer
+
+        async def run_checks(app: web.Application) -> AsyncIterator[None]:
+            checks.start()
+            yield
+            await checks.stop()
+
+        cleanup.append(run_checks)
+    answer_ready = readiness
+
+    async def ready(request: web.Request) -> web.Response:
+        assert answer_ready is not None
+        status, body = answer_ready()
+        response = web.Response(body=body, status=status, content_type="application/json")
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
     app = web.Application(middlewares=[_host_guard(policy, admin_host, admin_token)])
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/ok", ok)
+    if answer_ready is not None:
+        app.router.add_get("/ready", ready)
+    app.cleanup_ctx.extend(cleanup)
     if info is not None:
         app.router.add_get("/info", info_handler)
     if console is not None:
         add_console(app, console)
     return app
+
+
+def _console_readiness(console: ConsoleSource) -> Readiness:
+    """Readiness from the console's view: the rule table (and its last reload) and the
+    counter stores' health as the console's region list reports it."""
+
+    async def stores() -> dict[str, bool]:
+        return {str(r["name"]): r.get("healthy") is True for r in await console.regions()}
+
+    return Readiness(
+        rules=console.table, last_reload_error=console.last_reload_error, stores=stores
+    )
