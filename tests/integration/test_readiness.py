@@ -37,7 +37,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.support.gateway import GatewayProcess, running_app
+from tests.support.gateway import GatewayProcess, free_port, running_app, running_gateway
 from tests.support.postgres_server import PostgresServer, postgres_server
 from tests.support.redis_servers import RedisServer, running_redis
 
@@ -308,3 +308,75 @@ async def test_a_graceful_stop_turns_ready_503_first_and_finishes_the_request(
         finally:
             release.set()
             gw.stop()
+
+
+FAIL_CLOSED_ONLY_IN_EU = (
+    "rules:\n"
+    "  - {id: eu-writes, identity: ip, failure_mode: closed, limits: {eu: 10/10}}\n"
+    "  - {id: all, identity: ip, limits: {default: 1000/60}}\n"
+)
+# What the rules may add, and whether it makes us's outage refuse requests (not ready).
+TABLE_CHANGES = [
+    ("a shadow rule never refuses", False,
+     "  - {id: trial, identity: ip, shadow: true, failure_mode: closed, limits: {us: 5/10}}\n"),
+    ("an unlimited rule is never counted", False,
+     "  - {id: free, match: {path: /free}, unlimited: true, failure_mode: closed}\n"),
+    ("a tier's limits count", True,
+     "  - {id: tiered, identity: api_key, failure_mode: closed, limits: {eu: 10/10},\n"
+     "     tiers: {pro: {us: 100/10}}}\n"),
+    ("a ceiling counts", True,
+     "ceilings:\n"
+     "  - {id: backstop, identity: ip, failure_mode: closed, limits: {us: 9000/10}}\n"),
+]  # fmt: skip
+
+
+async def _ready_answer(http: aiohttp.ClientSession, url: str) -> Answer:
+    async with http.get(url + "/ready") as r:
+        return r.status, await r.json()
+
+
+@pytest.mark.parametrize(
+    ("change", "refuses", "text"), TABLE_CHANGES, ids=[c[0] for c in TABLE_CHANGES]
+)
+async def test_the_verdict_follows_the_rule_table_in_force(
+    tmp_path: Path, change: str, refuses: bool, text: str
+) -> None:
+    """us's counter store does not answer (nothing listens on its port). Whether that
+    makes the instance not ready is read from the table in force at each answer: a
+    reload that adds a fail-closed rule for us turns it 503 at once."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(FAIL_CLOSED_ONLY_IN_EU)
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    async with (
+        running_gateway(rules=[str(rules)], redis_url=nowhere) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:  # until the first PING has failed
+            status, body = await _ready_answer(http, gw.url)
+            if (status == 200 and body["degraded"]) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert status == 200 and [f["region"] for f in body["degraded"]] == ["us"], body
+
+        if text.startswith("ceilings:"):
+            rules.write_text(FAIL_CLOSED_ONLY_IN_EU + text)
+        else:
+            rules.write_text(FAIL_CLOSED_ONLY_IN_EU.replace("rules:\n", "rules:\n" + text))
+        assert gw.rules.reload("test"), gw.rules.last_error
+        status, body = await _ready_answer(http, gw.url)
+        if refuses:
+            assert status == 503 and body["degraded"] == [], body
+            (finding,) = body["not_ready"]
+            rule_id = text.split("id: ")[1].split(",")[0]
+            assert finding["region"] == "us" and rule_id in finding["detail"], finding
+        else:
+            assert status == 200 and body["not_ready"] == [], body
+
+        # A reload refused keeps the table in force and says so, as a warning only.
+        rules.write_text("rules: [")
+        assert not gw.rules.reload("test")
+        status, after = await _ready_answer(http, gw.url)
+        assert status == (503 if refuses else 200)
+        expected = ["rules"] if refuses else ["rules", "counter_store"]
+        assert [f["check"] for f in after["degraded"]] == expected, after
