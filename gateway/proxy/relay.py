@@ -153,6 +153,8 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
         via.append(VIA)
         append(b"Via: " + b", ".join(via) + CRLF)
     append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
+    if req.tunnel:  # hop-by-hop, dropped above; asked of this upstream on purpose
+        append(b"Connection: Upgrade\r\nUpgrade: " + req.upgrade_value + CRLF)
     if req.chunked:
         if req.body_done:  # all of it is here: send it with a length
             append(b"Content-Length: %d\r\n" % req.body_size)
@@ -174,6 +176,9 @@ _DROP: Final = 6
 _RATE: Final = 7
 # Dropped outright (the gateway writes its own framing and X-Request-Id).
 _DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-id"}
+# Not passed on with a 101: hop-by-hop fields (the gateway writes Connection and Upgrade
+# itself), framing (none follows a 101) and the gateway's own.
+_DROPPED_101: Final = HOP_BY_HOP | {b"content-length", b"x-request-id", b"via"}
 _SPECIAL_ACTIONS: Final = {
     b"connection": _CONNECTION, b"transfer-encoding": _TRANSFER, b"via": _VIA,
     b"content-length": _LENGTH, b"date": _DATE,
@@ -224,6 +229,7 @@ class ClientSide(Protocol):
     def forward_done(self, relay: Relay, outcome: int) -> None: ...
     def download_started(self, relay: Relay) -> None: ...
     def forward_failed(self, relay: Relay, exc: BaseException) -> None: ...
+    def tunnel_open(self, relay: Relay, rest: bytes) -> None: ...
 
 
 class Relay:
@@ -279,6 +285,7 @@ class Relay:
         self.body_ended = req.body_done
         if not req.body_done:
             req.body = []  # from now on the body streams; a complete one is kept for a retry
+        uconn.upgrade_asked = req.tunnel
         uconn.start(self, data, req.head_only)
         if not req.body_done:
             req.sink = self._body_chunk
@@ -384,6 +391,32 @@ class Relay:
         if self.phase == WAITING:
             self.phase = STREAMING
             conn.forward_head(self)
+
+    def response_switched(
+        self, reason: bytes, headers: list[tuple[bytes, bytes]], rest: bytes
+    ) -> None:
+        """The upstream answered an asked-for upgrade with 101: write the 101 (with the
+        protocol it switched to) and join the connections; ``rest``: what came after it."""
+        req = self.req
+        lines = [_status_line(101, reason)]
+        upgrade = req.upgrade_value
+        rate_lines = req.rate_lines
+        for name, value in headers:
+            lower = name.lower()
+            if lower == b"upgrade":
+                upgrade = value
+            elif lower in _DROPPED_101 or (lower in _RATE_NAMES and rate_lines):
+                continue
+            else:
+                lines.append(name + b": " + value + CRLF)
+        lines.append(b"Connection: Upgrade\r\nUpgrade: " + upgrade + CRLF + VIA_LINE)
+        if rate_lines:
+            lines.append(rate_lines)
+        lines.append(b"X-Request-Id: " + req.request_id.encode() + CRLF + CRLF)
+        self.status = 101
+        self.phase = DONE
+        self.conn.write(b"".join(lines))
+        self.conn.tunnel_open(self, rest)
 
     def response_body(self, data: bytes) -> None:
         self.out.append(chunk(data) if self.chunked_out else data)

@@ -26,6 +26,10 @@ class Incoming:
     keep_alive = True
     head_only = False
     upgrade = False
+    # the Upgrade is passed on (its route takes upgrades): a tunnel slot is reserved for
+    # it until the upstream's 101 joins the connections, or the request ends without one
+    tunnel = False
+    upgrade_value = b""  # the client's Upgrade header, as sent
     started = 0.0
     # bytes read while this request's head arrived (at least the head's size): when
     # under max_header_bytes, no single header can be over it

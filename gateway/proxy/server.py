@@ -130,6 +130,9 @@ class ClientConnection(asyncio.Protocol):
         # Once the upstream has switched protocols, the joined connections (the protocol
         # of this connection's transport is then the tunnel's: see gateway.proxy.tunnel).
         self.tunnel: Tunnel | None = None
+        # Bytes that came after an Upgrade request's head (without a body), kept until
+        # the upstream has answered: a tunnel passes them on (bounded; then reading pauses).
+        self.upgrade_early: bytearray | None = None
 
     # --- asyncio.Protocol
 
@@ -178,6 +181,9 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.dead_parser or self.lost:
+            early = self.upgrade_early
+            if early is not None and not self.lost:
+                self._keep_early(early, data)
             return
         self.got_bytes = True
         if self.backlog is not None or len(data) > FEED_SLICE:
@@ -234,12 +240,17 @@ class ClientConnection(asyncio.Protocol):
             # as plain HTTP and the connection closes after it. Its body, if it declared
             # one, is read whole first (never forwarded without it: request smuggling).
             body = self.upgrade_body
-            if body is None:
-                self.dead_parser = True
-                return
-            # (parsed after this except block: an error raised in it would carry the
-            # upgrade as its context instead of its own cause)
             upgrade_at = int(exc.args[0]) if exc.args else len(data)
+            if body is None:
+                # Nothing more is parsed; what follows may be the upgraded protocol's
+                # first bytes, kept for a tunnel (see _forward).
+                self.dead_parser = True
+                early = self.upgrade_early
+                if early is not None and upgrade_at < len(data):
+                    self._keep_early(early, data[upgrade_at:])
+                return
+            # (the body is parsed after this except block: an error raised in it would
+            # carry the upgrade as its context instead of its own cause)
         except httptools.HttpParserCallbackError as exc:
             self._callback_failed(exc)
             return
@@ -261,6 +272,11 @@ class ClientConnection(asyncio.Protocol):
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_head_bytes:
                 self._head_too_large()
+
+    def _keep_early(self, early: bytearray, data: bytes | memoryview) -> None:
+        early += data
+        if len(early) >= EARLY_BYTES:
+            self.set_paused("upgrade", True)  # the rest waits in the kernel
 
     def _feed_upgrade_body(self, body: _UpgradeBody, data: bytes | memoryview) -> None:
         try:
@@ -390,6 +406,9 @@ class ClientConnection(asyncio.Protocol):
             framing = declared_body(req.headers)
             if framing:
                 self.upgrade_body = _UpgradeBody(self, framing)
+            else:
+                # (set before the request starts: its decision may be taken right here)
+                self.upgrade_early = bytearray()
         if self.active is None:
             self._start(req)
         else:
@@ -559,6 +578,11 @@ class ClientConnection(asyncio.Protocol):
             return
         self.active = None
         self.gateway.metrics.inflight.dec()
+        if req.upgrade:
+            self.upgrade_early = None  # no tunnel follows: the connection closes
+            if req.tunnel:  # reserved, never joined (declined, failed, answered otherwise)
+                req.tunnel = False
+                self.plane.tunnels.give_back(None if req.trusted_peer else req.client_ip)
         if req.upload_client is not None:
             self._end_upload(req)
         if req.download_client is not None:
@@ -627,6 +651,8 @@ class ClientConnection(asyncio.Protocol):
         if req.content_length is not None and req.content_length > self.limits.max_body_bytes:
             self._answer(req, self._too_large(req), keep=False)
             return
+        if req.upgrade and upstream.upgrade and not self._take_tunnel(req):
+            return
         if req.expect_continue and not req.body_done and self.transport is not None:
             self.transport.write(CONTINUE_100)
         self.upstream = upstream
@@ -636,6 +662,97 @@ class ClientConnection(asyncio.Protocol):
             self.waiting_body = True
             return
         self._connect(req)
+
+    def _take_tunnel(self, req: Incoming) -> bool:
+        """An Upgrade to an upstream that takes upgrades: pass it on, with a tunnel slot
+        reserved (False: answered 429 / 503 instead). Not passed on (the request is plain
+        HTTP, as it is where upgrades are not offered): h2c, which this data plane does
+        not speak, and an Upgrade request with a body (forwarded whole as HTTP)."""
+        value = b", ".join(v for n, v in req.headers if n.lower() == b"upgrade")
+        if (
+            not value
+            or self.upgrade_early is None  # a body was declared: read as HTTP
+            or b"h2c" in {t.strip().lower() for t in value.split(b",")}
+        ):
+            return True
+        refused = self.plane.tunnels.take(None if req.trusted_peer else req.client_ip)
+        if refused:
+            limits = self.limits.tunnels
+            if refused == 429:
+                reason = "tunnels_per_client"
+                detail = (
+                    f"too many upgraded connections open from this client (at most "
+                    f"{limits.max_tunnels_per_client}); close one and retry"
+                )
+            else:
+                reason = "tunnels_total"
+                detail = (
+                    f"every upgraded connection slot ({limits.max_tunnels}) is in use; "
+                    "retry shortly"
+                )
+            self.gateway.metrics.upstream_errors.labels("-", reason).inc()
+            headers = [*req.rate_headers, ("Retry-After", "1")]
+            self._answer(req, Answer.error(refused, detail, headers), keep=False)
+            return False
+        req.tunnel = True
+        req.upgrade_value = value
+        return True
+
+    def tunnel_open(self, relay: Relay, rest: bytes) -> None:
+        """The upstream switched protocols: end the HTTP request (logged, 101) and join
+        the two connections (``gateway.proxy.tunnel``)."""
+        req = relay.req
+        uconn = relay.uconn
+        client = self.transport
+        upstream = None if uconn is None else uconn.transport
+        if self.active is not req or not req.tunnel:
+            if upstream is not None:
+                upstream.abort()
+            return
+        latency = perf_counter() - self.forward_started
+        metrics = self.gateway.metrics
+        metrics.child(metrics.upstream_latency, relay.upstream.name).observe(latency)
+        record = req.record
+        if record is not None:
+            record.status = 101
+            record.upstream_ms = int(latency * 1e6) / 1000
+        if self.lost or client is None or upstream is None or upstream.is_closing():
+            if upstream is not None:
+                upstream.abort()
+            if record is not None:
+                record.status = 502 if not self.lost else 499
+            self._finish(req, keep=False)
+            return
+        early = bytes(self.upgrade_early or b"")
+        self.upgrade_early = None
+        req.tunnel = False  # the reservation becomes the tunnel
+        address = None if req.trusted_peer else req.client_ip
+        tunnel = self.tunnel = Tunnel(
+            self.plane.tunnels, client, upstream, address, self._tunnel_client_lost
+        )
+        self.plane.tunnels.opened(tunnel)
+        metrics.child(metrics.tunnels_opened).inc()
+        # The HTTP request ends here (metrics, access log); the connection goes on as the
+        # tunnel, its deadlines now the tunnel's.
+        self.active = None
+        metrics.inflight.dec()
+        if req.upload_client is not None:
+            self._end_upload(req)
+        if req.download_client is not None:
+            self.plane.end_download(req.download_client)
+            req.download_client = None
+        self.relay = None
+        self.upstream = None
+        self.deadline = self.body_deadline = 0.0
+        self.pipeline.clear()
+        self.paused.clear()
+        self.reading_paused = False
+        if record is not None:
+            self.gateway.finished(record, req.started)
+        tunnel.join(rest, early)
+
+    def _tunnel_client_lost(self) -> None:
+        self.connection_lost(None)
 
     def _take_upload(self, req: Incoming) -> bool:
         """A body that streams holds an upstream connection while it arrives: at most
@@ -1007,6 +1124,11 @@ def declared_body(headers: list[tuple[bytes, bytes]]) -> int:
         if lower == b"content-length":
             length = int(value)  # llhttp accepted it: digits only
     return length
+
+
+# What an upgrade's client may send before the upstream has answered (then reading
+# pauses until the tunnel is joined, or the connection closes).
+EARLY_BYTES: Final = 64 * 1024
 
 
 class _UpgradeBody:

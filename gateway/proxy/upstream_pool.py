@@ -54,6 +54,10 @@ class ResponseSink(Protocol):
 
     def response_body(self, data: bytes) -> None: ...
 
+    def response_switched(
+        self, reason: bytes, headers: list[tuple[bytes, bytes]], rest: bytes
+    ) -> None: ...
+
     def response_end(self) -> None: ...
 
     def upstream_lost(self, exc: Exception | None) -> None: ...
@@ -76,6 +80,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.received = False  # any response byte arrived for the current exchange
         self.head_only = False  # the current request is HEAD: the response has no body
+        self.upgrade_asked = False  # the current request asks to switch protocols
         self._parser = httptools.HttpResponseParser(self)
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
@@ -102,8 +107,21 @@ class UpstreamConnection(asyncio.Protocol):
         self.received = True
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # A 101 we never asked for (Upgrade is stripped from requests): not HTTP now.
+        except httptools.HttpParserUpgrade as exc:
+            if (
+                self.upgrade_asked
+                and not self._finished
+                and self._parser.get_status_code() == 101
+            ):
+                # The asked-for switch: this connection leaves the pool for good and is
+                # joined to the client's (gateway.proxy.tunnel).
+                at = int(exc.args[0]) if exc.args else len(data)
+                self.reusable = False
+                self.sink = None
+                self.pool.forget(self)
+                sink.response_switched(self._reason, self._headers, bytes(data[at:]))
+                return
+            # A 101 nobody asked for (Upgrade is dropped where not offered): not HTTP now.
             if self._finished:
                 self._stray()
             else:
@@ -218,6 +236,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.sink = sink
         self.received = False
         self.head_only = head_only
+        if self.upgrade_asked:
+            # Declined (an answer other than 101) or not: never reused after asking.
+            self.reusable = False
         self.used += 1
         assert self.transport is not None
         self.transport.write(data)
