@@ -5,6 +5,7 @@ Precedence: command-line flag > ``GATEWAY_*`` environment > config file > defaul
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -23,6 +24,36 @@ class RegionSettings:
     name: str
     counter_url: str | None  # None: in-process counters
     hosts: tuple[str, ...] = ()  # Host header values (no port) served as this region
+
+
+CLIENT_AUTH_MODES = ("none", "optional", "required")
+TLS_SECTION_KEYS = (
+    "cert", "key", "client_ca", "client_auth", "watch_interval", "handshake_timeout", "admin",
+)  # fmt: skip
+DEFAULT_TLS_WATCH_INTERVAL = 5.0  # seconds between looks at the certificate files
+DEFAULT_TLS_HANDSHAKE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class TlsPair:
+    """A PEM certificate chain (leaf first) and its private key."""
+
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """HTTPS as configured (``Settings.tls_config()``): on the proxy port when ``proxy``
+    is set, on the admin port when ``admin`` is. The files themselves are read (and
+    refused with a clear error) when the listeners start: gateway/proxy/tls_setup.py."""
+
+    proxy: TlsPair | None = None
+    client_ca: str | None = None  # the CA whose client certificates the proxy port asks for
+    client_auth: str = "none"  # none | optional | required
+    watch_interval: float = DEFAULT_TLS_WATCH_INTERVAL
+    handshake_timeout: float = DEFAULT_TLS_HANDSHAKE_TIMEOUT
+    admin: TlsPair | None = None
 
 
 def _default_rules() -> tuple[str, ...]:
@@ -58,6 +89,11 @@ class Settings:
     # Host header values the admin port answers without a token, besides loopback names
     # and addresses and admin_host itself (a defence against DNS rebinding).
     admin_allowed_hosts: tuple[str, ...] = ()
+    # HTTPS on the proxy port: a PEM certificate chain and its key (--tls-cert/--tls-key,
+    # GATEWAY_TLS_CERT/GATEWAY_TLS_KEY, or the config file's tls: {cert:, key:}). An
+    # encrypted key's passphrase is read from GATEWAY_TLS_KEY_PASSPHRASE only.
+    tls_cert: str | None = None
+    tls_key: str | None = None
     workers: int = 1
     trusted_proxies: tuple[str, ...] = ()
     ipv6_prefix: int = 64
@@ -99,6 +135,9 @@ class Settings:
     control_plane: Mapping[str, Any] = field(default_factory=dict)
     # Verified identities (known API keys, JWT users): see gateway/identity/config.py.
     identity: Mapping[str, Any] = field(default_factory=dict)
+    # The 'tls' section (client certificates, reload interval, the admin port's own
+    # pair...): see tls_config().
+    tls: Mapping[str, Any] = field(default_factory=dict)
     config_file: str | None = None
 
     @property
@@ -120,8 +159,14 @@ class Settings:
         ordered = sorted(self.regions, key=lambda r: r.name != self.region)
         return tuple(ordered)
 
+    def tls_config(self) -> TlsConfig:
+        """HTTPS as configured: ``tls_cert``/``tls_key`` merged with the 'tls' section
+        (``SettingsError`` says what does not fit). Neither port's ``TlsPair`` set: plain
+        HTTP on both."""
+        return _tls_config(self)
 
-FILE_ONLY = {"regions", "routes", "store", "control_plane", "identity", "config_file"}
+
+FILE_ONLY = {"regions", "routes", "store", "control_plane", "identity", "tls", "config_file"}
 
 
 def load_settings(
@@ -135,6 +180,16 @@ def load_settings(
     file_values: dict[str, Any] = {}
     if config_file:
         file_values = _read_config(config_file)
+        tls_section = file_values.get("tls")
+        if (
+            isinstance(tls_section, dict)
+            and {"cert", "key"} & set(tls_section)
+            and {"tls_cert", "tls_key"} & set(file_values)
+        ):
+            raise SettingsError(
+                f"config file {config_file}: the certificate is given twice (tls_cert/tls_key "
+                "and tls: {cert:, key:}): keep the tls: section's"
+            )
     values: dict[str, Any] = {}
     defaults = Settings()
     for f in fields(Settings):
@@ -155,6 +210,7 @@ def load_settings(
     store = file_values.pop("store", None) or {}
     control_plane = file_values.pop("control_plane", None) or {}
     identity = file_values.pop("identity", None) or {}
+    tls = file_values.pop("tls", None) or {}
     if file_values:
         raise SettingsError(
             f"config file {config_file}: unknown key(s) {sorted(file_values)}; "
@@ -164,6 +220,10 @@ def load_settings(
         raise SettingsError(
             f"config file {config_file}: 'store', 'control_plane' and 'identity' are mappings"
         )
+    if not isinstance(tls, dict):
+        raise SettingsError(
+            f"config file {config_file}: 'tls' is a mapping (tls: {{cert: FILE, key: FILE}})"
+        )
     settings = Settings(
         **values,
         regions=_regions(extra_region, config_file),
@@ -171,6 +231,7 @@ def load_settings(
         store=store,
         control_plane=control_plane,
         identity=identity,
+        tls={str(k).replace("-", "_"): v for k, v in tls.items()},
         config_file=config_file,
     )
     _validate(settings)
@@ -324,6 +385,7 @@ def _validate(s: Settings) -> None:
             parse_identity_config(s.identity, base)
         except IdentityConfigError as exc:
             bad(f"config file {s.config_file}: {exc}")
+    s.tls_config()  # raises SettingsError
     if s.admin_token is not None and len(s.admin_token.encode()) < 16:
         bad("admin_token must be at least 16 bytes (use a long random string)")
     if s.identity_secret is not None and len(s.identity_secret.encode()) < 16:
@@ -342,6 +404,126 @@ def _validate(s: Settings) -> None:
     if not s.regions and s.region not in DEFAULT_REGIONS:
         bad(f"region must be one of {sorted(DEFAULT_REGIONS)} (or configure 'regions'), "
             f"not {s.region!r}")  # fmt: skip
+
+
+def _tls_config(s: Settings) -> TlsConfig:
+    # Messages name the key as written in the config file ("tls.client_auth").
+    where = f"config file {s.config_file}: tls" if s.config_file else "tls"
+    section = s.tls
+    if not isinstance(section, Mapping):
+        raise SettingsError(f"{where} is a mapping (tls: {{cert: FILE, key: FILE}})")
+    unknown = sorted(str(k) for k in section if k not in TLS_SECTION_KEYS)
+    if any("passphrase" in key or "password" in key for key in unknown):
+        raise SettingsError(
+            f"{where}: a key's passphrase is never read from the config file: give it in "
+            "the environment variable GATEWAY_TLS_KEY_PASSPHRASE"
+        )
+    if unknown:
+        raise SettingsError(
+            f"{where}: unknown key(s) {unknown}; it takes {', '.join(TLS_SECTION_KEYS)}"
+        )
+    # Files named in the config file are found beside it (as the identity section's),
+    # wherever the gateway is started from; flag and environment paths are as given.
+    base = Path(s.config_file).parent if s.config_file else None
+
+    def path(value: object, key: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise SettingsError(f"{where}{key} must be a file path, not {value!r}")
+        found = Path(value)
+        return str(found if base is None or found.is_absolute() else base / found)
+
+    def pair(raw: Mapping[str, Any], prefix: str) -> TlsPair | None:
+        cert, key = raw.get("cert"), raw.get("key")
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            given, missing = ("cert", "key") if key is None else ("key", "cert")
+            raise SettingsError(
+                f"{where}{prefix}.{given} is given without tls{prefix}.{missing}: give the "
+                "certificate and its key together"
+            )
+        return TlsPair(path(cert, f"{prefix}.cert"), path(key, f"{prefix}.key"))
+
+    proxy = pair(section, "")
+    if s.tls_cert is not None or s.tls_key is not None:
+        # Flag or environment (or the file's top level): the pair as a whole, over the
+        # section's (a certificate from one place and a key from another never pair).
+        if not s.tls_cert or not s.tls_key:
+            given, missing = ("cert", "key") if s.tls_cert else ("key", "cert")
+            raise SettingsError(
+                f"tls_{given} (--tls-{given}, GATEWAY_TLS_{given.upper()}) is set but "
+                f"tls_{missing} is not: give the certificate and its key together "
+                f"(--tls-{missing} or GATEWAY_TLS_{missing.upper()})"
+            )
+        proxy = TlsPair(s.tls_cert, s.tls_key)
+
+    admin = None
+    admin_raw = section.get("admin")
+    if admin_raw is not None:
+        if not isinstance(admin_raw, Mapping) or set(admin_raw) - {"cert", "key"}:
+            raise SettingsError(
+                f"{where}.admin takes 'cert' and 'key' only (the admin port's own pair)"
+            )
+        admin = pair(admin_raw, ".admin")
+        if admin is None:
+            raise SettingsError(f"{where}.admin needs 'cert' and 'key' (the admin port's own pair)")
+
+    client_ca_raw = section.get("client_ca")
+    client_ca = None if client_ca_raw is None else path(client_ca_raw, ".client_ca")
+    client_auth = section.get("client_auth")
+    if client_auth is not None and client_auth not in CLIENT_AUTH_MODES:
+        # (YAML reads a bare off/no as false: hence the quotes in the message)
+        raise SettingsError(
+            f"{where}.client_auth must be 'none', 'optional' or 'required', not {client_auth!r}"
+        )
+    if client_auth in ("optional", "required") and client_ca is None:
+        raise SettingsError(
+            f"{where}.client_auth is {client_auth!r} but there is no tls.client_ca: give the "
+            "CA (PEM) that issues the client certificates"
+        )
+    if client_ca is not None and client_auth in (None, "none"):
+        # A CA with no certificate asked for would look like client authentication
+        # while authenticating nobody.
+        raise SettingsError(
+            f"{where}.client_ca is given but client certificates are not asked for: set "
+            "tls.client_auth to 'optional' or 'required', or drop tls.client_ca"
+        )
+
+    def seconds(name: str, default: float) -> float:
+        value = section.get(name, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise SettingsError(
+                f"{where}.{name} must be a positive number of seconds, not {value!r}"
+            )
+        return float(value)
+
+    watch_interval = seconds("watch_interval", DEFAULT_TLS_WATCH_INTERVAL)
+    handshake_timeout = seconds("handshake_timeout", DEFAULT_TLS_HANDSHAKE_TIMEOUT)
+    if proxy is None:
+        only_proxy = [k for k in ("client_ca", "client_auth", "handshake_timeout") if k in section]
+        if only_proxy:
+            raise SettingsError(
+                f"{where}.{only_proxy[0]} applies to HTTPS on the proxy port, which has no "
+                "certificate: give tls.cert and tls.key (or --tls-cert and --tls-key)"
+            )
+        if admin is None and section:
+            raise SettingsError(
+                f"{where} has no certificate: give tls.cert and tls.key (or --tls-cert and "
+                "--tls-key), or tls.admin"
+            )
+    return TlsConfig(
+        proxy=proxy,
+        client_ca=client_ca,
+        client_auth=str(client_auth or "none"),
+        watch_interval=watch_interval,
+        handshake_timeout=handshake_timeout,
+        admin=admin,
+    )
 
 
 def region_names(settings: Settings) -> Sequence[str]:

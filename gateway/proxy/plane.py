@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.proxy.handler import Gateway
 from gateway.proxy.server import ClientConnection
+from gateway.proxy.tls import TlsListener
 from gateway.proxy.tunnel import TunnelLimits, Tunnels
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
 
@@ -50,6 +51,8 @@ class DataPlane:
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self.refused = 0
+        # "https" once start() serves TLS: what upstreams are told in X-Forwarded-Proto.
+        self.scheme = "http"
         # Streamed uploads holding an upstream connection, per client address and in all.
         self.uploads: dict[str, int] = {}
         self.uploads_open = 0
@@ -75,14 +78,31 @@ class DataPlane:
         self._sweeps = 0
         self._all_closed: asyncio.Future[None] | None = None
 
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> list[str]:
-        server = await self.loop.create_server(
-            lambda: ClientConnection(self),
-            host,
-            port,
-            reuse_port=reuse_port or None,
-            backlog=1024,
-        )
+    async def start(
+        self, host: str, port: int, reuse_port: bool = False, tls: TlsListener | None = None
+    ) -> list[str]:
+        """Listen on host:port: plain HTTP, or HTTPS with ``tls`` (each connection's
+        handshake under the listener's deadline, plain HTTP answered 400). The addresses
+        served, as URLs."""
+        scheme = "http" if tls is None else "https"
+        if self._servers and scheme != self.scheme:
+            # One scheme per plane: the relay tells upstreams X-Forwarded-Proto from it.
+            raise ValueError(
+                "this data plane already serves " + self.scheme + ": start another for " + scheme
+            )
+        if tls is None:
+            server = await self.loop.create_server(
+                lambda: ClientConnection(self),
+                host,
+                port,
+                reuse_port=reuse_port or None,
+                backlog=1024,
+            )
+        else:
+            server = await tls.serve(
+                self.loop, lambda: ClientConnection(self), host, port, reuse_port=reuse_port
+            )
+        self.scheme = scheme
         self._servers.append(server)
         if self._sweeper is None:
             self._sweeper = self.loop.call_later(self._tick, self._sweep)
@@ -90,7 +110,7 @@ class DataPlane:
         for sock in getattr(server, "sockets", ()):
             name = sock.getsockname()
             shown = f"[{name[0]}]" if ":" in name[0] else name[0]
-            addresses.append(f"http://{shown}:{name[1]}")
+            addresses.append(f"{scheme}://{shown}:{name[1]}")
         return addresses
 
     @property

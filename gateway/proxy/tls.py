@@ -15,6 +15,10 @@ restart, and the listener (``start_tls_server``) that speaks TLS there.
   included: ``os.stat`` follows links).
 * ``start_tls_server`` serves TLS (and answers plain HTTP with a 400) for an unchanged
   ``asyncio.Protocol`` factory: see ``gateway.proxy.tls_sniff``.
+* ``TlsListener`` is one port's TLS at run time: its source, how often the files are
+  looked at, reloads asked for by a signal, the handshake deadline and counts
+  (``DataPlane.start(..., tls=listener)``; built from the settings by
+  ``gateway.proxy.tls_setup``).
 
 Rotation: each connection takes the context in force when its ClientHello arrives, so
 a new pair applies to every later handshake and none of the open connections is
@@ -28,6 +32,7 @@ apply.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -62,6 +67,8 @@ __all__ = [
     "TlsConfigError",
     "TlsContextSource",
     "TlsFiles",
+    "TlsListener",
+    "TlsReloader",
     "TlsServerConnection",
     "TlsStats",
     "build_context",
@@ -71,6 +78,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("gateway.tls")
+
+DEFAULT_WATCH_INTERVAL: Final = 5.0
 
 ClientAuth = Literal["none", "optional", "required"]
 CLIENT_AUTH_MODES: Final = get_args(ClientAuth)
@@ -427,7 +436,7 @@ class TlsContextSource:
     def changed_on_disk(self) -> bool:
         return file_stamp(self.files) != self._fingerprint
 
-    async def watch(self, interval: float = 5.0) -> None:
+    async def watch(self, interval: float = DEFAULT_WATCH_INTERVAL) -> None:
         """Poll the files every ``interval`` s and reload when they changed. Runs until
         cancelled; a round that fails is logged and the watch goes on (a dead watcher
         would serve the old certificate until it expires)."""
@@ -502,6 +511,116 @@ class TlsContextSource:
             self._on_reload(ok, detail)
         except Exception:
             log.exception("TLS reload callback failed")
+
+
+class TlsReloader:
+    """One port's certificate at run time: the source, its file watch, and reloads asked
+    for from a signal handler (``request_reload``: the files are read in a worker
+    thread, never on the event loop)."""
+
+    def __init__(
+        self,
+        source: TlsContextSource,
+        *,
+        name: str,
+        watch_interval: float = DEFAULT_WATCH_INTERVAL,
+    ) -> None:
+        if watch_interval <= 0:
+            raise ValueError(f"watch_interval must be positive, not {watch_interval}")
+        self.source = source
+        self.name = name  # "proxy" or "admin": for logs and metrics
+        self.watch_interval = watch_interval
+        self._reloads: set[asyncio.Task[bool]] = set()
+
+    def describe(self) -> str:
+        """One line for the start-up log: what is served, and how it is kept fresh."""
+        return (
+            f"TLS on the {self.name} port: {self.source.describe()}, from "
+            f"{self.source.files.cert}; reloaded when the files change (looked at every "
+            f"{self.watch_interval:g} s) and on SIGHUP"
+        )
+
+    def info(self) -> dict[str, object]:
+        """The admin port's /info view (paths, certificate, reload counts; no secret)."""
+        return {**self.source.info(), "watch_interval": self.watch_interval}
+
+    async def watch(self) -> None:
+        """Reload when the files change; runs until cancelled."""
+        await self.source.watch(self.watch_interval)
+
+    def request_reload(self, reason: str = "SIGHUP") -> None:
+        """Reload in the background (from a signal handler: the loop must be running).
+        The outcome is logged and counted by the source's callback."""
+        task = asyncio.get_running_loop().create_task(self.source.reload_async(reason))
+        self._reloads.add(task)  # kept referenced until done
+        task.add_done_callback(self._reloads.discard)
+
+    async def close(self) -> None:
+        """Cancel reloads still under way (at shutdown)."""
+        for task in list(self._reloads):
+            task.cancel()
+        for task in list(self._reloads):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class TlsListener(TlsReloader):
+    """The proxy port's TLS: ``TlsReloader`` plus the handshake deadline and counts, and
+    ``serve`` (what ``DataPlane.start`` calls)."""
+
+    def __init__(
+        self,
+        source: TlsContextSource,
+        *,
+        name: str = "proxy",
+        watch_interval: float = DEFAULT_WATCH_INTERVAL,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        stats: TlsStats | None = None,
+    ) -> None:
+        super().__init__(source, name=name, watch_interval=watch_interval)
+        if handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be positive, not {handshake_timeout}")
+        self.handshake_timeout = handshake_timeout
+        self.stats = stats if stats is not None else TlsStats()
+
+    def describe(self) -> str:
+        return f"{super().describe()}; plain HTTP is answered 400"
+
+    def info(self) -> dict[str, object]:
+        stats = self.stats
+        return {
+            **super().info(),
+            "handshake_timeout": self.handshake_timeout,
+            "handshakes": stats.handshakes,
+            "handshake_failures": stats.handshake_failures,
+            "handshake_timeouts": stats.handshake_timeouts,
+            "plain_http_refused": stats.plain_http,
+        }
+
+    async def serve(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        protocol_factory: Callable[[], asyncio.BaseProtocol],
+        host: str | None = None,
+        port: int = 0,
+        *,
+        sock: Any = None,
+        reuse_port: bool = False,
+        backlog: int = 1024,
+    ) -> asyncio.Server:
+        """``start_tls_server`` with this listener's source, deadline and counts."""
+        return await start_tls_server(
+            loop,
+            protocol_factory,
+            self.source,
+            host,
+            port,
+            sock=sock,
+            reuse_port=reuse_port,
+            backlog=backlog,
+            ssl_handshake_timeout=self.handshake_timeout,
+            stats=self.stats,
+        )
 
 
 def peer_subject(transport: asyncio.BaseTransport) -> str | None:

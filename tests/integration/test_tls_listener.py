@@ -1,7 +1,7 @@
 """The TLS port (gateway/proxy/tls.py, tls_sniff.py) over real sockets on loopback: real
 clients (``ssl`` sockets, aiohttp's client, asyncio streams) against ``start_tls_server``
 serving a tiny HTTP protocol, aiohttp's own low-level server, and the gateway's data
-plane itself. Certificates are made here (tests/unit/test_tls_context.py's ``Pki``).
+plane itself. Certificates are made here (tests/support/tls_pki.py's ``Pki``).
 
 Each scenario runs on both event loops the gateway may run on: asyncio's own and uvloop
 (what ``gateway serve`` runs; its transports are not ``asyncio.Transport`` subclasses).
@@ -40,8 +40,7 @@ from gateway.proxy.tls import (
     start_tls_server,
 )
 from tests.support.gateway import running_app, running_gateway
-from tests.support.upstream import create_upstream_app
-from tests.unit.test_tls_context import (
+from tests.support.tls_pki import (
     Issued,
     Pki,
     client_context,
@@ -50,6 +49,7 @@ from tests.unit.test_tls_context import (
     swap_to,
     write_pair,
 )
+from tests.support.upstream import create_upstream_app
 
 Runner = Callable[[Awaitable[Any]], Any]
 RUNNERS: dict[str, Runner] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
