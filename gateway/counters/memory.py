@@ -130,6 +130,11 @@ class MemoryBackend:
             self.sweep_oldest(now)
         if len(checks) == 1:
             return self._hit_one(checks[0], now)
+        if len(checks) == 2:
+            return self._hit_two(checks[0], checks[1], now)
+        return self._hit_many(checks, now)
+
+    def _hit_many(self, checks: Sequence[LimitCheck], now: int) -> HitResult:
         windows: list[_Window] = []
         totals: list[int] = []
         admitted = True
@@ -190,6 +195,45 @@ class MemoryBackend:
         return HitResult(
             admitted, (state,), source=self._label, certain_ms=0 if admitted else reset
         )
+
+    def _hit_two(self, first: LimitCheck, second: LimitCheck, now: int) -> HitResult:
+        """``hit_now`` for two limits counted all or nothing (a rule and a ceiling, the
+        default table's shape): the same arithmetic, without the per-check lists."""
+        w1 = self._window(first.key)
+        w1.prune(oldest_counted_bucket(now, first.window_ms, first.bucket_ms))
+        w2 = self._window(second.key)
+        w2.prune(oldest_counted_bucket(now, second.window_ms, second.bucket_ms))
+        t1, t2 = w1.count, w2.count
+        room1, room2 = t1 < first.limit, t2 < second.limit
+        admitted = (room1 or not first.enforce) and (room2 or not second.enforce)
+        s1 = self._settle(first, w1, t1, room1, admitted, now)
+        s2 = self._settle(second, w2, t2, room2, admitted, now)
+        certain = 0
+        if not admitted:
+            # As hit_now: the soonest an enforced full window frees a slot.
+            if first.enforce and not room1:
+                certain = s1.reset_ms
+            if second.enforce and not room2 and (certain == 0 or s2.reset_ms < certain):
+                certain = s2.reset_ms
+        return HitResult(admitted, (s1, s2), source=self._label, certain_ms=certain)
+
+    def _settle(
+        self, check: LimitCheck, window: _Window, total: int, room: bool, admitted: bool, now: int
+    ) -> LimitState:
+        """One check of a call already decided: counted when admitted (and it has room)."""
+        limit = check.limit
+        if admitted and room:
+            window.add(current_bucket(now, check.bucket_ms))
+            expires = now + check.window_ms + check.bucket_ms
+            if expires > window.expires_ms:
+                window.expires_ms = expires
+            total += 1
+        reset = window.until_room(total, limit, now, check.window_ms, check.bucket_ms)
+        if not window.flat:
+            self._forget(check.key, window)
+        elif window.full != (total >= limit):
+            self._refile(check.key, window)
+        return LimitState(room, limit - total if total < limit else 0, reset)
 
     def holds_any(self, checks: Sequence[LimitCheck]) -> bool:
         """Whether a counter is kept for any of the checks' keys (nothing changes)."""

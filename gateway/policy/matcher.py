@@ -79,8 +79,13 @@ def _ceilings(
     table: RuleTable, region: str, method: str, path: str, identity: IdentityLookup
 ) -> tuple[tuple[Rule, str], ...]:
     """Every ceiling that matches and whose identity can be formed, in order."""
+    candidates = table.ceiling_candidates(region, method, path)
+    if len(candidates) == 1:  # the common case (the default table's per-address one)
+        ceiling = candidates[0]
+        key = identity(ceiling.identity)
+        return () if key is None else ((ceiling, key),)
     found: list[tuple[Rule, str]] = []
-    for ceiling in table.ceiling_candidates(region, method, path):
+    for ceiling in candidates:
         key = identity(ceiling.identity)
         if key is not None:
             found.append((ceiling, key))

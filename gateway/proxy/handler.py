@@ -269,8 +269,10 @@ class Gateway:
         req.path = record.path = path
         if path == HEALTH_PATH and (method == "GET" or method == "HEAD"):
             return OK_ANSWER
-        if path == READY_PATH and self.readiness is not None and (
-            method == "GET" or method == "HEAD"
+        if (
+            path == READY_PATH
+            and self.readiness is not None
+            and (method == "GET" or method == "HEAD")
         ):
             status, body = self.readiness()
             return Answer.json(status, body)
@@ -303,7 +305,15 @@ class Gateway:
             if table is not self._refusals_table:  # limits may have changed: forget all
                 self._refusals.clear()
             elif not selection.shadows:
-                known = self._known_refusal(region, selection)
+                rule = selection.rule
+                if rule is not None and not selection.ceilings:  # the common case
+                    known = self._refusals.get(
+                        (region, rule.policy or rule.id, selection.identity or "")
+                    )
+                    if known is not None and (known.rule is not rule or known.ceilings):
+                        known = None
+                else:
+                    known = self._known_refusal(region, selection)
                 if known is not None:
                     answer = self._repeat_refusal(req, known)
                     if answer is not None:

@@ -110,6 +110,11 @@ class Decision:
         if len(reports) == 1:  # the common case, without a generator
             r = reports[0]
             return not r.shadow and r.remaining < r.count * 0.2
+        if len(reports) == 2:  # a rule and a ceiling
+            a, b = reports
+            return (not a.shadow and a.remaining < a.count * 0.2) or (
+                not b.shadow and b.remaining < b.count * 0.2
+            )
         return any(not r.shadow and r.remaining < r.count * 0.2 for r in reports)
 
     def header_fields(self) -> list[tuple[str, str]]:
@@ -125,6 +130,22 @@ class Decision:
             ]
         if not reports:
             return []
+        if len(reports) == 2:  # a rule and a ceiling (the default table): no generators
+            a, b = reports
+            policy = f'"{a.name}";q={a.count};w={a.seconds}, "{b.name}";q={b.count};w={b.seconds}'
+            if self.outcome is Outcome.LIMITED and a.exceeded != b.exceeded:
+                r = a if a.exceeded else b
+                if not r.shadow:
+                    return [
+                        ("RateLimit-Policy", policy),
+                        ("RateLimit", f'"{r.name}";r={r.remaining};t={r.reset_seconds}'),
+                    ]
+            elif self.outcome is not Outcome.LIMITED:
+                state = (
+                    f'"{a.name}";r={a.remaining};t={a.reset_seconds}, '
+                    f'"{b.name}";r={b.remaining};t={b.reset_seconds}'
+                )
+                return [("RateLimit-Policy", policy), ("RateLimit", state)]
         policy = ", ".join(f'"{r.name}";q={r.count};w={r.seconds}' for r in reports)
         if self.outcome is Outcome.LIMITED:
             # A refusal's state names the policies that had no room (the draft lets a

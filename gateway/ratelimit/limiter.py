@@ -99,6 +99,50 @@ def _one_limit(region: str, identity: str | None, rule: Rule, result: HitResult)
     )  # fmt: skip
 
 
+def _rule_and_ceiling(
+    region: str, selection: Selection, rules: tuple[Rule, ...], result: HitResult
+) -> Decision | None:
+    """``_decision`` for an enforced rule and one enforced ceiling counted in one call,
+    each with one limit (the default table's shape), without the general path's lists
+    and generators. None: another shape."""
+    rule, ceiling = rules
+    rule_specs = rule.limits_for(region)
+    ceiling_specs = ceiling.limits_for(region)
+    states = result.states
+    if len(rule_specs) != 1 or len(ceiling_specs) != 1 or len(states) != 2:
+        return None
+    spec, state = rule_specs[0], states[0]
+    reset = -(-state.reset_ms // 1000)
+    first = LimitReport(
+        rule.policy or rule.id, rule.id, spec.count, spec.seconds, state.remaining, reset,
+        not state.allowed, False, state.reset_ms,
+    )  # fmt: skip
+    spec, state = ceiling_specs[0], states[1]
+    reset = -(-state.reset_ms // 1000)
+    second = LimitReport(
+        ceiling.policy or ceiling.id, ceiling.id, spec.count, spec.seconds, state.remaining,
+        reset, not state.allowed, False, state.reset_ms,
+    )  # fmt: skip
+    named, identity = rule, selection.identity
+    if result.admitted:
+        outcome, retry_after = Outcome.ALLOWED, 0
+    else:
+        outcome = Outcome.LIMITED
+        if first.exceeded:
+            retry_after = max(first.reset_seconds, second.reset_seconds if second.exceeded else 1)
+        elif second.exceeded:
+            # The refusal is named after the policy that had no room, with its identity.
+            retry_after = second.reset_seconds
+            named, identity = ceiling, selection.ceilings[0][1]
+        else:
+            retry_after = 1
+        retry_after = max(retry_after, 1)
+    return Decision(
+        outcome, named.id, _KIND_VALUES[named.identity], identity, (first, second),
+        retry_after, result.source, (), result.certain_ms,
+    )  # fmt: skip
+
+
 # IdentityKind.value through the enum's descriptor costs more than a dict lookup.
 _KIND_VALUES: Final = {kind: kind.value for kind in IdentityKind}
 
@@ -122,6 +166,9 @@ class Limiter:
             name: getattr(b, "submit", None) for name, b in self._backends.items()
         }
         self._check_cache: dict[tuple[str, str, str], tuple[Rule, list[LimitCheck]]] = {}
+        # A rule and one ceiling counted in one call, per (region, rule, identity,
+        # ceiling, its identity): the group, built once (the default table's shape).
+        self._pair_cache: dict[tuple[str, str, str, str, str], Group] = {}
 
     def backend(self, region: str) -> CounterBackend:
         return self._backends[region]
@@ -236,6 +283,28 @@ class Limiter:
         if not ceilings:  # the common case
             if rule is not None and not rule.unlimited and selection.identity is not None:
                 groups.append(((rule,), False, self._checks(region, rule, selection.identity)))
+        elif (
+            len(ceilings) == 1
+            and not selection.shadows
+            and rule is not None
+            and not rule.unlimited
+            and selection.identity is not None
+            and not ceilings[0][0].shadow
+            and region not in self._separate_calls
+        ):
+            # A rule and one enforced ceiling (the default table): their one group, kept.
+            ceiling, ceiling_key = ceilings[0]
+            pair_key = (region, rule.id, selection.identity, ceiling.id, ceiling_key)
+            group = self._pair_cache.get(pair_key)
+            if group is None or group[0][0] is not rule or group[0][1] is not ceiling:
+                if len(self._pair_cache) >= MAX_CACHED_CHECKS:
+                    self._pair_cache.clear()
+                both = [
+                    *self._checks(region, rule, selection.identity),
+                    *self._checks(region, ceiling, ceiling_key),
+                ]
+                group = self._pair_cache[pair_key] = ((rule, ceiling), False, both)
+            return [group]
         else:
             enforced: list[tuple[Rule, str]] = []
             if rule is not None and not rule.unlimited and selection.identity is not None:
@@ -283,6 +352,10 @@ class Limiter:
                 source=result.source,
                 certain_ms=result.certain_ms,
             )  # fmt: skip
+        if len(groups) == 1 and not groups[0][1] and rule is not None and len(groups[0][0]) == 2:
+            pair = _rule_and_ceiling(region, selection, groups[0][0], results[0])
+            if pair is not None:
+                return pair
         reports = []
         shadow_exceeded: list[tuple[str, str]] = []
         admitted = True
