@@ -37,7 +37,14 @@ from gateway.proxy.admin import create_admin_app
 from gateway.proxy.console import ConsoleSource, Recent
 from gateway.proxy.handler import Gateway
 from gateway.proxy.plane import DataPlane, PlaneLimits
-from gateway.proxy.readiness import DatabaseCheck, Readiness, backend_health, database_probe
+from gateway.proxy.readiness import (
+    DatabaseCheck,
+    Readiness,
+    ServiceCheck,
+    backend_health,
+    database_probe,
+    service_probe,
+)
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.routing import RegionMap, Router
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
@@ -121,7 +128,8 @@ class Proxy:
     closes them.
 
     ``databases``: the built-in services' PostgreSQL, for ``/ready`` (none on SQLite, or
-    without the built-in upstreams)."""
+    without the built-in upstreams); ``services``: the built-in services another process
+    runs (a ``--workers`` worker's), not ready until each has answered."""
 
     def __init__(
         self,
@@ -131,6 +139,7 @@ class Proxy:
         rules: RuleSource,
         secret: bytes,
         databases: Sequence[DatabaseCheck] = (),
+        services: Sequence[ServiceCheck] = (),
     ) -> None:
         self.settings = settings
         self.upstreams = upstreams
@@ -138,6 +147,7 @@ class Proxy:
         self.rules = rules
         self.secret = secret
         self.databases = tuple(databases)
+        self.services = tuple(services)
         self.gateway: Gateway | None = None
         self.readiness: Readiness | None = None
         self.plane: DataPlane | None = None
@@ -188,6 +198,7 @@ class Proxy:
             last_reload_error=lambda: rules.last_error,
             stores=backend_health(backends),
             databases=self.databases,
+            services=self.services,
         )
         self.gateway.readiness = self.readiness.answer
         self.readiness.start()
@@ -613,7 +624,10 @@ async def serve(
             for note in embedded.notes:
                 log.warning("%s", note)
         databases = database_checks(settings, embedded, list(builtin_urls or ()))
-        proxy = Proxy(settings, upstreams, metrics, rules, secret, databases)
+        # A worker's built-in upstreams run in the supervisor, which starts them after it
+        # forked the workers: not ready until each answers.
+        services = [ServiceCheck(n, service_probe(u)) for n, u in (builtin_urls or {}).items()]
+        proxy = Proxy(settings, upstreams, metrics, rules, secret, databases, services)
         worker = "" if worker_index is None else f" (worker {worker_index})"
         log_startup(settings, rules, upstreams.router(settings), worker)
         for name, url in upstreams.builtin.items():

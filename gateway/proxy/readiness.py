@@ -7,7 +7,10 @@
   current table fails open in that region (its requests are then counted by this process
   alone: ready, but listed under ``degraded``);
 * the built-in Store's and control plane's PostgreSQL answers, when they are served from
-  this instance (their breaker is closed, and a fresh connection runs ``SELECT 1``);
+  this instance (their breaker is closed, and a fresh connection runs ``SELECT 1``); and
+  in a ``--workers`` worker, which reaches them over loopback in the supervisor, each of
+  them has answered once (the supervisor starts them, migrations included, after the
+  workers: until then their requests would wait);
 * the instance is not draining (a graceful stop has begun);
 
 and otherwise ``503``. The body names what is not ready::
@@ -55,11 +58,13 @@ DATABASE_INTERVAL_SECONDS: Final = 5.0
 # Bound on one counter store PING, and on one database probe (connect + SELECT 1).
 STORE_PROBE_TIMEOUT_SECONDS: Final = 2.0
 DATABASE_PROBE_TIMEOUT_SECONDS: Final = 4.0
+STARTING: Final = "(starting)"  # ends the detail of a check not done yet
 # Fail-closed rule ids named in a counter store's detail (the rest are counted).
 NAMED_RULES: Final = 5
 
 Finding = dict[str, str]
 StoreProbe = Callable[[], Awaitable[Mapping[str, bool]]]
+StartupProbe = Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,39 @@ class DatabaseCheck:
     service: str  # "store" or "control-plane", as the built-in upstreams are named
     probe: Callable[[], Awaitable[None]] | None = None
     breaker_ok: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True)
+class ServiceCheck:
+    """A built-in service this process reaches over loopback: not ready until ``probe``
+    (an HTTP request to it, ``service_probe``) has succeeded once."""
+
+    service: str  # "store" or "control-plane"
+    probe: Callable[[], Awaitable[None]]
+
+
+def service_probe(url: str, timeout: float = STORE_PROBE_TIMEOUT_SECONDS) -> StartupProbe:
+    """One ``HEAD /`` to the service at ``url`` (``http://127.0.0.1:PORT``): any HTTP
+    answer means it serves (its socket accepts connections from the start, so only an
+    answer tells that the application behind it runs)."""
+    host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+
+    async def probe() -> None:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(
+                    b"HEAD / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (host.encode())
+                )
+                line = await reader.readline()
+            finally:
+                writer.close()
+                with suppress(OSError):
+                    await writer.wait_closed()
+        if not line.startswith(b"HTTP/1."):
+            raise ConnectionError("no HTTP answer")
+
+    return probe
 
 
 def backend_health(
@@ -141,6 +179,7 @@ class Readiness:
         last_reload_error: Callable[[], str | None] | None = None,
         stores: StoreProbe | None = None,
         databases: Sequence[DatabaseCheck] = (),
+        services: Sequence[ServiceCheck] = (),
         interval: float = CHECK_INTERVAL_SECONDS,
         database_interval: float = DATABASE_INTERVAL_SECONDS,
     ) -> None:
@@ -152,6 +191,9 @@ class Readiness:
         # region -> PING answered; None until the first round (then: not ready, "starting").
         self._stores: Mapping[str, bool] | None = None if stores is not None else {}
         self._databases = [_DatabaseState(check) for check in databases]
+        # The services that have not answered yet (each leaves once it has).
+        self._services_waited = [check.service for check in services]
+        self._services = tuple(services)
         self._interval = interval
         self._database_interval = database_interval
         self._draining = False
@@ -180,6 +222,10 @@ class Readiness:
             return
         if self._store_probe is not None:
             self._tasks.append(asyncio.create_task(self._watch_stores(), name="ready-stores"))
+        for service in self._services:
+            self._tasks.append(
+                asyncio.create_task(self._await_service(service), name=f"ready-{service.service}")
+            )
         for state in self._databases:
             if state.check.probe is not None:
                 self._tasks.append(
@@ -195,13 +241,6 @@ class Readiness:
         for task in tasks:
             with suppress(asyncio.CancelledError):
                 await task
-
-    async def refresh(self) -> None:
-        """One round of every background check, now (``start`` repeats them)."""
-        await self._check_stores()
-        for state in self._databases:
-            if state.check.probe is not None:
-                await self._check_database(state)
 
     # -- the background checks ---------------------------------------------------------------
 
@@ -221,6 +260,21 @@ class Readiness:
         if found != self._stores:
             self._stores = found
             self._changed()
+
+    async def _await_service(self, check: ServiceCheck) -> None:
+        """Until the service answers once (then it is the database check's business)."""
+        while True:
+            try:
+                await check.probe()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # not yet (refused, closed, no HTTP answer): again
+                log.debug("built-in %s: no answer yet (%s)", check.service, type(exc).__name__)
+                await asyncio.sleep(self._interval)
+            else:
+                self._services_waited.remove(check.service)
+                self._changed()
+                return
 
     async def _watch_database(self, state: _DatabaseState) -> None:
         while True:
@@ -258,8 +312,10 @@ class Readiness:
         if failing == self._logged:
             return
         if failing:
-            # A graceful stop is planned, not a fault: logged as news, not as a warning.
-            planned = all(f.startswith("draining") for f in failing)
+            # Starting and a graceful stop are planned, not faults: news, not warnings.
+            planned = all(
+                f["check"] == "draining" or f["detail"].endswith(STARTING) for f in not_ready
+            )
             log.log(
                 logging.INFO if planned else logging.WARNING, "not ready: %s", "; ".join(failing)
             )
@@ -313,6 +369,12 @@ class Readiness:
                 "force (the admin port's /info says why)",
             })  # fmt: skip
         self._store_findings(table, not_ready, degraded)
+        for service in self._services_waited:
+            not_ready.append({
+                "check": "service",
+                "service": service,
+                "detail": f"the built-in {service} has not answered yet {STARTING}",
+            })  # fmt: skip
         for state, breaker_ok in zip(self._databases, breakers, strict=True):
             finding = _database_finding(state, breaker_ok)
             if finding is not None:
@@ -324,7 +386,7 @@ class Readiness:
     ) -> None:
         stores = self._stores
         if stores is None:
-            not_ready.append({"check": "counter_store", "detail": "not checked yet (starting)"})
+            not_ready.append({"check": "counter_store", "detail": f"not checked yet {STARTING}"})
             return
         for region, answers in stores.items():
             if answers:
@@ -360,7 +422,7 @@ def _database_finding(state: _DatabaseState, breaker_ok: bool) -> Finding | None
     elif state.check.probe is None or state.ok:
         return None
     elif state.ok is None:
-        detail = "not checked yet (starting)"
+        detail = f"not checked yet {STARTING}"
     else:
         detail = f"the {service}'s PostgreSQL does not answer a connection and SELECT 1 " + (
             f"({state.failure})"
