@@ -256,7 +256,9 @@ class ClientConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             self.dead_parser = True
-            if not self.no_more:  # after Connection: close llhttp refuses what follows
+            if self.active is None and not self.pipeline and _h2_preface(self.parser, data):
+                self._http2_refused()
+            elif not self.no_more:  # after Connection: close llhttp refuses what follows
                 self._protocol_error(exc)
             return
         if upgrade_at >= 0:
@@ -1047,6 +1049,17 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def _http2_refused(self) -> None:
+        """A client speaking HTTP/2 with prior knowledge: answered in HTTP/2, which it
+        reads (an HTTP/1.1 400 would be garbage to it): the server's SETTINGS, then
+        GOAWAY with HTTP_1_1_REQUIRED and a reason, then close (RFC 9113 3.4, 6.8)."""
+        if self.transport is None or self.lost:
+            return
+        self.transport.write(H2_REFUSAL)
+        self._linger_close()
+        log.info("%s: HTTP/2 prior knowledge refused (GOAWAY HTTP_1_1_REQUIRED)",
+                 self.peer.address or "-")  # fmt: skip
+
     def _fatal(self, status: int, detail: str) -> None:
         """Answer a connection-level problem (no request to attach it to) and close."""
         self.dead_parser = True
@@ -1124,6 +1137,30 @@ def declared_body(headers: list[tuple[bytes, bytes]]) -> int:
         if lower == b"content-length":
             length = int(value)  # llhttp accepted it: digits only
     return length
+
+
+# HTTP/2's connection preface (RFC 9113 3.4) as a client sends it; llhttp stops at "PRI".
+H2_PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_REASON: Final = b"HTTP/2 is not served here; use HTTP/1.1"
+# An empty SETTINGS frame (the server's preface), then GOAWAY: last stream 0, error
+# HTTP_1_1_REQUIRED (0xd), the reason as debug data.
+H2_REFUSAL: Final = (
+    b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    + len(_H2_REASON + b"\x00" * 8).to_bytes(3, "big")
+    + b"\x07\x00\x00\x00\x00\x00"
+    + b"\x00\x00\x00\x00\x00\x00\x00\x0d"
+    + _H2_REASON
+)
+
+
+def _h2_preface(parser: httptools.HttpRequestParser, data: bytes | memoryview) -> bool:
+    """Whether the connection opened with HTTP/2's preface (llhttp refuses it)."""
+    if bytes(data[:3]) == b"PRI":
+        return True
+    try:
+        return parser.get_method() == b"PRI"
+    except httptools.HttpParserError:
+        return False
 
 
 # What an upgrade's client may send before the upstream has answered (then reading
