@@ -38,7 +38,7 @@ REGION_FALLBACKS = {"us2": "us"}
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"})
 RULE_KEYS = frozenset(
     {"id", "category", "match", "identity", "limits", "shadow", "unlimited", "failure_mode",
-     "description", "tiers"}
+     "description", "tiers", "refusal"}
 )  # fmt: skip
 # A ceiling takes a rule's keys but unlimited (it would exempt nothing) and tiers.
 CEILING_KEYS = RULE_KEYS - {"unlimited", "tiers"}
@@ -458,6 +458,7 @@ def _parse_rule(
                     ctx.error("tiers", f"bad tier name {_show(tier)}")
                     continue
                 tier_limits[tier] = _limits(ctx, spec, regions)
+    refusal_status, refusal_detail = _refusal(ctx, item.get("refusal"), unlimited)
     if ctx.failed or identity is None or alternatives is None:
         return None
     rule = Rule(
@@ -473,6 +474,8 @@ def _parse_rule(
         index=index,
         matcher=_compile(alternatives),
         ceiling=ceiling,
+        refusal_status=refusal_status,
+        refusal_detail=refusal_detail,
     )
     if tier_limits:
         # Each tier: the same rule (id, match, counters) with the tier's limits.
@@ -482,6 +485,36 @@ def _parse_rule(
         }
         rule = dataclasses.replace(rule, tiers=tiers)
     return rule
+
+
+MAX_REFUSAL_DETAIL = 500
+
+
+def _refusal(ctx: _RuleContext, raw: Any, unlimited: bool) -> tuple[int, str]:
+    """``refusal: {status: 429 | 503, detail: text}``: how this rule's refusals are
+    answered (both optional)."""
+    if raw is None:
+        return 429, ""
+    if unlimited or not isinstance(raw, dict) or set(raw) - {"status", "detail"}:
+        ctx.error("refusal", "a mapping with 'status' (429 or 503) and/or 'detail' (text)")
+        return 429, ""
+    status = raw.get("status", 429)
+    if status not in (429, 503) or isinstance(status, bool):
+        ctx.error("refusal.status", f"must be 429 or 503, not {_show(status)}")
+        status = 429
+    detail = raw.get("detail", "")
+    if (
+        not isinstance(detail, str)
+        or len(detail) > MAX_REFUSAL_DETAIL
+        or (detail and not detail.isprintable())
+    ):
+        ctx.error(
+            "refusal.detail",
+            f"printable text of at most {MAX_REFUSAL_DETAIL} characters "
+            "({rule} and {retry_after} are filled in)",
+        )
+        detail = ""
+    return int(status), detail
 
 
 def _keys(keys: Iterable[Any]) -> str:

@@ -147,6 +147,10 @@ class Rule:
     # ``<id>.<tier>`` in RateLimit-Policy.
     tiers: Mapping[str, Rule] = field(default_factory=dict, compare=False)
     policy: str = ""  # the name RateLimit-Policy gives it ("" : the id)
+    # How a refusal by this rule is answered: 429 (default) or 503, and the JSON detail
+    # ("" : the gateway's own; "{rule}" and "{retry_after}" are filled in).
+    refusal_status: int = 429
+    refusal_detail: str = ""
 
     def matches(self, method: str, path: str) -> bool:
         return self.matcher(method, path)

@@ -195,7 +195,9 @@ class Gateway:
     # What the gateway reads in a header, by lower-case name (the module's _ROLES, with
     # the configured identity headers: see use_identities).
     _roles: dict[bytes, int] = field(default_factory=lambda: dict(_ROLES))
-    _limited_bodies: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    # (status, body) of a refusal, per (rule, wait), for the table in force
+    _limited_bodies: dict[tuple[str, int], tuple[int, bytes]] = field(default_factory=dict)
+    _bodies_table: RuleTable | None = None
     _refusals: dict[tuple[str, str, str], KnownRefusal] = field(default_factory=dict)
     _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
     _refusals_table: RuleTable | None = None
@@ -633,14 +635,24 @@ class Gateway:
 
     def _limited(self, decision: Decision, headers: list[tuple[str, str]], wait: int) -> Answer:
         rule_id = decision.rule_id or "-"
-        body = self._limited_bodies.get((rule_id, wait))
-        if body is None:
+        table = self.rules.table
+        if table is not self._bodies_table:  # a rule's refusal may have changed
+            self._limited_bodies.clear()
+            self._bodies_table = table
+        found = self._limited_bodies.get((rule_id, wait))
+        if found is None:
             if len(self._limited_bodies) >= _MAX_CACHED_429:
                 self._limited_bodies.clear()
-            body = self._limited_bodies[(rule_id, wait)] = json_body(
-                f"rate limit exceeded for rule {repr(rule_id)}; retry in {wait} seconds"
-            )
-        return Answer.json(429, body, [*headers, ("Retry-After", str(wait))])
+            rule = None if decision.rule_id is None else table.by_id(decision.rule_id)
+            if rule is not None and rule.refusal_detail:
+                detail = rule.refusal_detail.replace("{rule}", rule_id).replace(
+                    "{retry_after}", str(wait)
+                )
+            else:
+                detail = f"rate limit exceeded for rule {repr(rule_id)}; retry in {wait} seconds"
+            status = 429 if rule is None else rule.refusal_status
+            found = self._limited_bodies[(rule_id, wait)] = (status, json_body(detail))
+        return Answer.json(found[0], found[1], [*headers, ("Retry-After", str(wait))])
 
     def _observe(self, region: str, decision: Decision, record: AccessRecord) -> None:
         rule = decision.rule_id or "-"
