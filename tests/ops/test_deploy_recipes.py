@@ -11,6 +11,9 @@ deploy/kubernetes/sidecar.yaml, the Dockerfile) checked against what the code re
 * Ports agree: Dockerfile ``EXPOSE``, the settings each recipe gives, compose's published
   ports, the pod's ``containerPort``, the Service, the NetworkPolicy, the probes and the
   Prometheus annotations. Workers share one traffic and one admin port.
+* Readiness is ``/ready`` and liveness ``/ok``, on the traffic port: the pod's probes and
+  compose's healthcheck (run for real: healthy while the gateway is ready, unhealthy once
+  its Redis is gone with a fail-closed rule, or once it has stopped).
 * Off loopback (the image binds the admin port to 0.0.0.0) every recipe gives the console
   its ``GATEWAY_ADMIN_TOKEN``; the admin port is in no Service and only the monitoring
   namespace may reach it.
@@ -333,11 +336,13 @@ def test_compose_publishes_one_traffic_and_one_admin_port(docs_dotenv: dict[str,
     assert set(published) == {settings.port, settings.admin_port}
     assert set(published) <= _exposed()
     assert published[settings.admin_port][0] == "127.0.0.1", "the admin port stays local"
-    # The recipes' curl lines reach the listener that serves the path.
+    # The recipes' curl lines reach the listener that serves the path, and show both
+    # probes on the traffic port.
     for recipe in (_docs_compose_recipe(), _header_compose_recipe()):
         curls = [c for c in recipe if c.startswith("curl ")]
         assert curls
         host_ports = {host: container for container, (_, host) in published.items()}
+        probes = set()
         for command in curls:
             url = re.search(r"http://127\.0\.0\.1:(\d+)(/\S*)", command)
             assert url, command
@@ -345,7 +350,79 @@ def test_compose_publishes_one_traffic_and_one_admin_port(docs_dotenv: dict[str,
             if url[2] == "/metrics":
                 assert container == settings.admin_port, command
             else:
-                assert url[2] == "/ok" and container in published, command
+                assert url[2] in ("/ok", "/ready") and container in published, command
+                probes.add(url[2])
+        assert probes == {"/ok", "/ready"}, recipe
+
+
+def _compose_healthcheck() -> list[str]:
+    """The gateway service's healthcheck as a command line (``CMD`` form, no shell)."""
+    test = [str(part) for part in read_compose()["services"]["gateway"]["healthcheck"]["test"]]
+    assert test[0] == "CMD", "exec form: the slim image runs it without a shell"
+    return test[1:]
+
+
+def test_the_compose_healthcheck_is_readiness_on_the_traffic_port(
+    docs_dotenv: dict[str, str], tmp_path: Path
+) -> None:
+    _, settings = _compose_settings(docs_dotenv)
+    command = _compose_healthcheck()
+    assert command[:2] == ["python", "-c"], "the image has python, not curl"
+    assert "/ready" in command[2] and str(settings.port) in command[2]
+    check = read_compose()["services"]["gateway"]["healthcheck"]
+    assert check["timeout"] == "3s", "longer than the probe's own 2 s"
+
+    # Run it for real next to a gateway that follows GATEWAY_PORT as the image's does.
+    argv = [sys.executable, *command[1:]]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n  - {id: writes, identity: ip, failure_mode: closed, limits: {default: 9/1}}\n"
+    )
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+
+    def healthcheck() -> int:
+        return subprocess.run(argv, env=env, capture_output=True, timeout=15).returncode
+
+    with running_redis(tmp_path / "redis") as redis:
+        env.update(
+            GATEWAY_HOST="127.0.0.1",
+            GATEWAY_PORT=str(port),
+            GATEWAY_ADMIN_PORT=str(free_port()),
+            GATEWAY_REDIS_URL=redis.url,
+            GATEWAY_RULES=str(rules),
+            GATEWAY_EMBEDDED="false",
+            GATEWAY_DATA_DIR=str(tmp_path / "data"),
+            GATEWAY_IDENTITY_SECRET=docs_dotenv["GATEWAY_IDENTITY_SECRET"],
+            GATEWAY_ACCESS_LOG="off",
+        )
+        log = tmp_path / "gateway.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve"],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            _wait(proc, f"http://127.0.0.1:{port}/ready", log)
+            assert healthcheck() == 0
+            redis.kill9()  # the fail-closed rule cannot be counted: not ready
+            deadline = time.monotonic() + 30
+            while healthcheck() == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            status, body = _get(f"http://127.0.0.1:{port}/ready")
+            assert status == 503 and b"counter_store" in body, body
+            assert healthcheck() != 0
+            assert _get(f"http://127.0.0.1:{port}/ok")[0] == 200, "alive all the same"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert healthcheck() != 0, "nothing answers once it has stopped"
 
 
 def test_the_compose_file_does_not_claim_per_worker_ports() -> None:
@@ -439,11 +516,11 @@ def test_sidecar_ports_agree_with_the_image_settings_service_and_annotations() -
     assert targets == {settings.port}, "only traffic: the admin port answers /info"
 
 
-def test_sidecar_probes_hit_ok_on_the_traffic_port() -> None:
+def test_sidecar_probes_readiness_on_ready_and_liveness_on_ok_on_the_traffic_port() -> None:
     settings = _k8s_settings()
-    for name in ("readinessProbe", "livenessProbe"):
+    for name, path in (("readinessProbe", "/ready"), ("livenessProbe", "/ok")):
         probe = _container()[name]["httpGet"]
-        assert probe["path"] == "/ok", f"{name} probes {probe['path']}"
+        assert probe["path"] == path, f"{name} probes {probe['path']}"
         assert _port_number(probe["port"]) == settings.port
 
 
