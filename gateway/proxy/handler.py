@@ -192,6 +192,9 @@ class Gateway:
     # ``/ready``'s answer (status, JSON body), computed without waiting (None: not served,
     # the path is an ordinary request). Set by ``gateway.app``.
     readiness: Callable[[], tuple[int, bytes]] | None = None
+    # Which rate-limit fields answers carry: ietf (the draft's RateLimit-Policy and
+    # RateLimit), legacy (X-RateLimit-Limit / -Remaining / -Reset), both, or none.
+    rate_limit_headers: str = "ietf"
     # What the gateway reads in a header, by lower-case name (the module's _ROLES, with
     # the configured identity headers: see use_identities).
     _roles: dict[bytes, int] = field(default_factory=lambda: dict(_ROLES))
@@ -403,9 +406,10 @@ class Gateway:
             report = known.report
             state = f'"{report.name}";r={report.remaining};t={wait}'
             known.wait = wait
-            known.answer = self._limited(
-                decision, [("RateLimit-Policy", known.policy), ("RateLimit", state)], wait
-            )
+            fields = [("RateLimit-Policy", known.policy), ("RateLimit", state)]
+            if self.rate_limit_headers != "ietf":
+                fields = self._rate_fields((report,), fields, wait)
+            known.answer = self._limited(decision, fields, wait)
         req.rate_headers = []
         known.overhead.observe(_perf_counter() - req.started)
         return known.answer
@@ -603,7 +607,11 @@ class Gateway:
         record = req.record
         assert record is not None
         self._observe(req.region, decision, record)
-        headers = req.rate_headers = decision.header_fields()
+        headers = decision.header_fields()
+        if self.rate_limit_headers != "ietf" and headers:
+            headers = self._rate_fields(decision.reports, headers, 0)
+            req.legacy_rate = self.rate_limit_headers != "none"
+        req.rate_headers = headers
         if decision.outcome is Outcome.LIMITED:
             self.metrics.child(self.metrics.overhead, req.region).observe(
                 _perf_counter() - req.started
@@ -632,6 +640,25 @@ class Gateway:
             req.rate_lines = "".join([f"{n}: {t}\r\n" for n, t in headers]).encode("latin-1")
         self.metrics.child(self.metrics.overhead, req.region).observe(_perf_counter() - req.started)
         return upstream
+
+    def _rate_fields(
+        self, reports: tuple[LimitReport, ...], ietf: list[tuple[str, str]], wait: int
+    ) -> list[tuple[str, str]]:
+        """The rate-limit fields in the configured style (``rate_limit_headers``): the
+        draft's (ietf), ``X-RateLimit-*`` as Envoy, Kong and GitHub clients read them
+        (legacy) for the policy closest to its limit, both, or none."""
+        mode = self.rate_limit_headers
+        if mode == "none":
+            return []
+        enforced = [r for r in reports if not r.shadow] or list(reports)
+        refused = [r for r in enforced if r.exceeded]
+        closest = min(refused or enforced, key=lambda r: r.remaining / r.count)
+        legacy = [
+            ("X-RateLimit-Limit", str(closest.count)),
+            ("X-RateLimit-Remaining", str(closest.remaining)),
+            ("X-RateLimit-Reset", str(wait or closest.reset_seconds)),  # seconds from now
+        ]
+        return legacy if mode == "legacy" else [*ietf, *legacy]
 
     def _limited(self, decision: Decision, headers: list[tuple[str, str]], wait: int) -> Answer:
         rule_id = decision.rule_id or "-"

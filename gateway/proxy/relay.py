@@ -39,6 +39,10 @@ _REQUEST_OWNED: Final = frozenset(
 )
 VIA: Final = b"1.1 ratelimit-gateway"
 _RATE_NAMES: Final = frozenset({b"ratelimit", b"ratelimit-policy"})
+# With rate_limit_headers legacy or both, the gateway's X-RateLimit-* replace the upstream's.
+_LEGACY_RATE_NAMES: Final = frozenset(
+    {b"x-ratelimit-limit", b"x-ratelimit-remaining", b"x-ratelimit-reset"}
+)
 # A body up to this size is read whole before an upstream connection is taken, so a
 # client trickling a small body holds no upstream connection (slow-body starvation);
 # anything larger streams once this much has arrived.
@@ -174,6 +178,7 @@ _LENGTH: Final = 4
 _DATE: Final = 5
 _DROP: Final = 6
 _RATE: Final = 7
+_LEGACY_RATE: Final = 8
 # Dropped outright (the gateway writes its own framing and X-Request-Id).
 _DROPPED = (HOP_BY_HOP - {b"connection", b"transfer-encoding"}) | {b"x-request-id"}
 # Not passed on with a 101: hop-by-hop fields (the gateway writes Connection and Upgrade
@@ -183,6 +188,7 @@ _SPECIAL_ACTIONS: Final = {
     b"connection": _CONNECTION, b"transfer-encoding": _TRANSFER, b"via": _VIA,
     b"content-length": _LENGTH, b"date": _DATE,
     **{name: _DROP for name in _DROPPED}, **{name: _RATE for name in _RATE_NAMES},
+    **{name: _LEGACY_RATE for name in _LEGACY_RATE_NAMES},
 }  # fmt: skip
 # The action per name as upstreams spell it ("Content-Length"), so a header costs one dict
 # lookup and no lower(); bounded, since an upstream may send any names.
@@ -354,7 +360,11 @@ class Relay:
                         via = []
                     via.append(value)
                     continue
-                elif action == _DROP or (action == _RATE and rate_lines):
+                elif (
+                    action == _DROP
+                    or (action == _RATE and rate_lines)
+                    or (action == _LEGACY_RATE and req.legacy_rate)
+                ):
                     continue  # (RateLimit fields: the gateway's own replace the upstream's)
             append(name + b": " + value + CRLF)
         if tokens:

@@ -73,6 +73,7 @@ class Incoming:
     decision: Decision | None = None
     rate_headers: list[tuple[str, str]] = []
     rate_lines = b""  # rate_headers as header lines, for a forwarded request's response
+    legacy_rate = False  # rate_headers hold X-RateLimit-* (the upstream's are dropped)
     record: AccessRecord | None = None
     upstream_head: bytes | None = None  # built once, kept for a retry
 
