@@ -1158,7 +1158,7 @@ def _h2_preface(parser: httptools.HttpRequestParser, data: bytes | memoryview) -
     if bytes(data[:3]) == b"PRI":
         return True
     try:
-        return parser.get_method() == b"PRI"
+        return bool(parser.get_method() == b"PRI")
     except httptools.HttpParserError:
         return False
 
