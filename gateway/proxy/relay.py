@@ -76,6 +76,7 @@ _REQUEST_SPECIAL = (
 # plane", the proxied rows).
 _LINE_STARTS: Final[dict[tuple[str, str, str], bytes]] = {}
 _PLAIN_FORWARDING: Final[dict[str, bytes]] = {}
+_PLAIN_FORWARDING_TLS: Final[dict[str, bytes]] = {}  # the same, for the TLS port
 MAX_KEPT: Final = 4096
 
 
@@ -90,22 +91,27 @@ def _line_start(method: str, prefix: str, path: str) -> bytes:
     return found
 
 
-def _plain_forwarding(peer: str) -> bytes:
-    found = _PLAIN_FORWARDING.get(peer)
+def _plain_forwarding(peer: str, https: bool) -> bytes:
+    kept = _PLAIN_FORWARDING_TLS if https else _PLAIN_FORWARDING
+    found = kept.get(peer)
     if found is None:
         found = (
             b"X-Forwarded-For: " + peer.encode() + CRLF
-            + b"X-Forwarded-Proto: http\r\n" + b"Via: " + VIA + CRLF
+            + b"X-Forwarded-Proto: " + (b"https" if https else b"http") + CRLF
+            + b"Via: " + VIA + CRLF
         )  # fmt: skip
-        if len(_PLAIN_FORWARDING) >= MAX_KEPT:
-            _PLAIN_FORWARDING.clear()
-        _PLAIN_FORWARDING[peer] = found
+        if len(kept) >= MAX_KEPT:
+            kept.clear()
+        kept[peer] = found
     return found
 
 
-def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer: str) -> bytes:
+def request_head(
+    req: Incoming, upstream: Upstream, prefix: str, host: str, peer: str, https: bool = False
+) -> bytes:
     """The request head sent upstream: the client's end-to-end headers as they came,
-    hop-by-hop ones removed, forwarding headers set."""
+    hop-by-hop ones removed, forwarding headers set (``https``: the client came in on
+    the TLS port, which X-Forwarded-Proto says)."""
     tokens = req.connection_tokens
     trusted = req.trusted_peer
     lines = [_line_start(req.method, prefix, req.path) + req.query + b" HTTP/1.1\r\n"]
@@ -142,7 +148,7 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
         append(b"Host: " + host.encode() + CRLF)
     chain = req.forwarded_for
     if not via and not (trusted and (chain or req.forwarded_proto is not None)):
-        append(_plain_forwarding(peer))  # the common case: nothing to carry on
+        append(_plain_forwarding(peer, https))  # the common case: nothing to carry on
     else:
         peer_bytes = peer.encode()
         joined = b", ".join(chain)
@@ -153,7 +159,7 @@ def request_head(req: Incoming, upstream: Upstream, prefix: str, host: str, peer
         if trusted and req.forwarded_proto is not None:
             append(b"X-Forwarded-Proto: " + req.forwarded_proto + CRLF)
         else:
-            append(b"X-Forwarded-Proto: http\r\n")
+            append(b"X-Forwarded-Proto: https\r\n" if https else b"X-Forwarded-Proto: http\r\n")
         via.append(VIA)
         append(b"Via: " + b", ".join(via) + CRLF)
     append(b"X-Request-Id: " + req.request_id.encode() + CRLF)

@@ -866,8 +866,9 @@ class ClientConnection(asyncio.Protocol):
         head = req.upstream_head
         if head is None:
             head = req.upstream_head = request_head(
-                req, upstream, prefix, f"{host}:{port}", self.peer.address or ""
-            )
+                req, upstream, prefix, f"{host}:{port}", self.peer.address or "",
+                self.plane.scheme == "https",
+            )  # fmt: skip
         relay = self.relay = Relay(self, req, upstream, self.gateway.metrics)
         relay.send(uconn, head)
         if not req.body_done:
