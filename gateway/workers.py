@@ -183,7 +183,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                 "rules": {"hash": table.digest, "loaded_at": loaded, "count": len(table.rules),
                           "files": list(table.sources), "last_reload_error": rules.last_error},
                 "workers": settings.workers,
-                "upstreams": [{"prefix": p, "upstream": u} for p, u in router.describe()],
+                "upstreams": router.info(),
             }  # fmt: skip
 
         admin = create_admin_app(registry, info, console)

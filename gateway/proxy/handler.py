@@ -757,7 +757,7 @@ class Gateway:
         if full:
             rules["files"] = list(table.sources)
             rules["last_reload_error"] = self.rules.last_error
-            info["upstreams"] = [{"prefix": p, "upstream": u} for p, u in self.router.describe()]
+            info["upstreams"] = self.router.info()
         return info
 
 

@@ -234,7 +234,10 @@ async def test_public_info_names_no_address_file_or_upstream(tmp_path, upstream)
     assert "upstreams" not in public
     assert full["regions"][0]["counter_backend"] == f"redis://127.0.0.1:{redis.port}/0 (region us)"
     assert full["rules"]["files"] and full["rules"]["last_reload_error"] is None
-    assert {"prefix": "(everything else)", "upstream": "default"} in full["upstreams"]
+    default = [u for u in full["upstreams"] if u["prefix"] == "(everything else)"]
+    assert default == [
+        {"prefix": "(everything else)", "upstream": "default", "url": upstream, "upgrade": True}
+    ]
     assert full["rules"]["hash"] == public["rules"]["hash"]
 
 
