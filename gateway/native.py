@@ -29,6 +29,7 @@ HOT_MODULES = (
     "gateway.policy.paths",
     "gateway.policy.model",
     "gateway.counters.base",
+    "gateway.ratelimit.ports",
     "gateway.counters.deny_cache",
     "gateway.counters.resilient",
     "gateway.counters.coalesce",

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from gateway import __version__
-from gateway.counters.base import CounterBackend
 from gateway.identity.jwt import InvalidToken
 from gateway.identity.verified import VerifiedIdentities, counted_consumer
 from gateway.metrics import CounterChild, HistogramChild, Metrics
@@ -41,6 +40,7 @@ from gateway.ratelimit.identity import (
     valid_identity_header,
 )
 from gateway.ratelimit.limiter import Limiter
+from gateway.ratelimit.ports import CounterBackend
 
 log = logging.getLogger("gateway.proxy")
 # The clocks, bound once: a module attribute is a dict lookup on every call.

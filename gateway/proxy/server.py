@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
-from gateway.counters.base import CounterUnavailableError
 from gateway.policy.model import IdentityKind
 from gateway.proxy.handler import Peer
 from gateway.proxy.relay import (
@@ -41,6 +40,7 @@ from gateway.proxy.tunnel import Tunnel
 from gateway.proxy.upstream_pool import Upstream, UpstreamConnection
 from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
 from gateway.ratelimit.decision import Decision
+from gateway.ratelimit.ports import CounterUnavailableError
 
 if TYPE_CHECKING:
     from gateway.proxy.plane import DataPlane

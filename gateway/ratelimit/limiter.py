@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from gateway.counters.base import CounterBackend, HitResult, HitSettled, LimitCheck, LimitState
 from gateway.policy.matcher import Selection
 from gateway.policy.model import IdentityKind, Rule
 from gateway.ratelimit.decision import Decision, LimitReport, Outcome
+from gateway.ratelimit.ports import CounterBackend, HitResult, HitSettled, LimitCheck, LimitState
 from gateway.ratelimit.window import bucket_ms_for
 
 MAX_CACHED_CHECKS: Final = 50_000  # identities whose checks are kept (then the cache starts over)

@@ -54,3 +54,12 @@ def test_the_compiled_module_count_quoted_in_the_docs_is_todays():
     n = len(HOT_MODULES)
     for doc, line in quoted:
         assert f"compiled with mypyc ({n} of {n} modules)" in line, (doc, line)
+
+
+def test_scripts_gateway_runs_the_projects_gateway_command():
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "gateway"), "rules", "check", "rules/"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok: ")
