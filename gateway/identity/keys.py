@@ -62,7 +62,7 @@ class KeyEntry:
 class KeyRing:
     """An immutable snapshot of the known keys: digest → consumer."""
 
-    __slots__ = ("_by_digest", "consumers", "digest", "entries", "source")
+    __slots__ = ("by_digest", "consumers", "digest", "entries", "source")
 
     def __init__(self, entries: tuple[KeyEntry, ...], digest: str, source: str) -> None:
         self.entries = entries
@@ -71,7 +71,8 @@ class KeyRing:
         # One Consumer object per name, shared by its keys.
         people = {e.consumer: Consumer(e.consumer, e.tier) for e in entries}
         self.consumers: Mapping[str, Consumer] = people
-        self._by_digest: dict[bytes, Consumer] = {
+        # SHA-256 of a key -> its consumer (the data plane looks keys up here directly)
+        self.by_digest: dict[bytes, Consumer] = {
             bytes.fromhex(e.sha256): people[e.consumer] for e in entries
         }
 
@@ -87,10 +88,10 @@ class KeyRing:
         digests, and learning bits of a digest does not help find a key whose SHA-256
         has them (preimage resistance; generated keys carry 256 bits of entropy).
         """
-        return self._by_digest.get(hashlib.sha256(key).digest())
+        return self.by_digest.get(hashlib.sha256(key).digest())
 
     def __len__(self) -> int:
-        return len(self._by_digest)
+        return len(self.by_digest)
 
     def __iter__(self) -> Iterator[KeyEntry]:
         return iter(self.entries)
