@@ -41,8 +41,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Final
 
-from gateway.counters.base import CounterBackend
 from gateway.policy.model import Rule, RuleTable
+from gateway.ratelimit.ports import CounterBackend
 
 log = logging.getLogger("gateway.readiness")
 
