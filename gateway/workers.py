@@ -35,6 +35,7 @@ from gateway.app import (
     Upstreams,
     _run_loop,
     console_source,
+    database_checks,
     open_backend,
     prepare_rules,
     serve_worker,
@@ -43,6 +44,7 @@ from gateway.counters.base import CounterBackend
 from gateway.metrics import Metrics, shared_registry, worker_gone
 from gateway.proxy.admin import create_admin_app
 from gateway.proxy.console import Recent
+from gateway.proxy.readiness import Readiness, backend_health
 from gateway.secrets import identity_secret
 from gateway.settings import Settings
 
@@ -186,7 +188,14 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                 "upstreams": router.info(),
             }  # fmt: skip
 
-        admin = create_admin_app(registry, info, console)
+        readiness = Readiness(
+            rules=lambda: rules.table,
+            last_reload_error=lambda: rules.last_error,
+            stores=backend_health(backends),
+            databases=database_checks(settings, embedded, ()),
+        )
+        readiness.start()
+        admin = create_admin_app(registry, info, console, readiness=readiness.answer)
         await service.start_socket(admin, admin_sock)
         host, port = admin_sock.getsockname()[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -208,6 +217,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                     started[index] = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), 0.5)
+            readiness.drain()
             _signal_all(workers, signal.SIGTERM)
             deadline = time.monotonic() + settings.shutdown_timeout + 5
             while workers and time.monotonic() < deadline:
@@ -215,6 +225,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                 await asyncio.sleep(0.1)
             _signal_all(workers, signal.SIGKILL)
         finally:
+            await readiness.stop()
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher

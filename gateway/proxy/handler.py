@@ -283,7 +283,7 @@ class Gateway:
             and (method == "GET" or method == "HEAD")
         ):
             status, body = self.readiness()
-            return Answer.json(status, body)
+            return Answer.json(status, body, [("Cache-Control", "no-store")])
 
         regions = self.regions
         if regions.by_host:

@@ -153,9 +153,9 @@ def test_sidecar_probes_hit_ok_on_the_gateway_port():
     settings = load_settings({}, env=_sidecar_env())
     assert ports["http"] == settings.port
     assert ports["metrics"] == settings.admin_port
-    for probe in ("readinessProbe", "livenessProbe"):
+    for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/ok")):
         check = container[probe]["httpGet"]
-        assert check["path"] == "/ok"
+        assert check["path"] == path
         assert ports.get(check["port"], check["port"]) == settings.port
 
 
