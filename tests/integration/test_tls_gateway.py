@@ -5,9 +5,8 @@ real upstream, asked by aiohttp's client and plain sockets trusting a CA made he
 (tests/support/tls_pki.py). Rotation under traffic, a bad pair refused, client
 certificates, the handshake deadline, the admin port's own certificate.
 
-Until gateway/app.py's ``Proxy.start`` passes ``tls=`` itself, the HTTPS data plane here
-is a second one beside ``running_gateway``'s plain one, sharing its ``Gateway``; once it
-does, the proxy's own plane and listener are the ones tested.
+The HTTPS data plane here is a second one beside ``running_gateway``'s plain one (which
+stays on ``gw.url``), sharing its ``Gateway``: what ``Proxy.start`` builds with ``tls=``.
 Each scenario runs on asyncio's loop and on uvloop (what ``gateway serve`` runs).
 Nothing asserts a duration: waits are polls with generous limits.
 """
@@ -35,6 +34,7 @@ from gateway.proxy.plane import DataPlane
 from gateway.proxy.tls import TlsListener, peer_subject
 from gateway.proxy.tls_setup import admin_tls, tls_listener
 from gateway.proxy.upstream_pool import UpstreamPool
+from gateway.settings import load_settings
 from tests.support.gateway import RunningGateway, running_app, running_gateway
 from tests.support.tls_pki import Issued, Pki, client_context, swap_to, write_pair
 from tests.support.upstream import create_upstream_app
@@ -147,20 +147,15 @@ def write_config(tmp_path: Path, tls: str) -> str:
 async def https_gateway(
     upstream: str, config_file: str
 ) -> AsyncIterator[tuple[RunningGateway, TlsListener, DataPlane, str]]:
-    """The real gateway with the HTTPS data plane the settings describe; yields the
-    running gateway, its TLS listener, the HTTPS plane and its base URL."""
-    async with running_gateway(upstream, config_file=config_file) as gw:
-        own = getattr(gw.proxy, "tls", None)
-        if own is not None:
-            # gateway/app.py's Proxy.start serves the settings' HTTPS itself.
-            assert gw.proxy.plane is not None and gw.proxy.plane.scheme == "https"
-            yield gw, own, gw.proxy.plane, f"https://localhost:{gw.proxy.port}"
-            return
-        listener = tls_listener(gw.settings, gw.metrics)
+    """The real gateway (plain HTTP on ``gw.url``) and beside it an HTTPS data plane
+    serving the same ``Gateway`` with the TLS the config file describes; yields the
+    running gateway, the TLS listener, the HTTPS plane and its base URL."""
+    async with running_gateway(upstream) as gw:
+        settings = load_settings({}, env={}, config_file=config_file)
+        listener = tls_listener(settings, gw.metrics)
         assert listener is not None
         plain = gw.proxy.plane
         assert plain is not None and plain.scheme == "http"
-        settings = gw.settings
         plane = DataPlane(
             gw.gateway,
             UpstreamPool(settings.upstream_pool_size, settings.upstream_connect_timeout),
@@ -299,8 +294,8 @@ def test_rotation_under_traffic_fails_no_request(run: Runner, tmp_path: Path, pk
         swap_to(live, generation(0x701))
         config = write_config(
             tmp_path,
-            # (an hour: a watch the gateway itself may run stays out of the way; the test
-            # runs its own, and stops it before the SIGHUP step)
+            # (an hour: the listener's own watch would stay out of the way; the test runs
+            # one of its own, and stops it before the SIGHUP step)
             pair_config(str(live / "tls.crt"), str(live / "tls.key"), "  watch_interval: 3600\n"),
         )
         async with (
