@@ -6,7 +6,23 @@ features) — same upstream, same load, same CPU pinning.
 
     .venv/bin/python benchmarks/dataplane_bench.py [--seconds 6] [--warmup 2]
         [--connections 50] [--rows envoy,gateway-memory,...] [--out benchmarks/results]
-        [--gateway-src before=/tmp/old-checkout ...]
+        [--table shipped|bench] [--peer-only | --source-addresses 50] [--repeat 2]
+        [--gateway-src before=/tmp/old-checkout ...] [--no-current]
+
+Tables (``--table``, issue 27): ``shipped`` (the default) runs the gateway as a user gets
+it: the checkout's own ``rules/`` directory (30 rules and the per-address ceiling) and
+default settings (plain access log, to a file). The proxied rows send ``GET /auth/bench``
+with one of 10,000 API keys (rule ``auth-api-key``, 2000/10 per key: at 2 requests a
+second per key under wrk, never reached); the flood rows ``GET /generate/bench`` with one
+key (rule ``generate-api-key``, 30/3600: refused after 30). One setting differs from the
+defaults: every connection comes from 127.0.0.1, so the per-address ceiling (36000/10)
+would refuse all but 3,600 requests a second; the gateway trusts 127.0.0.1 as a proxy
+(``--trusted-proxy``) and every request names its client in ``X-Forwarded-For``, one of
+768 documentation addresses (TEST-NET-1/2/3), the same one for a key each time.
+``--source-addresses N`` does without it: the asyncio load generator (wrk cannot) binds
+its connections to N loopback addresses, and the gateway runs exactly the defaults.
+``--peer-only`` leaves both out (then the ceiling turns the proxied rows into floods).
+``--table bench`` keeps the earlier two-rule file and JSON access log (below).
 
 Pinning (2 cores): the process under test runs on core 0 (``taskset -c 0``); the load
 generator (wrk), the nginx upstream and redis-server share core 1. ``gateway --workers 2``
@@ -78,6 +94,65 @@ rules:
     identity: api_key
     limits: {default: 1000000000/60}
 """
+
+# The shipped table's rows (--table shipped): the rule each kind of row meets, chosen for
+# a limit per key that the measured window cannot reach (proxied) or reaches at once
+# (flood). /auth is the third rule (after health and high-throughput-ip); rule matching
+# is cached per (region, method, path), so a rule further down costs no more per request.
+SHIPPED_PROXY_PATH = "/auth/bench"  # auth-api-key, 2000/10 per key
+SHIPPED_FLOOD_PATH = "/generate/bench"  # generate-api-key, 30/3600 per key
+SHIPPED_FLOOD_ALLOWED = 30  # admitted per key before the refusals start
+# Client addresses named in X-Forwarded-For (RFC 5737 documentation ranges: no traffic
+# goes to them, they only name clients): key i comes from address i % 768.
+TEST_NETS = ("192.0.2", "198.51.100", "203.0.113")
+XFF_ADDRESSES = 256 * len(TEST_NETS)
+
+# keys.lua with an X-Forwarded-For per key (written to the run's temp dir).
+XFF_LUA = """\
+-- dataplane_bench.py --table shipped: keys.lua plus the client address of each key in
+-- X-Forwarded-For (key i from address i % 768 of the three TEST-NET ranges).
+local requests = {}
+local count = 1
+local next_index = 0
+local nets = {"192.0.2", "198.51.100", "203.0.113"}
+
+function init(args)
+  local prefix = args[1] or "bench"
+  count = tonumber(args[2] or "10000")
+  local offset = tonumber(args[3] or "0")
+  for i = 0, count - 1 do
+    local headers = {}
+    for name, value in pairs(wrk.headers) do
+      headers[name] = value
+    end
+    headers["x-api-key"] = prefix .. "-" .. i
+    local slot = i % 768
+    headers["X-Forwarded-For"] = nets[math.floor(slot / 256) + 1] .. "." .. (slot % 256)
+    requests[i + 1] = wrk.format(nil, nil, headers)
+  end
+  next_index = offset % count
+end
+
+function request()
+  next_index = next_index + 1
+  if next_index > count then
+    next_index = 1
+  end
+  return requests[next_index]
+end
+"""
+
+
+@dataclass(frozen=True)
+class Table:
+    """What the gateway rows run with, and the paths the rows send."""
+
+    name: str  # shipped | bench
+    proxy_path: str
+    flood_path: str
+    flood_allowed: int  # requests one key is admitted before its refusals
+    xff: bool  # requests carry X-Forwarded-For, the gateway trusts 127.0.0.1
+    description: str
 
 
 def body_104() -> str:
@@ -278,6 +353,7 @@ class Result:
     target: str
     source: str | None  # gateway checkout label
     cpus: str
+    run: int = 1  # which pass of --repeat
     requests: int = 0
     seconds: float = 0.0
     rps: float | None = None
@@ -476,9 +552,11 @@ def parse_wrk(out: str) -> dict[str, Any]:
 
 
 class LoadGenerator:
-    def __init__(self, pin: bool, use_wrk: bool) -> None:
+    def __init__(self, pin: bool, use_wrk: bool, xff_lua: Path, sources: int = 0) -> None:
         self.pin = pin
         self.wrk = shutil.which("wrk") if use_wrk else None
+        self.xff_lua = xff_lua  # keys.lua plus X-Forwarded-For (--table shipped)
+        self.sources = sources  # --source-addresses (the asyncio load generator only)
 
     @property
     def description(self) -> str:
@@ -488,7 +566,14 @@ class LoadGenerator:
         return "benchmarks/dataplane_load.py (asyncio, raw sockets, keep-alive)"
 
     def run(
-        self, url: str, seconds: int, connections: int, prefix: str, keys: int, offset: int = 0
+        self,
+        url: str,
+        seconds: int,
+        connections: int,
+        prefix: str,
+        keys: int,
+        offset: int = 0,
+        xff: bool = False,
     ) -> dict[str, Any]:
         if self.wrk:
             cmd = [
@@ -500,7 +585,7 @@ class LoadGenerator:
                 "--timeout",
                 "10s",
                 "-s",
-                str(LUA),
+                str(self.xff_lua if xff else LUA),
                 url,
                 "--",
                 prefix,
@@ -517,6 +602,7 @@ class LoadGenerator:
                 prefix,
                 str(keys),
                 str(offset),
+                *(["xff"] if xff else [f"sources={self.sources}"] if self.sources else []),
             ]
         if self.pin:
             cmd = ["taskset", "-c", "1", *cmd]
@@ -592,7 +678,11 @@ class Bench:
         cpus = os.sched_getaffinity(0)
         self.pin = {0, 1} <= cpus and shutil.which("taskset") is not None
         self.procs = Processes(tmp, self.pin)
-        self.load = LoadGenerator(self.pin, not args.no_wrk)
+        xff_lua = tmp / "keys_xff.lua"
+        xff_lua.write_text(XFF_LUA)
+        # --source-addresses: the asyncio generator, the one that can bind source addresses
+        use_wrk = not args.no_wrk and not args.source_addresses
+        self.load = LoadGenerator(self.pin, use_wrk, xff_lua, args.source_addresses)
         self.envoy = envoy_binary(args.envoy)
         self.nginx_port = 0
         self.nginx: subprocess.Popen[bytes] | None = None
@@ -600,14 +690,62 @@ class Bench:
         self.redis_port = 0
         self.rules = tmp / "rules.yaml"
         self.rules.write_text(RULES)
-        self.sources: list[tuple[str | None, Path]] = [(None, ROOT)]
+        if args.table == "shipped":
+            self.table = Table(
+                "shipped",
+                SHIPPED_PROXY_PATH,
+                SHIPPED_FLOOD_PATH,
+                SHIPPED_FLOOD_ALLOWED,
+                not (args.peer_only or args.source_addresses),
+                "the checkout's rules/ (shipped table, per-address ceiling), default settings "
+                "(plain access log to a file)"
+                + (
+                    "; every request from 127.0.0.1 (--peer-only)"
+                    if args.peer_only
+                    else f"; no trusted proxy, connections from {args.source_addresses} "
+                    "loopback addresses (--source-addresses: settings exactly the defaults)"
+                    if args.source_addresses
+                    else f"; --trusted-proxy 127.0.0.1/32 and X-Forwarded-For over "
+                    f"{XFF_ADDRESSES} client addresses (the per-address ceiling)"
+                )
+                + f"; proxied rows GET {SHIPPED_PROXY_PATH} (auth-api-key, 2000/10 per key), "
+                f"flood rows GET {SHIPPED_FLOOD_PATH} (generate-api-key, 30/3600 per key)",
+            )
+        else:
+            self.table = Table(
+                "bench",
+                "/bench",
+                "/flood",
+                1,
+                False,
+                "two-rule file (/flood 1/600 per key, everything else 10^9/60 per key), "
+                "--access-log json",
+            )
+        self.sources: list[tuple[str | None, Path]] = [] if args.no_current else [(None, ROOT)]
         for spec in args.gateway_src:
             label, _, path = spec.partition("=")
             if not path or not (Path(path) / "gateway" / "__init__.py").exists():
                 raise SystemExit(f"--gateway-src {spec!r}: want LABEL=DIR of a checkout")
             self.sources.append((label, Path(path).resolve()))
-        if len(self.sources) > 1:
+        if not self.sources:
+            raise SystemExit("--no-current needs at least one --gateway-src")
+        if len(self.sources) > 1 and self.sources[0][0] is None:
             self.sources[0] = ("current", ROOT)
+
+    def shipped_rules(self, src: Path) -> Path:
+        """The rules/ directory of checkout ``src``; a wheel unpacked without one (only the
+        package) uses this checkout's."""
+        own = src / "rules"
+        return own if own.is_dir() else ROOT / "rules"
+
+    def path_for(self, row: RowSpec) -> str:
+        """What the row requests: the table's paths, except where a reference server
+        keys its own behaviour on the path (the relay's /flood) or needs a file (/big)."""
+        if row.path == "/bench":
+            return self.table.proxy_path
+        if row.path == "/flood" and row.target == "gateway":
+            return self.table.flood_path
+        return row.path
 
     # --- shared upstreams
     def start_nginx(self) -> None:
@@ -724,15 +862,18 @@ class Bench:
                 "127.0.0.1",
                 "--admin-port",
                 str(admin),
-                "--rules",
-                str(self.rules),
                 "--data-dir",
                 str(data),
-                "--access-log",
-                "json",
                 "--shutdown-timeout",
                 "5",
             ]
+            if self.table.name == "shipped":
+                # Default settings: no --access-log (plain), the checkout's rules/.
+                cmd += ["--rules", str(self.shipped_rules(src))]
+                if self.table.xff:
+                    cmd += ["--trusted-proxy", "127.0.0.1/32"]
+            else:
+                cmd += ["--rules", str(self.rules), "--access-log", "json"]
             if row.counters == "redis":
                 redis_call(self.redis_port, "FLUSHALL")
                 cmd += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0"]
@@ -773,27 +914,46 @@ class Bench:
         return (done.stdout or done.stderr).strip()
 
     # --- one row
-    def measure(self, row: RowSpec, source: tuple[str | None, Path]) -> Result:
+    def measure(self, row: RowSpec, source: tuple[str | None, Path], run: int = 1) -> Result:
         label = source[0]
         title = f"{row.title} [{label}]" if label and row.target == "gateway" else row.title
+        if self.args.repeat > 1:
+            title += f" (run {run})"
         tag = row.name + (f"-{label}" if label and row.target == "gateway" else "")
+        if self.args.repeat > 1:
+            tag += f"-run{run}"
         result = Result(
-            row.name, title, row.kind, row.target, label if row.target == "gateway" else None, "0"
+            row.name,
+            title,
+            row.kind,
+            row.target,
+            label if row.target == "gateway" else None,
+            "0",
+            run,
         )
         connections = STREAM_CONNECTIONS if row.kind == "stream" else self.args.connections
         prefix = f"{tag}-{int(time.time())}"
+        xff = self.table.xff
         proc = None
         try:
             proc, base, result.cpus = self.start_target(row, source, tag)
-            url = base + row.path
-            warmed = self.load.run(url, self.args.warmup, connections, prefix, row.keys)
+            url = base + self.path_for(row)
+            warmed = self.load.run(url, self.args.warmup, connections, prefix, row.keys, xff=xff)
             if row.preexhaust:
-                # Every key: one admitted request, then refused at least once (so the
+                # Every key: its admitted requests, then refused at least once (so the
                 # measured window sees the steady state of a flood of 10k identities).
-                total, deadline = warmed["requests"], time.monotonic() + 120
-                while total < 2 * row.keys + 4 * connections and time.monotonic() < deadline:
+                # The shipped table's flood rule admits 30 per key: 310,000 requests.
+                want = (self.table.flood_allowed + 1) * row.keys + 4 * connections
+                total, deadline = warmed["requests"], time.monotonic() + 300
+                while total < want and time.monotonic() < deadline:
                     more = self.load.run(
-                        url, max(2, self.args.warmup), connections, prefix, row.keys, offset=total
+                        url,
+                        max(2, self.args.warmup),
+                        connections,
+                        prefix,
+                        row.keys,
+                        offset=total,
+                        xff=xff,
                     )
                     total += more["requests"]
                 result.notes.append(f"{total} warm-up requests")
@@ -801,7 +961,7 @@ class Bench:
             profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
             cpu0, cores0 = cpu_seconds(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
-            out = self.load.run(url, self.args.seconds, connections, prefix, row.keys)
+            out = self.load.run(url, self.args.seconds, connections, prefix, row.keys, xff=xff)
             if profiler is not None:
                 self.finish_profile(profiler, tag)
             cpu1, cores1 = cpu_seconds(proc.pid), core_times()
@@ -895,22 +1055,26 @@ class Bench:
         if any((r.counters or "").startswith("redis") for r in wanted):
             self.start_redis()
         results = []
-        for row in wanted:
-            sources = self.sources if row.target == "gateway" else [(None, ROOT)]
-            for source in sources:
-                started = time.monotonic()
-                result = self.measure(row, source)
-                took = time.monotonic() - started
-                status = (
-                    result.error.splitlines()[0]
-                    if result.error
-                    else (
-                        f"{result.rps:.0f} req/s"
-                        + (f", {result.mb_per_s:.0f} MB/s" if result.mb_per_s else "")
+        # --repeat: every row once, then every row again (not each row twice in a row), so
+        # a row and the rows it is compared with share each pass's share of the noise.
+        for run in range(1, self.args.repeat + 1):
+            for row in wanted:
+                sources = self.sources if row.target == "gateway" else [(None, ROOT)]
+                for source in sources:
+                    started = time.monotonic()
+                    result = self.measure(row, source, run)
+                    took = time.monotonic() - started
+                    status = (
+                        result.error.splitlines()[0]
+                        if result.error
+                        else (
+                            f"{result.rps:.0f} req/s, {result.cpu_us_per_request or 0:.0f} "
+                            "CPU us/req"
+                            + (f", {result.mb_per_s:.0f} MB/s" if result.mb_per_s else "")
+                        )
                     )
-                )
-                print(f"  {result.title}: {status} ({took:.0f} s)", file=sys.stderr)
-                results.append(result)
+                    print(f"  {result.title}: {status} ({took:.0f} s)", file=sys.stderr)
+                    results.append(result)
         add_ratios(results)
         return results
 
@@ -968,13 +1132,17 @@ def top_functions(collapsed: Path, count: int = 60) -> str:
 
 
 def add_ratios(results: list[Result]) -> None:
-    def first(name: str) -> Result | None:
-        return next((r for r in results if r.name == name and not r.error), None)
+    """Each row against the reference row of the same pass (--repeat), else of any."""
 
-    envoy, bare, stream = first("envoy"), first("flood-bare"), first("stream-envoy")
+    def first(name: str, run: int) -> Result | None:
+        found = [r for r in results if r.name == name and not r.error]
+        return next((r for r in found if r.run == run), found[0] if found else None)
+
     for r in results:
         if r.error:
             continue
+        envoy, bare = first("envoy", r.run), first("flood-bare", r.run)
+        stream = first("stream-envoy", r.run)
         if r.kind == "proxy" and envoy and envoy.rps and r.rps is not None:
             r.vs_envoy = r.rps / envoy.rps
         if r.kind == "flood" and bare and bare.rps and r.rps is not None:
@@ -1076,6 +1244,40 @@ def main() -> None:
         help="also run the gateway rows from this checkout (repeatable)",
     )
     parser.add_argument(
+        "--no-current",
+        action="store_true",
+        help="run the gateway rows only from the --gateway-src checkouts, not this one "
+        "(e.g. when this one runs interpreted: no compiled modules beside its sources)",
+    )
+    parser.add_argument(
+        "--table",
+        choices=("shipped", "bench"),
+        default="shipped",
+        help="shipped (default): the checkout's rules/ and default settings (plain access "
+        "log); bench: the earlier two-rule file and JSON access log",
+    )
+    parser.add_argument(
+        "--peer-only",
+        action="store_true",
+        help="with --table shipped: no X-Forwarded-For and no trusted proxy, every request "
+        "from 127.0.0.1 (the per-address ceiling then refuses most of them)",
+    )
+    parser.add_argument(
+        "--source-addresses",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --table shipped: no X-Forwarded-For and no trusted proxy; the asyncio "
+        "load generator (not wrk, which cannot) binds its connections to N loopback "
+        "addresses 127.0.0.2.., so the gateway runs with default settings exactly",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every row this many times (all rows, then all rows again), each reported",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=BENCH / "results",
@@ -1085,7 +1287,7 @@ def main() -> None:
         "--profile",
         type=Path,
         metavar="DIR",
-        help="record each gateway row's measured window with py-spy (--native, on core 1) "
+        help="record each gateway row's measured window with --profiler (from core 1) "
         "into DIR/<row>.txt: collapsed stacks, plus DIR/<row>.top.txt, the functions "
         "with the most samples of their own",
     )
@@ -1107,6 +1309,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.seconds < 1 or args.warmup < 1:
         parser.error("--seconds and --warmup are whole seconds, at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat is at least 1")
+    if (args.peer_only or args.source_addresses) and args.table != "shipped":
+        parser.error("--peer-only and --source-addresses go with --table shipped")
+    if not 0 <= args.source_addresses <= 250:
+        parser.error("--source-addresses: 1 to 250")
 
     # SIGTERM ends the run like Ctrl-C: the finally below stops every process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -1119,8 +1327,9 @@ def main() -> None:
             "warning: cores 0 and 1 not both available (or no taskset): not pinned", file=sys.stderr
         )
     try:
-        for label, src in bench.sources[1:]:
-            print(f"gateway [{label}] from {bench.gateway_origin(src)}", file=sys.stderr)
+        for label, src in bench.sources:
+            if label is not None:
+                print(f"gateway [{label}] from {bench.gateway_origin(src)}", file=sys.stderr)
         started = time.monotonic()
         results = bench.run()
         elapsed = time.monotonic() - started
@@ -1142,6 +1351,12 @@ def main() -> None:
         f"{STREAM_CONNECTIONS}), {args.warmup} s warm-up then {args.seconds} s measured per row"
     )
     commits = {src: f"{git_describe(src)} ({build_of(src)})" for _, src in bench.sources}
+    rules_note = ""
+    if bench.table.name == "shipped":
+        rules = [
+            f"{label or 'this checkout'} {bench.shipped_rules(src)}" for label, src in bench.sources
+        ]
+        rules_note = f" (rules: {', '.join(rules)})"
     header_lines = [
         f"machine: {describe()}",
         "gateway: "
@@ -1149,8 +1364,10 @@ def main() -> None:
         f"versions: Envoy {versions['envoy']}, nginx {versions['nginx']}, redis "
         f"{versions['redis']}, aiohttp {versions['aiohttp']}",
         f"pinning: {pinning}",
+        f"table: {bench.table.name}: {bench.table.description}{rules_note}",
         f"load: {load}; normal rows rotate over {KEYS:,} API keys (never limited), flood "
-        "rows send keys already over their limit",
+        "rows send keys already over their limit"
+        + (f"; every row run {args.repeat} times (passes in turn)" if args.repeat > 1 else ""),
         f"upstream: nginx, 1 worker, 104-byte JSON body (10 MB file for the streamed rows); "
         f"run took {elapsed:.0f} s",
     ]
@@ -1174,6 +1391,8 @@ def main() -> None:
                     "connections": args.connections,
                     "stream_connections": STREAM_CONNECTIONS,
                     "keys": KEYS,
+                    "table": asdict(bench.table),
+                    "repeat": args.repeat,
                     "gateway_sources": {
                         label or "current": {"dir": str(src), "commit": commits[src]}
                         for label, src in bench.sources
@@ -1185,8 +1404,13 @@ def main() -> None:
         )
         + "\n"
     )
-    chart(results, args.out / "dataplane.png", f"data plane, one run: {pinning}; {describe()}")
-    print(f"\nwrote {args.out}/dataplane.{{json,md,png}}", file=sys.stderr)
+    try:
+        chart(results, args.out / "dataplane.png", f"data plane, one run: {pinning}; {describe()}")
+    except ImportError:  # matplotlib is in the [bench] extra; the tables stand without it
+        print("matplotlib not installed: no dataplane.png", file=sys.stderr)
+        print(f"\nwrote {args.out}/dataplane.{{json,md}}", file=sys.stderr)
+    else:
+        print(f"\nwrote {args.out}/dataplane.{{json,md,png}}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,19 @@
 not installed. It reports the same fields as the bench's wrk parser, as one JSON line.
 
     python benchmarks/dataplane_load.py URL SECONDS CONNECTIONS PREFIX COUNT OFFSET
+        [xff | sources=N]
 
 CONNECTIONS keep-alive connections on raw sockets (asyncio streams, uvloop when
 available), one request in flight per connection (no pipelining). Every request carries
 an ``x-api-key`` taken round-robin from PREFIX-0 .. PREFIX-(COUNT-1), starting at OFFSET,
-like ``benchmarks/wrk/keys.lua``. Bodies are read by Content-Length or chunked encoding
-and counted, never kept. A connection the server closes is reopened. Latency is measured
-from writing the request to reading the last byte of the response.
+like ``benchmarks/wrk/keys.lua``; with ``xff`` each also names its client in
+``X-Forwarded-For`` (key i from address i % 768 of the RFC 5737 documentation ranges), as
+``dataplane_bench.py --table shipped`` has wrk do. With ``sources=N`` connection i is bound
+to the loopback address 127.0.0.(2 + i % N) instead, so the server sees N client addresses
+as TCP peers (still to and from loopback only: all of 127.0.0.0/8 is this machine).
+Bodies are read by Content-Length or chunked encoding and counted, never kept. A
+connection the server closes is reopened. Latency is measured from writing the request
+to reading the last byte of the response.
 """
 
 from __future__ import annotations
@@ -22,14 +28,29 @@ from urllib.parse import urlsplit
 CHUNK = 256 * 1024
 
 
+NETS = ("192.0.2", "198.51.100", "203.0.113")
+
+
+def client_address(i: int) -> str:
+    slot = i % (256 * len(NETS))
+    return f"{NETS[slot // 256]}.{slot % 256}"
+
+
 class Load:
-    def __init__(self, url: str, prefix: str, count: int, offset: int) -> None:
+    def __init__(self, url: str, prefix: str, count: int, offset: int, xff: bool = False) -> None:
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = f"GET {target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-        self.requests = [f"{head}x-api-key: {prefix}-{i}\r\n\r\n".encode() for i in range(count)]
+        self.requests = [
+            (
+                f"{head}x-api-key: {prefix}-{i}\r\n"
+                + (f"X-Forwarded-For: {client_address(i)}\r\n" if xff else "")
+                + "\r\n"
+            ).encode()
+            for i in range(count)
+        ]
         self.next = offset % count
         self.latencies: list[float] = []
         self.non2xx = 0
@@ -86,14 +107,17 @@ class Load:
             n -= len(got)
             self.bytes += len(got)
 
-    async def connection(self, stop: float) -> None:
+    async def connection(self, stop: float, source: str | None = None) -> None:
         writer: asyncio.StreamWriter | None = None
         reader: asyncio.StreamReader | None = None
         while time.perf_counter() < stop:
             try:
                 if writer is None:
                     reader, writer = await asyncio.open_connection(
-                        self.host, self.port, limit=CHUNK
+                        self.host,
+                        self.port,
+                        limit=CHUNK,
+                        local_addr=None if source is None else (source, 0),
                     )
                 assert reader is not None
                 start = time.perf_counter()
@@ -117,10 +141,24 @@ class Load:
             writer.close()
 
 
-async def run(url: str, seconds: float, connections: int, prefix: str, count: int, offset: int):
-    load = Load(url, prefix, count, offset)
+async def run(
+    url: str,
+    seconds: float,
+    connections: int,
+    prefix: str,
+    count: int,
+    offset: int,
+    xff: bool,
+    sources: int,
+):
+    load = Load(url, prefix, count, offset, xff)
     start = time.perf_counter()
-    await asyncio.gather(*(load.connection(start + seconds) for _ in range(connections)))
+    await asyncio.gather(
+        *(
+            load.connection(start + seconds, f"127.0.0.{2 + i % sources}" if sources else None)
+            for i in range(connections)
+        )
+    )
     elapsed = time.perf_counter() - start
     lat = sorted(load.latencies)
 
@@ -142,7 +180,11 @@ async def run(url: str, seconds: float, connections: int, prefix: str, count: in
 def main() -> None:
     url, seconds, connections = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     prefix, count, offset = sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-    coro = run(url, seconds, connections, prefix, count, offset)
+    mode = sys.argv[7] if len(sys.argv) > 7 else ""
+    sources = int(mode.partition("=")[2]) if mode.startswith("sources=") else 0
+    if not 0 <= sources <= 250:
+        raise SystemExit("sources=N: 1 to 250 loopback addresses")
+    coro = run(url, seconds, connections, prefix, count, offset, mode == "xff", sources)
     try:
         import uvloop
     except ImportError:  # pragma: no cover
