@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
@@ -47,11 +48,14 @@ from gateway.proxy.readiness import (
 )
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.routing import RegionMap, Router
+from gateway.proxy.tls import TlsListener, TlsReloader
+from gateway.proxy.tunnel import TunnelLimits
 from gateway.proxy.upstream_pool import Upstream, UpstreamPool
 from gateway.ratelimit.identity import ClientAddressPolicy, IdentityHasher
 from gateway.ratelimit.limiter import Limiter
 from gateway.secrets import identity_secret
 from gateway.settings import Settings, SettingsError
+from gateway.tls_setup import AdminTls, admin_tls, check_tls, tls_listener
 
 if TYPE_CHECKING:
     from gateway.upstreams.control_plane.config import ControlPlaneConfig
@@ -151,12 +155,17 @@ class Proxy:
         self.gateway: Gateway | None = None
         self.readiness: Readiness | None = None
         self.plane: DataPlane | None = None
+        self.tls: TlsListener | None = None  # HTTPS on the proxy port (tls_cert/tls_key)
+        self._tls_watch: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._identity_tasks: list[asyncio.Task[None]] = []
         self._verifier: JwtVerifier | None = None
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> list[str]:
         settings = self.settings
+        # First: certificate files that cannot be used (SettingsError) stop the start
+        # before anything is opened.
+        self.tls = tls_listener(settings, self.metrics)
         regions = settings.region_table()
         hosts = {host: r.name for r in regions for host in r.hosts}
         backends = {
@@ -186,6 +195,7 @@ class Proxy:
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
             keep_method_override=settings.keep_method_override,
+            rate_limit_headers=settings.rate_limit_headers,
         )
         verified = await self._identities()
         if verified is not None:
@@ -215,13 +225,23 @@ class Proxy:
             max_uploads_per_client=settings.max_uploads_per_client,
             max_uploads=max(1, settings.upstream_pool_size // 2),
             max_downloads_per_client=settings.max_downloads_per_client,
+            tunnels=TunnelLimits(
+                max_tunnels=settings.max_tunnels,
+                max_tunnels_per_client=settings.max_tunnels_per_client,
+                idle_timeout=settings.tunnel_idle_timeout,
+                max_seconds=settings.tunnel_max_seconds,
+                max_bytes=settings.tunnel_max_bytes,
+            ),
             max_client_connections=settings.max_client_connections or max(1, max_connections // 8),
         )
         pool = UpstreamPool(settings.upstream_pool_size, settings.upstream_connect_timeout)
         self.plane = DataPlane(self.gateway, pool, limits)
         if settings.watch_rules:
             self._watcher = asyncio.create_task(self.rules.watch(settings.watch_interval))
-        return await self.plane.start(host, port, reuse_port)
+        if self.tls is not None:
+            log.info("%s", self.tls.describe())
+            self._tls_watch = asyncio.create_task(self.tls.watch())
+        return await self.plane.start(host, port, reuse_port, tls=self.tls)
 
     async def info(self) -> dict[str, object]:
         """The operator's view (the admin port's ``/info``)."""
@@ -229,6 +249,8 @@ class Proxy:
         info = await self.gateway.info(full=True)
         if self.gateway.verified is not None:
             info["identity"] = self.gateway.verified.status()
+        if self.tls is not None:
+            info["tls"] = self.tls.info()
         return info
 
     async def _identities(self) -> VerifiedIdentities | None:
@@ -293,6 +315,12 @@ class Proxy:
             self._watcher.cancel()
             with suppress(asyncio.CancelledError):
                 await self._watcher
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._tls_watch
+        if self.tls is not None:
+            await self.tls.close()
         for task in self._identity_tasks:
             task.cancel()
             with suppress(asyncio.CancelledError):
@@ -453,8 +481,10 @@ class Service:
         host: str,
         port: int,
         reuse_port: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> list[str]:
-        """Serve ``app`` on host:port (stopped after the proxies, in start order)."""
+        """Serve ``app`` on host:port (HTTPS with ``ssl_context``; stopped after the
+        proxies, in start order)."""
         runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=self.shutdown_timeout, handle_signals=False
         )
@@ -465,10 +495,12 @@ class Service:
             port,
             reuse_port=reuse_port or None,
             shutdown_timeout=self.shutdown_timeout,
+            ssl_context=ssl_context,
         )
         await site.start()
         self.runners.append(runner)
-        return [_address(s) for s in runner.addresses]
+        scheme = "http" if ssl_context is None else "https"
+        return [_address(s, scheme) for s in runner.addresses]
 
     async def start_socket(self, app: web.Application, sock: socket.socket) -> None:
         # The built-in upstreams' runner answers aiohttp's parser errors as their
@@ -489,10 +521,10 @@ class Service:
         self.runners.clear()
 
 
-def _address(addr: Any) -> str:
+def _address(addr: Any, scheme: str = "http") -> str:
     if isinstance(addr, tuple):
         host, port = addr[0], addr[1]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     return str(addr)
 
 
@@ -530,8 +562,10 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
         log.info("trusting X-Forwarded-For from %s", ", ".join(settings.trusted_proxies))
 
 
-def _reload(rules: RuleSource) -> None:
+def _reload(rules: RuleSource, certificates: Sequence[TlsReloader] = ()) -> None:
     rules.request_reload("SIGHUP")  # parsed in a worker thread, not on the event loop
+    for certificate in certificates:  # read in a worker thread too
+        certificate.request_reload("SIGHUP")
 
 
 def _redact(url: str) -> str:
@@ -595,6 +629,19 @@ def _with_store_index(
     return with_index
 
 
+def _with_admin_tls(
+    info: Callable[[], Awaitable[dict[str, object]]], admin: TlsReloader
+) -> Callable[[], Awaitable[dict[str, object]]]:
+    """``info`` plus ``admin_tls``: the admin port's own certificate (no key material)."""
+
+    async def with_tls() -> dict[str, object]:
+        answer = await info()
+        answer["admin_tls"] = admin.info()
+        return answer
+
+    return with_tls
+
+
 async def serve(
     settings: Settings,
     worker_index: int | None = None,
@@ -612,10 +659,13 @@ async def serve(
     secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
     service = Service(settings.shutdown_timeout)
     loop = asyncio.get_running_loop()
-    stop = wait_for_stop(loop, lambda: _reload(rules))
+    certificates: list[TlsReloader] = []  # SIGHUP reloads these too, once started
+    stop = wait_for_stop(loop, lambda: _reload(rules, certificates))
     upstreams = Upstreams(dict(builtin_urls or {}))
     admin_port = settings.admin_port
     sharing: asyncio.Task[None] | None = None
+    admin_https: AdminTls | None = None
+    admin_watch: asyncio.Task[None] | None = None
     try:
         if embedded is not None:
             for name, app in embedded.apps.items():
@@ -637,6 +687,8 @@ async def serve(
             proxy, settings.host, settings.port, reuse_port=worker_index is not None
         ):
             log.info("gateway listening on %s", address)
+        if proxy.tls is not None:
+            certificates.append(proxy.tls)
         # What start-up built lives as long as the process: out of the collector's
         # reach, full collections stay short (they otherwise showed in the p99).
         gc.freeze()
@@ -662,11 +714,22 @@ async def serve(
             )  # fmt: skip
             # Hook (issue 12): the admin /info also shows the Store's embedding index.
             info = _with_store_index(proxy.info, embedded)
+            admin_https = admin_tls(settings, metrics)  # SettingsError: files unusable
+            if admin_https is not None:
+                log.info("%s", admin_https.describe())
+                certificates.append(admin_https)
+                admin_watch = asyncio.create_task(admin_https.watch())
+                info = _with_admin_tls(info, admin_https)
             assert proxy.readiness is not None
             admin = create_admin_app(
                 metrics.registry, info, console, readiness=proxy.readiness.answer
             )
-            for address in await service.start_tcp(admin, settings.admin_host, admin_port):
+            for address in await service.start_tcp(
+                admin,
+                settings.admin_host,
+                admin_port,
+                ssl_context=None if admin_https is None else admin_https.context,
+            ):
                 log.info("metrics on %s/metrics, console on %s/console", address, address)
         else:
             pid = os.getpid()
@@ -684,6 +747,12 @@ async def serve(
                  "requests in flight", settings.shutdown_timeout)  # fmt: skip
     finally:
         await service.stop()
+        if admin_watch is not None:
+            admin_watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await admin_watch
+        if admin_https is not None:
+            await admin_https.close()
         if sharing is not None:
             sharing.cancel()
             with suppress(asyncio.CancelledError):
@@ -694,8 +763,9 @@ async def serve(
         log.info("stopped")
 
 
-def run(settings: Settings) -> int:
-    """Entry point of ``gateway serve``."""
+def check_start(settings: Settings) -> int | None:
+    """What ``gateway serve`` checks before it starts either way (``gateway.launch``): the
+    exit status when it cannot start, else None. Configures logging."""
     configure_logging(settings.log_level)
     shared = all(
         r.counter_url and not r.counter_url.startswith("memory:") for r in settings.region_table()
@@ -716,19 +786,26 @@ def run(settings: Settings) -> int:
             settings.workers,
         )
         return 2
-    if settings.workers == 1:
-        embedded = build_embedded(settings) if settings.embedded_enabled else None
-        _run_loop(serve(settings, embedded=embedded))
-        return 0
-    # Everything that can fail at start-up is checked once here, before forking, so a
-    # bad rule file or a busy port is one clear message, not N crashing workers.
+    return None
+
+
+def run_one(settings: Settings) -> int:
+    """``gateway serve`` as one process: the proxy, the admin port and the built-in
+    services in this event loop."""
+    embedded = build_embedded(settings) if settings.embedded_enabled else None
+    _run_loop(serve(settings, embedded=embedded))
+    return 0
+
+
+def prepare_workers(settings: Settings) -> Embedded | None:
+    """Before ``--workers`` processes are forked (``gateway.workers.supervise``): check
+    once what can fail at start-up, so a bad rule file or a busy port is one clear
+    message, not N crashing workers; the built-in services the supervisor runs."""
     prepare_rules(settings, Metrics())
+    check_tls(settings)
     identity_secret(settings.identity_secret, Path(settings.data_dir))
     check_port_free(settings.host, settings.port)
-    embedded = build_embedded(settings) if settings.embedded_enabled else None
-    from gateway.workers import supervise
-
-    return supervise(settings, embedded)
+    return build_embedded(settings) if settings.embedded_enabled else None
 
 
 def check_port_free(host: str, port: int) -> None:

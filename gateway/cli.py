@@ -23,13 +23,16 @@ GATEWAY_REDIS_URL, GATEWAY_TRUSTED_PROXIES=10.0.0.0/8,192.168.0.0/16) or in the 
 config file under the same name with underscores (redis_url: ...). Precedence:
 flag > environment > config file > default. Settings with no flag here (bounds and
 timeouts such as max_body_bytes, upstream_timeout, memory_max_keys) are set the same
-way. The config file alone takes 'regions', 'routes', 'store' and 'control_plane'
-sections. Every setting: README.md, "Configuration", and docs/deployment.md.
+way. The config file alone takes 'regions', 'routes', 'store', 'control_plane',
+'identity' and 'tls' sections. Every setting: README.md, "Configuration", and
+docs/deployment.md; HTTPS: docs/tls.md.
 
 Examples:
   gateway serve                                    # built-in upstreams, memory counters
   gateway serve --upstream http://127.0.0.1:2024    # sidecar in front of your API
   gateway serve --upstream http://api:2024 --redis-url redis://redis:6379/0 --workers 4
+  gateway serve --upstream http://127.0.0.1:2024 --port 8443 \\
+      --tls-cert /etc/gateway/tls/tls.crt --tls-key /etc/gateway/tls/tls.key
 """
 
 
@@ -44,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the gateway",
-        description="Run the gateway until SIGTERM/SIGINT (SIGHUP reloads the rules).",
+        description="Run the gateway until SIGTERM/SIGINT (SIGHUP reloads the rules and the\n"
+        "TLS certificates).",
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawTextHelpFormatter,
     )
@@ -103,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="port of /metrics, /info and /console (default: 9090; with --workers the "
         "supervisor serves it once, for every worker)",
+    )
+    add(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve HTTPS on --port with this PEM certificate chain (leaf first), TLS 1.2+;\n"
+        "plain HTTP there is answered 400. Reloaded when the file changes and on SIGHUP\n"
+        "(also GATEWAY_TLS_CERT, or tls.cert in the config file, whose tls: section also\n"
+        "takes client certificates and the admin port's own pair: docs/tls.md)",
+    )
+    add(
+        "--tls-key",
+        metavar="FILE",
+        help="the certificate's PEM private key (also GATEWAY_TLS_KEY, or tls.key); an\n"
+        "encrypted key's passphrase is read from GATEWAY_TLS_KEY_PASSPHRASE, never a flag",
     )
     add(
         "--workers",
@@ -243,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_data(commands)
     # Hook (issue 12): `gateway store reindex`.
-    from gateway.upstreams.store.reindex_command import register as register_store
+    from gateway.store_cli import register as register_store
 
     register_store(commands)
     # Issue 25: `gateway keys add|revoke`.
@@ -254,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.app import run
+    from gateway.launch import run
     from gateway.settings import SettingsError, load_settings
 
     flags: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
@@ -299,7 +317,7 @@ def _rules_check(args: argparse.Namespace) -> int:
 
 
 def _rules_explain(args: argparse.Namespace) -> int:
-    from gateway.policy.explain import explain
+    from gateway.explain import explain
     from gateway.policy.loader import RuleLoadError
     from gateway.settings import Settings
 
@@ -337,7 +355,7 @@ def _explain_identity(args: argparse.Namespace, headers: list[str]) -> Any:
     import os
     from pathlib import Path
 
-    from gateway.policy.explain import ResolvedIdentity
+    from gateway.explain import ResolvedIdentity
     from gateway.ratelimit.identity import valid_identity_header
     from gateway.settings import load_settings
 

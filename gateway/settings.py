@@ -46,7 +46,7 @@ class TlsPair:
 class TlsConfig:
     """HTTPS as configured (``Settings.tls_config()``): on the proxy port when ``proxy``
     is set, on the admin port when ``admin`` is. The files themselves are read (and
-    refused with a clear error) when the listeners start: gateway/proxy/tls_setup.py."""
+    refused with a clear error) when the listeners start: gateway/tls_setup.py."""
 
     proxy: TlsPair | None = None
     client_ca: str | None = None  # the CA whose client certificates the proxy port asks for
@@ -122,6 +122,16 @@ class Settings:
     # X-HTTP-Method-Override, X-HTTP-Method and X-Method-Override are dropped unless this
     # is on; then the rule is chosen by the overridden method.
     keep_method_override: bool = False
+    # Upgraded connections (WebSocket ...): open at once in all and from one client
+    # address, closed after this much silence both ways; optional byte and time caps.
+    max_tunnels: int = 1024
+    max_tunnels_per_client: int = 64
+    tunnel_idle_timeout: float = 300.0
+    tunnel_max_bytes: int = 0  # 0: unbounded
+    tunnel_max_seconds: float = 0.0  # 0: unbounded
+    # Rate-limit fields on answers: ietf (RateLimit-Policy, RateLimit), legacy
+    # (X-RateLimit-Limit/-Remaining/-Reset), both or none.
+    rate_limit_headers: str = "ietf"
     shutdown_timeout: float = 30.0
     upstream_pool_size: int = 256
     access_log: str = "plain"  # plain | json | off
@@ -352,6 +362,14 @@ def _validate(s: Settings) -> None:
         bad(f"max_uploads_per_client must be at least 1, not {s.max_uploads_per_client}")
     if s.max_downloads_per_client < 1:
         bad(f"max_downloads_per_client must be at least 1, not {s.max_downloads_per_client}")
+    if s.max_tunnels < 1 or s.max_tunnels_per_client < 1:
+        bad("max_tunnels and max_tunnels_per_client must be at least 1")
+    if s.tunnel_idle_timeout <= 0 or s.tunnel_max_bytes < 0 or s.tunnel_max_seconds < 0:
+        bad("tunnel_idle_timeout must be positive; tunnel_max_bytes and tunnel_max_seconds "
+            "0 (unbounded) or more")  # fmt: skip
+    if s.rate_limit_headers not in ("ietf", "legacy", "both", "none"):
+        bad(f"rate_limit_headers must be ietf, legacy, both or none, "
+            f"not {s.rate_limit_headers!r}")  # fmt: skip
     if s.max_client_connections < 0:
         bad(f"max_client_connections must be 0 (max_connections // 8) or more, "
             f"not {s.max_client_connections}")  # fmt: skip

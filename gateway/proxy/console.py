@@ -42,9 +42,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from gateway.explain import explain_request
 from gateway.identity.keys import Consumer
 from gateway.identity.verified import VerifiedIdentities
-from gateway.policy.explain import explain_request
 from gateway.policy.model import Rule, RuleTable
 from gateway.proxy.console_history import (
     BUCKET_SECONDS,

@@ -18,7 +18,7 @@ restart, and the listener (``start_tls_server``) that speaks TLS there.
 * ``TlsListener`` is one port's TLS at run time: its source, how often the files are
   looked at, reloads asked for by a signal, the handshake deadline and counts
   (``DataPlane.start(..., tls=listener)``; built from the settings by
-  ``gateway.proxy.tls_setup``).
+  ``gateway.tls_setup``).
 
 Rotation: each connection takes the context in force when its ClientHello arrives, so
 a new pair applies to every later handshake and none of the open connections is
@@ -243,7 +243,8 @@ def _read(path: str, role: str) -> bytes:
 
 def _certificates(data: bytes, path: str, role: str) -> list[x509.Certificate]:
     try:
-        return x509.load_pem_x509_certificates(data)
+        # (list(): the mypyc build checks this module without cryptography's types)
+        return list(x509.load_pem_x509_certificates(data))
     except ValueError:
         raise TlsConfigError(
             f"TLS {role} {path} holds no readable PEM certificate (truncated, or not a "
@@ -387,10 +388,11 @@ class TlsContextSource:
         return int(self._current.certificate.serial_number)
 
     def not_after(self) -> datetime.datetime:
-        return self._current.certificate.not_valid_after_utc
+        found: datetime.datetime = self._current.certificate.not_valid_after_utc
+        return found
 
     def subject(self) -> str:
-        return self._current.certificate.subject.rfc4514_string()
+        return str(self._current.certificate.subject.rfc4514_string())
 
     def describe(self) -> str:
         """One line for the start-up log."""

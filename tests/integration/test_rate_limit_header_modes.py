@@ -62,3 +62,15 @@ async def test_each_mode_sends_its_fields(tmp_path, mode):
             assert headers.getall("X-RateLimit-Limit") == ["999"]
         if mode == "none":
             assert "RateLimit" not in headers and "RateLimit-Policy" not in headers
+
+
+async def test_the_setting_chooses_the_mode_and_refuses_others(tmp_path, upstream):
+    from gateway.settings import SettingsError, load_settings
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    async with running_gateway(upstream, rules=[str(rules)], rate_limit_headers="legacy") as gw:
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/x") as r:
+            assert r.headers["X-RateLimit-Limit"] == "3" and "RateLimit" not in r.headers
+    with pytest.raises(SettingsError, match="rate_limit_headers must be"):
+        load_settings({"rate_limit_headers": "github"}, env={}, config_file=None)

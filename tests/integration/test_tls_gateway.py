@@ -32,9 +32,9 @@ from gateway.metrics import Metrics
 from gateway.proxy.admin import create_admin_app
 from gateway.proxy.plane import DataPlane
 from gateway.proxy.tls import TlsListener, peer_subject
-from gateway.proxy.tls_setup import admin_tls, tls_listener
 from gateway.proxy.upstream_pool import UpstreamPool
 from gateway.settings import load_settings
+from gateway.tls_setup import admin_tls, tls_listener
 from tests.support.gateway import RunningGateway, running_app, running_gateway
 from tests.support.tls_pki import Issued, Pki, client_context, swap_to, write_pair
 from tests.support.upstream import create_upstream_app

@@ -216,3 +216,21 @@ async def test_an_upgrade_the_upstream_declines_is_answered_as_http(ws_upstream,
         assert json.loads(reply.partition(b"\r\n\r\n")[2])["upgrade"] == "websocket"
         tunnels = gw.proxy.plane.tunnels
         assert tunnels.reserved == 0 and not tunnels.per_client and not tunnels.open
+
+
+async def test_tunnel_bounds_come_from_the_settings(ws_upstream, rules):
+    from gateway.settings import SettingsError, load_settings
+
+    url, _ = ws_upstream
+    async with running_gateway(
+        url, rules=rules, max_tunnels_per_client=1, tunnel_idle_timeout=30
+    ) as gw:
+        limits = gw.proxy.plane.tunnels.limits
+        assert (limits.max_tunnels_per_client, limits.idle_timeout) == (1, 30)
+        async with aiohttp.ClientSession() as http, http.ws_connect(gw.url + "/ws"):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(gw.url + "/ws")
+            assert refused.value.status == 429
+    for bad in ({"max_tunnels": 0}, {"tunnel_idle_timeout": 0}, {"tunnel_max_bytes": -1}):
+        with pytest.raises(SettingsError):
+            load_settings(bad, env={}, config_file=None)

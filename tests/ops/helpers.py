@@ -31,6 +31,7 @@ EXTRA_ENV = {
     "GATEWAY_TENANT_ID",
     "GATEWAY_REVISION_STEP_SECONDS",
     "GATEWAY_IDENTITY_SECRET",
+    "GATEWAY_TLS_KEY_PASSPHRASE",
 }
 # Read by the control-plane client (gateway deployments ...), named in the docs only.
 CLIENT_ENV = {"GATEWAY_CONTROL_PLANE_URL"}

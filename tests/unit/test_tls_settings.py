@@ -1,5 +1,5 @@
 """HTTPS settings (gateway/settings.py ``tls_cert``, ``tls_key``, the config file's ``tls``
-section) and their setup (gateway/proxy/tls_setup.py): where each value comes from, the
+section) and their setup (gateway/tls_setup.py): where each value comes from, the
 errors that say what does not fit, files refused as configuration errors, and reloads
 counted in the metrics. Certificates are real (tests/support/tls_pki.py)."""
 
@@ -14,7 +14,6 @@ from prometheus_client import generate_latest
 
 from gateway.metrics import Metrics
 from gateway.proxy.tls import PASSPHRASE_ENV, TlsListener
-from gateway.proxy.tls_setup import admin_tls, check_tls, tls_listener, tls_source
 from gateway.settings import (
     Settings,
     SettingsError,
@@ -22,6 +21,7 @@ from gateway.settings import (
     TlsPair,
     load_settings,
 )
+from gateway.tls_setup import admin_tls, check_tls, tls_listener, tls_source
 from tests.support.tls_pki import Pki, write_pair
 
 
@@ -116,9 +116,7 @@ def test_the_passphrase_has_no_flag_and_no_config_key(tmp_path: Path) -> None:
 
     from gateway.cli import build_parser
 
-    commands = next(
-        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
-    )
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {o for a in commands.choices["serve"]._actions for o in a.option_strings}
     assert not {f for f in flags if "pass" in f}
     with pytest.raises(SettingsError, match=f"environment variable {PASSPHRASE_ENV}"):
@@ -307,3 +305,13 @@ def test_reloads_are_counted_and_the_expiry_follows_the_certificate(
         "reloaded when the files change (looked at every 0.5 s) and on SIGHUP; "
         "plain HTTP is answered 400"
     )
+
+
+def test_the_serve_command_takes_the_pair(tmp_path: Path) -> None:
+    from gateway.cli import build_parser
+
+    args = vars(build_parser().parse_args(["serve", "--tls-cert", "a.crt", "--tls-key", "a.key"]))
+    flags = {k: v for k, v in args.items() if k not in ("func", "command", "config")}
+    assert load_settings(flags, env={}).tls_config().proxy == TlsPair("a.crt", "a.key")
+    args = vars(build_parser().parse_args(["serve"]))
+    assert args["tls_cert"] is None and args["tls_key"] is None
