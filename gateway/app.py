@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from gateway import __version__, native
+from gateway import __version__, logs, native
 from gateway.counters.base import CounterBackend
 from gateway.counters.memory import MemoryBackend
 from gateway.identity.config import parse_identity_config
@@ -76,12 +75,8 @@ CONTROL_PLANE_PREFIXES = (
 )
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def configure_logging(settings: Settings) -> None:
+    logs.configure_logging(settings.log_level, settings.log_format, settings.access_log_file)
 
 
 def open_backend(
@@ -536,6 +531,7 @@ def wait_for_stop(
         loop.add_signal_handler(sig, stop.set)
     if on_hup is not None:
         loop.add_signal_handler(signal.SIGHUP, on_hup)
+    loop.add_signal_handler(signal.SIGUSR1, logs.reopen_access_log)
     return stop
 
 
@@ -766,7 +762,7 @@ async def serve(
 def check_start(settings: Settings) -> int | None:
     """What ``gateway serve`` checks before it starts either way (``gateway.launch``): the
     exit status when it cannot start, else None. Configures logging."""
-    configure_logging(settings.log_level)
+    configure_logging(settings)
     shared = all(
         r.counter_url and not r.counter_url.startswith("memory:") for r in settings.region_table()
     )

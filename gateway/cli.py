@@ -135,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="peer networks whose X-Forwarded-For is believed, repeatable",
     )
     add("--access-log", choices=["plain", "json", "off"], help="access log format (default: plain)")
+    add("--access-log-file", metavar="PATH",
+        help="where access lines go, nothing else (default: - for stdout); reopened after "
+        "a rotation and on SIGUSR1")
     add("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    add("--log-format", choices=["text", "json"],
+        help="the gateway's own logs on stderr: text (default) or JSON lines")
     add(
         "--shutdown-timeout",
         type=float,

@@ -135,7 +135,9 @@ class Settings:
     shutdown_timeout: float = 30.0
     upstream_pool_size: int = 256
     access_log: str = "plain"  # plain | json | off
+    access_log_file: str = "-"  # where access lines go, and nothing else ("-": stdout)
     log_level: str = "INFO"
+    log_format: str = "text"  # the application's own logs on stderr: text | json
     watch_rules: bool = True
     watch_interval: float = 1.0
     # From the config file only: region table, extra routes, upstream sections.
@@ -347,6 +349,10 @@ def _validate(s: Settings) -> None:
         bad(f"workers must be 1..64, not {s.workers}")
     if s.workers > 1 and s.port == 0:
         bad("--workers needs a fixed --port: with port 0 every worker would get its own")
+    if s.log_format not in ("text", "json"):
+        bad(f"log_format must be text or json, not {s.log_format!r}")
+    if not s.access_log_file:
+        bad("access_log_file must be a path, or - for stdout")
     if s.access_log not in ("plain", "json", "off"):
         bad(f"access_log must be plain, json or off, not {s.access_log!r}")
     if s.upstream is not None and not s.upstream.startswith(("http://", "https://")):

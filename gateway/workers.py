@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway import __version__
+from gateway import __version__, logs
 from gateway.app import (
     Embedded,
     Service,
@@ -146,6 +146,12 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             rules.request_reload("SIGHUP")
 
         loop.add_signal_handler(signal.SIGHUP, hup)
+
+        def usr1() -> None:  # the access log was rotated: every process reopens it
+            _signal_all(workers, signal.SIGUSR1)
+            logs.reopen_access_log()
+
+        loop.add_signal_handler(signal.SIGUSR1, usr1)
         watcher = asyncio.create_task(
             rules.watch(settings.watch_interval) if settings.watch_rules else asyncio.sleep(0)
         )
