@@ -652,6 +652,8 @@ async def serve(
     serves for every worker."""
     metrics = Metrics()
     rules = prepare_rules(settings, metrics)
+    # With --workers the supervisor logs each reload once; its workers, the same, quietly.
+    rules.announce = worker_index is None
     secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
     service = Service(settings.shutdown_timeout)
     loop = asyncio.get_running_loop()

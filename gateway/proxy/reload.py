@@ -32,6 +32,9 @@ class RuleSource:
     def __init__(
         self, paths: Sequence[str], regions: Sequence[str], metrics: Metrics, table: RuleTable
     ) -> None:
+        # Whether reloads are logged at INFO / ERROR: with --workers, the supervisor says
+        # it once and each worker only at DEBUG (they read the same files).
+        self.announce = True
         self.paths = tuple(paths)
         self.regions = tuple(regions)
         self.table = table
@@ -101,7 +104,8 @@ class RuleSource:
         self._metrics.rule_reloads.labels("ok").inc()
         self._metrics.rules_loaded.set(table.loaded_at)
         self._metrics.rules_count.set(len(table.rules))
-        log.info(
+        log.log(
+            logging.INFO if self.announce else logging.DEBUG,
             "rules reloaded (%s): %s from %s, table %s (was %s)",
             reason,
             table.size_text,
@@ -115,7 +119,8 @@ class RuleSource:
         self._metrics.rule_reloads.labels("error").inc()
         if isinstance(exc, RuleLoadError):
             self.last_error = str(exc)
-            log.error(
+            log.log(
+                logging.ERROR if self.announce else logging.DEBUG,
                 "rule reload (%s) refused, still serving table %s:\n%s",
                 reason,
                 self.table.digest[:12],
