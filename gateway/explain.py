@@ -194,6 +194,8 @@ def _why_not(
         wanted = " or ".join(a.describe() for a in rule.alternatives)
         return f"does not match ({wanted})"
     if identity.key_for(rule.identity) is None:
+        if rule.identity is IdentityKind.CLIENT_CERT:
+            return "identity client_cert cannot be formed (no verified client certificate)"
         header = HEADER_FOR.get(rule.identity, "")
         return f"identity {rule.identity.value} cannot be formed (no valid {header} header)"
     return None

@@ -15,6 +15,9 @@ class IdentityKind(StrEnum):
     IP = "ip"
     API_KEY = "api_key"
     USER_IP = "user_ip"
+    # The subject of a client certificate the TLS port verified (tls.client_ca): a rule of
+    # this kind does not match a request without one, as an api_key rule one without a key.
+    CLIENT_CERT = "client_cert"
 
 
 class PathKind(StrEnum):

@@ -303,7 +303,9 @@ class Gateway:
         if self.verified is not None:
             self._verify(req, peer, self.verified)
             record.consumer, record.tier = req.consumer, req.tier
-        identity = RequestIdentity(self.hasher, req.client_ip, req.api_key, req.user_id, memo=memo)
+        identity = RequestIdentity(
+            self.hasher, req.client_ip, req.api_key, req.user_id, None, memo, req.client_cert
+        )
         record.identities = identity  # the access log's identity components (for replays)
         table = req.table = self.rules.table
         selection = req.selection = select(

@@ -63,6 +63,7 @@ class Incoming:
     refusal: Refusal | None = None  # answered 401 once its per-address count lets it through
     drop_user_header = False  # x-user-id from an untrusted peer, where only trusted ones count
     client_ip = "-"
+    client_cert: str | None = None  # the TLS port's verified client certificate subject
     trusted_peer = False
     forwarded_proto: bytes | None = None
     connection_tokens: frozenset[bytes] = frozenset()

@@ -36,6 +36,7 @@ from gateway.proxy.relay import (
 )
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import new_request_id
+from gateway.proxy.tls import peer_subject
 from gateway.proxy.tunnel import Tunnel
 from gateway.proxy.upstream_pool import Upstream, UpstreamConnection
 from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
@@ -90,6 +91,7 @@ class ClientConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = NO_PEER
         self.identity_memo: dict[tuple[IdentityKind, str], str] = {}
+        self.tls = plane.scheme == "https"  # client certificates may identify requests
         self.parser = httptools.HttpRequestParser(self)
         self.current: Incoming | None = None  # being parsed
         self.active: Incoming | None = None  # being answered
@@ -494,6 +496,10 @@ class ClientConnection(asyncio.Protocol):
 
     def _start(self, req: Incoming) -> None:
         self.active = req
+        if self.tls:
+            # (read per request: the TLS port tells a connection about itself before its
+            # handshake; the subject is parsed once per connection and kept there)
+            req.client_cert = peer_subject(self.transport) if self.transport else None
         self.gateway.metrics.inflight.inc()
         self.response_started = False
         self.deadline_kind = 0

@@ -152,6 +152,7 @@ class RequestIdentity:
     # client usually sends one key for a whole connection, so HMAC runs once per
     # connection, not per request.
     memo: dict[tuple[IdentityKind, str], str] | None = None
+    client_cert: str | None = None  # a verified client certificate's subject (RFC 4514)
 
     # Written out: mypyc compiles this one, while the dataclass's own would run as Python
     # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
@@ -163,6 +164,7 @@ class RequestIdentity:
         user_id: str | None,
         _cache: dict[IdentityKind, str | None] | None = None,
         memo: dict[tuple[IdentityKind, str], str] | None = None,
+        client_cert: str | None = None,
     ) -> None:
         self.hasher = hasher
         self.client_ip = client_ip
@@ -170,6 +172,7 @@ class RequestIdentity:
         self.user_id = user_id
         self._cache = _cache
         self.memo = memo
+        self.client_cert = client_cert
 
     def key_for(self, kind: IdentityKind) -> str | None:
         """The hashed identity for a rule of ``kind``, or None if it cannot be formed."""
@@ -183,8 +186,10 @@ class RequestIdentity:
             value = self.client_ip
         elif kind is IdentityKind.API_KEY:
             value = self.api_key
-        else:
+        elif kind is IdentityKind.USER_IP:
             value = None if self.user_id is None else f"{self.user_id}\0{self.client_ip}"
+        else:
+            value = self.client_cert
         if value is None:
             result = None
         elif self.memo is None:
