@@ -591,13 +591,7 @@ class ClientConnection(asyncio.Protocol):
             if req.tunnel:  # reserved, never joined (declined, failed, answered otherwise)
                 req.tunnel = False
                 self.plane.tunnels.give_back(None if req.trusted_peer else req.client_ip)
-        if req.upload_client is not None:
-            self._end_upload(req)
-        if req.download_client is not None:
-            self.plane.end_download(req.download_client)
-            req.download_client = None
-        self.relay = None
-        self.upstream = None
+        self._release_slots(req)
         self.waiting_body = False
         self.response_started = False
         self.body_deadline = 0.0
@@ -641,6 +635,16 @@ class ClientConnection(asyncio.Protocol):
             else:  # the rest of an answered request's body is being read and dropped
                 self.deadline = 0.0
                 self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+
+    def _release_slots(self, req: Incoming) -> None:
+        """What an ended request held: its upload and download slots, its relay."""
+        if req.upload_client is not None:
+            self._end_upload(req)
+        if req.download_client is not None:
+            self.plane.end_download(req.download_client)
+            req.download_client = None
+        self.relay = None
+        self.upstream = None
 
     def _idle(self) -> bool:
         return self.active is None
@@ -744,13 +748,7 @@ class ClientConnection(asyncio.Protocol):
         # tunnel, its deadlines now the tunnel's.
         self.active = None
         metrics.inflight.dec()
-        if req.upload_client is not None:
-            self._end_upload(req)
-        if req.download_client is not None:
-            self.plane.end_download(req.download_client)
-            req.download_client = None
-        self.relay = None
-        self.upstream = None
+        self._release_slots(req)
         self.deadline = self.body_deadline = 0.0
         self.pipeline.clear()
         self.paused.clear()
