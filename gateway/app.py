@@ -112,12 +112,16 @@ class Upstreams:
             cp = Upstream("control-plane", self.builtin["control-plane"])
             routes += [(p, cp) for p in CONTROL_PLANE_PREFIXES]
         for prefix, url in settings.routes:
-            routes.append((prefix, Upstream(f"route:{prefix}", url.rstrip("/"))))
+            upgrade = prefix in settings.upgrade_routes
+            routes.append((prefix, Upstream(f"route:{prefix}", url.rstrip("/"), upgrade=upgrade)))
         default = None
         if settings.upstream:
-            # The upstream the gateway fronts as a sidecar takes upgrades (WebSocket ...);
-            # the built-in ones and extra routes speak plain HTTP only.
-            default = Upstream("default", settings.upstream.rstrip("/"), upgrade=True)
+            # The upstream the gateway fronts as a sidecar takes upgrades (WebSocket ...)
+            # unless upstream_upgrade is off; the built-in ones never, extra routes when
+            # they say upgrade: true.
+            default = Upstream(
+                "default", settings.upstream.rstrip("/"), upgrade=settings.upstream_upgrade
+            )
         return Router(routes, default)
 
 

@@ -132,6 +132,7 @@ class Settings:
     # Rate-limit fields on answers: ietf (RateLimit-Policy, RateLimit), legacy
     # (X-RateLimit-Limit/-Remaining/-Reset), both or none.
     rate_limit_headers: str = "ietf"
+    upstream_upgrade: bool = True  # --upstream takes upgrades (WebSocket ...)
     shutdown_timeout: float = 30.0
     upstream_pool_size: int = 256
     access_log: str = "plain"  # plain | json | off
@@ -143,6 +144,7 @@ class Settings:
     # From the config file only: region table, extra routes, upstream sections.
     regions: tuple[RegionSettings, ...] = ()
     routes: tuple[tuple[str, str], ...] = ()  # (path prefix, upstream URL), longest first
+    upgrade_routes: tuple[str, ...] = ()  # the route prefixes that take upgrades
     store: Mapping[str, Any] = field(default_factory=dict)
     control_plane: Mapping[str, Any] = field(default_factory=dict)
     # Verified identities (known API keys, JWT users): see gateway/identity/config.py.
@@ -178,7 +180,10 @@ class Settings:
         return _tls_config(self)
 
 
-FILE_ONLY = {"regions", "routes", "store", "control_plane", "identity", "tls", "config_file"}
+FILE_ONLY = {
+    "regions", "routes", "upgrade_routes", "store", "control_plane", "identity", "tls",
+    "config_file",
+}  # fmt: skip
 
 
 def load_settings(
@@ -236,10 +241,12 @@ def load_settings(
         raise SettingsError(
             f"config file {config_file}: 'tls' is a mapping (tls: {{cert: FILE, key: FILE}})"
         )
+    route_table, upgrade_routes = _routes(routes, config_file)
     settings = Settings(
         **values,
         regions=_regions(extra_region, config_file),
-        routes=_routes(routes, config_file),
+        routes=route_table,
+        upgrade_routes=upgrade_routes,
         store=store,
         control_plane=control_plane,
         identity=identity,
@@ -322,17 +329,33 @@ def _regions(raw: Any, source: str | None) -> tuple[RegionSettings, ...]:
     return tuple(regions)
 
 
-def _routes(raw: Any, source: str | None) -> tuple[tuple[str, str], ...]:
+def _routes(
+    raw: Any, source: str | None
+) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """The config file's ``routes:``: prefix -> URL, or prefix -> {url:, upgrade: true}
+    (the route takes upgrades: WebSocket ...). (routes longest first, upgrade prefixes)."""
     if raw is None:
-        return ()
+        return (), ()
     if not isinstance(raw, dict):
         raise SettingsError(f"config file {source}: 'routes' maps a path prefix to an upstream URL")
     routes = []
-    for prefix, url in raw.items():
+    upgrades = []
+    for prefix, target in raw.items():
+        url, upgrade = target, False
+        if isinstance(target, dict):
+            url, upgrade = target.get("url"), target.get("upgrade", False)
+            if set(target) - {"url", "upgrade"} or not isinstance(upgrade, bool):
+                raise SettingsError(
+                    f"config file {source}: route {prefix!r} takes 'url' and 'upgrade' "
+                    "(true or false)"
+                )
         if not str(prefix).startswith("/") or not isinstance(url, str):
             raise SettingsError(f"config file {source}: route {prefix!r} -> {url!r} is not valid")
-        routes.append((str(prefix).rstrip("/") or "/", url))
-    return tuple(sorted(routes, key=lambda r: -len(r[0])))
+        name = str(prefix).rstrip("/") or "/"
+        routes.append((name, url))
+        if upgrade:
+            upgrades.append(name)
+    return tuple(sorted(routes, key=lambda r: -len(r[0]))), tuple(upgrades)
 
 
 def _validate(s: Settings) -> None:

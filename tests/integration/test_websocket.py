@@ -234,3 +234,32 @@ async def test_tunnel_bounds_come_from_the_settings(ws_upstream, rules):
     for bad in ({"max_tunnels": 0}, {"tunnel_idle_timeout": 0}, {"tunnel_max_bytes": -1}):
         with pytest.raises(SettingsError):
             load_settings(bad, env={}, config_file=None)
+
+
+async def test_a_route_takes_upgrades_when_it_says_so_and_the_upstream_can_refuse(
+    ws_upstream, rules, tmp_path
+):
+    url, _ = ws_upstream
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"routes:\n  /ws: {{url: '{url}', upgrade: true}}\n  /plain: '{url}'\n")
+    async with running_gateway(None, rules=rules, config_file=str(config)) as gw:
+        async with aiohttp.ClientSession() as http, http.ws_connect(gw.url + "/ws") as ws:
+            await ws.send_str("via a route")
+            assert (await ws.receive_str(timeout=5)) == "echo:via a route"
+        info = {u["prefix"]: u["upgrade"] for u in (await gw.proxy.info())["upstreams"]}
+        assert info == {"/ws": True, "/plain": False}
+    # upstream_upgrade: false turns it off for --upstream
+    async with running_gateway(url, rules=rules, upstream_upgrade=False) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        reply = await _raw(
+            port,
+            b"GET /plain HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+        )
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["upgrade"] is None
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"routes:\n  /ws: {{url: '{url}', upgrade: 'yes'}}\n")
+    from gateway.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="takes 'url' and 'upgrade'"):
+        load_settings({}, env={}, config_file=str(bad))
