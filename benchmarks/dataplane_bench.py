@@ -6,7 +6,8 @@ features) — same upstream, same load, same CPU pinning.
 
     .venv/bin/python benchmarks/dataplane_bench.py [--seconds 6] [--warmup 2]
         [--connections 50] [--rows envoy,gateway-memory,...] [--out benchmarks/results]
-        [--table shipped|bench] [--peer-only | --source-addresses 50] [--repeat 2]
+        [--table shipped|bench] [--clients sources|xff|peer] [--source-addresses 50]
+        [--repeat 2]
         [--gateway-src before=/tmp/old-checkout ...] [--no-current]
 
 Tables (``--table``, issue 27): ``shipped`` (the default) runs the gateway as a user gets
@@ -14,15 +15,20 @@ it: the checkout's own ``rules/`` directory (30 rules and the per-address ceilin
 default settings (plain access log, to a file). The proxied rows send ``GET /auth/bench``
 with one of 10,000 API keys (rule ``auth-api-key``, 2000/10 per key: at 2 requests a
 second per key under wrk, never reached); the flood rows ``GET /generate/bench`` with one
-key (rule ``generate-api-key``, 30/3600: refused after 30). One setting differs from the
-defaults: every connection comes from 127.0.0.1, so the per-address ceiling (36000/10)
-would refuse all but 3,600 requests a second; the gateway trusts 127.0.0.1 as a proxy
+key (rule ``generate-api-key``, 30/3600: refused after 30).
+
+Where the clients come from (``--clients``): from one address, the per-address ceiling
+(36000/10) would let 3,600 requests a second through and refuse the rest. ``sources``
+(the default with the shipped table): the asyncio load generator (wrk cannot bind source
+addresses) spreads its connections over ``--source-addresses`` loopback addresses
+(127.0.0.2 on), and the gateway runs with exactly the default settings; every row of the
+run uses that generator. ``xff``: wrk, the gateway trusts 127.0.0.1 as a proxy
 (``--trusted-proxy``) and every request names its client in ``X-Forwarded-For``, one of
-768 documentation addresses (TEST-NET-1/2/3), the same one for a key each time.
-``--source-addresses N`` does without it: the asyncio load generator (wrk cannot) binds
-its connections to N loopback addresses, and the gateway runs exactly the defaults.
-``--peer-only`` leaves both out (then the ceiling turns the proxied rows into floods).
-``--table bench`` keeps the earlier two-rule file and JSON access log (below).
+768 documentation addresses (TEST-NET-1/2/3), the same one for a key each time: a
+deployment behind a load balancer, which costs the gateway more per request than direct
+clients (``dataplane_instructions.py --features`` says how much). ``peer``: wrk, no
+trusted proxy, everything from 127.0.0.1 (the ceiling turns the proxied rows into floods).
+``--table bench`` keeps the earlier two-rule file and JSON access log, with wrk (below).
 
 Pinning (2 cores): the process under test runs on core 0 (``taskset -c 0``); the load
 generator (wrk), the nginx upstream and redis-server share core 1. ``gateway --workers 2``
@@ -680,9 +686,10 @@ class Bench:
         self.procs = Processes(tmp, self.pin)
         xff_lua = tmp / "keys_xff.lua"
         xff_lua.write_text(XFF_LUA)
-        # --source-addresses: the asyncio generator, the one that can bind source addresses
-        use_wrk = not args.no_wrk and not args.source_addresses
-        self.load = LoadGenerator(self.pin, use_wrk, xff_lua, args.source_addresses)
+        # --clients sources: the asyncio generator, the one that can bind source addresses
+        sources = args.source_addresses if args.clients == "sources" else 0
+        use_wrk = not args.no_wrk and not sources
+        self.load = LoadGenerator(self.pin, use_wrk, xff_lua, sources)
         self.envoy = envoy_binary(args.envoy)
         self.nginx_port = 0
         self.nginx: subprocess.Popen[bytes] | None = None
@@ -696,18 +703,16 @@ class Bench:
                 SHIPPED_PROXY_PATH,
                 SHIPPED_FLOOD_PATH,
                 SHIPPED_FLOOD_ALLOWED,
-                not (args.peer_only or args.source_addresses),
+                args.clients == "xff",
                 "the checkout's rules/ (shipped table, per-address ceiling), default settings "
                 "(plain access log to a file)"
-                + (
-                    "; every request from 127.0.0.1 (--peer-only)"
-                    if args.peer_only
-                    else f"; no trusted proxy, connections from {args.source_addresses} "
-                    "loopback addresses (--source-addresses: settings exactly the defaults)"
-                    if args.source_addresses
-                    else f"; --trusted-proxy 127.0.0.1/32 and X-Forwarded-For over "
-                    f"{XFF_ADDRESSES} client addresses (the per-address ceiling)"
-                )
+                + {
+                    "peer": "; every request from 127.0.0.1 (--clients peer)",
+                    "sources": f"; connections from {args.source_addresses} loopback "
+                    "addresses (--clients sources: settings exactly the defaults)",
+                    "xff": f"; --trusted-proxy 127.0.0.1/32 and X-Forwarded-For over "
+                    f"{XFF_ADDRESSES} client addresses (--clients xff)",
+                }[args.clients]
                 + f"; proxied rows GET {SHIPPED_PROXY_PATH} (auth-api-key, 2000/10 per key), "
                 f"flood rows GET {SHIPPED_FLOOD_PATH} (generate-api-key, 30/3600 per key)",
             )
@@ -1257,19 +1262,20 @@ def main() -> None:
         "log); bench: the earlier two-rule file and JSON access log",
     )
     parser.add_argument(
-        "--peer-only",
-        action="store_true",
-        help="with --table shipped: no X-Forwarded-For and no trusted proxy, every request "
-        "from 127.0.0.1 (the per-address ceiling then refuses most of them)",
+        "--clients",
+        choices=("sources", "xff", "peer"),
+        default="sources",
+        help="with --table shipped, where clients come from: sources (default): the asyncio "
+        "load generator over --source-addresses loopback addresses, default settings "
+        "exactly; xff: wrk, X-Forwarded-For through a trusted 127.0.0.1; peer: wrk, all "
+        "from 127.0.0.1 (the per-address ceiling refuses most requests)",
     )
     parser.add_argument(
         "--source-addresses",
         type=int,
-        default=0,
+        default=50,
         metavar="N",
-        help="with --table shipped: no X-Forwarded-For and no trusted proxy; the asyncio "
-        "load generator (not wrk, which cannot) binds its connections to N loopback "
-        "addresses 127.0.0.2.., so the gateway runs with default settings exactly",
+        help="--clients sources: connection i is bound to 127.0.0.(2 + i %% N) (default 50)",
     )
     parser.add_argument(
         "--repeat",
@@ -1311,9 +1317,9 @@ def main() -> None:
         parser.error("--seconds and --warmup are whole seconds, at least 1")
     if args.repeat < 1:
         parser.error("--repeat is at least 1")
-    if (args.peer_only or args.source_addresses) and args.table != "shipped":
-        parser.error("--peer-only and --source-addresses go with --table shipped")
-    if not 0 <= args.source_addresses <= 250:
+    if args.table != "shipped":
+        args.clients = "peer"  # the bench table has no ceiling: wrk, from 127.0.0.1
+    if not 1 <= args.source_addresses <= 250:
         parser.error("--source-addresses: 1 to 250")
 
     # SIGTERM ends the run like Ctrl-C: the finally below stops every process.
@@ -1392,6 +1398,8 @@ def main() -> None:
                     "stream_connections": STREAM_CONNECTIONS,
                     "keys": KEYS,
                     "table": asdict(bench.table),
+                    "clients": args.clients,
+                    "source_addresses": args.source_addresses if args.clients == "sources" else 0,
                     "repeat": args.repeat,
                     "gateway_sources": {
                         label or "current": {"dir": str(src), "commit": commits[src]}
