@@ -395,3 +395,29 @@ async def test_the_access_log_and_metrics_carry_consumer_and_tier_never_the_key(
         'tier="gold"} 1.0' in scraped
     )
     assert 'consumer="acme"' in scraped and "not-a-known-key" not in scraped
+
+
+async def test_a_repeated_token_is_verified_once_and_not_past_its_expiry(
+    tmp_path, upstream, signing_key
+):
+    private, _ = signing_key
+    config = _config(
+        tmp_path,
+        "identity:\n  user:\n    jwt:\n"
+        f"      public_key_file: {tmp_path / 'idp.pem'}\n      leeway_seconds: 0\n"
+        f"      issuer: {ISSUER}\n      audience: {AUDIENCE}\n      algorithms: [RS256]\n",
+    )
+    async with running_gateway(upstream, config_file=config) as gw:
+        verifier = gw.proxy.gateway.verified.tokens
+        port = _port(gw)
+        soon = int(time.time()) + 2
+        token = b"Authorization: Bearer " + _token(private, exp=soon)
+        for _ in range(5):
+            status, fields, _ = await _get(port, "/x", token)
+            assert status == 200 and _remaining(fields)[0] == '"default-user"'
+        # one signature check, and the repeats answered before the verifier's own cache
+        assert verifier.stats.signature_checks == 1 and verifier.stats.cache_hits == 0
+        while time.time() < soon + 0.5:
+            await asyncio.sleep(0.1)
+        status, fields, _ = await _get(port, "/x", token)  # expired: never from a cache
+        assert status == 401 and fields["www-authenticate"].startswith("Bearer")
