@@ -119,6 +119,11 @@ class MemoryBackend:
     def __len__(self) -> int:
         return len(self._windows) + len(self._full)
 
+    @property
+    def calls(self) -> int:
+        """Counter calls answered so far (``hit_now``, also through ``hit``)."""
+        return self._calls
+
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
         return self.hit_now(checks)
 
