@@ -629,7 +629,7 @@ def git_describe(src: Path) -> str:
     """Commit of a checkout, +dirty when its gateway/ has uncommitted changes."""
     commit = run_text(["git", "-C", str(src), "rev-parse", "--short", "HEAD"])
     if not re.fullmatch(r"[0-9a-f]{4,40}", commit):
-        return "unknown"
+        return "(not a git checkout: see its label)"
     dirty = run_text(["git", "-C", str(src), "status", "--porcelain", "--", "gateway"])
     return commit + ("+dirty" if dirty else "")
 
@@ -1348,7 +1348,7 @@ def main() -> None:
 
     versions = bench.versions()
     pinning = (
-        "process under test on core 0; wrk, nginx and redis-server on core 1"
+        "process under test on core 0; the load generator, nginx and redis-server on core 1"
         if bench.pin
         else "not pinned"
     )
