@@ -22,7 +22,8 @@ Where the clients come from (``--clients``): from one address, the per-address c
 (the default with the shipped table): the asyncio load generator (wrk cannot bind source
 addresses) spreads its connections over ``--source-addresses`` loopback addresses
 (127.0.0.2 on), and the gateway runs with exactly the default settings; every row of the
-run uses that generator. ``xff``: wrk, the gateway trusts 127.0.0.1 as a proxy
+run uses that generator but the streamed ones (wrk from 127.0.0.1: a few hundred
+requests a second are far below the ceiling). ``xff``: wrk, the gateway trusts 127.0.0.1 as a proxy
 (``--trusted-proxy``) and every request names its client in ``X-Forwarded-For``, one of
 768 documentation addresses (TEST-NET-1/2/3), the same one for a key each time: a
 deployment behind a load balancer, which costs the gateway more per request than direct
@@ -566,10 +567,18 @@ class LoadGenerator:
 
     @property
     def description(self) -> str:
+        asyncio_gen = "benchmarks/dataplane_load.py (asyncio, raw sockets, keep-alive)"
         if self.wrk:
             first = run_text([self.wrk, "-v"]).splitlines()
-            return first[0].split("Copyright")[0].strip() if first else "wrk"
-        return "benchmarks/dataplane_load.py (asyncio, raw sockets, keep-alive)"
+            wrk = first[0].split("Copyright")[0].strip() if first else "wrk"
+            if self.sources:
+                return (
+                    f"{asyncio_gen} over {self.sources} source addresses; the streamed rows "
+                    f"{wrk} (from 127.0.0.1: a few hundred requests a second, far below the "
+                    "per-address ceiling)"
+                )
+            return wrk
+        return asyncio_gen + (f" over {self.sources} source addresses" if self.sources else "")
 
     def run(
         self,
@@ -580,8 +589,14 @@ class LoadGenerator:
         keys: int,
         offset: int = 0,
         xff: bool = False,
+        spread: bool = True,
     ) -> dict[str, Any]:
-        if self.wrk:
+        """One load run; ``spread``: connections from the source addresses when there are
+        any (the streamed rows pass False and keep wrk: the asyncio generator cannot read
+        10 MB bodies as fast as the servers send them)."""
+        sources = self.sources if spread else 0
+        use_wrk = self.wrk is not None and not sources
+        if use_wrk:
             cmd = [
                 self.wrk,
                 "-t1",
@@ -608,7 +623,7 @@ class LoadGenerator:
                 prefix,
                 str(keys),
                 str(offset),
-                *(["xff"] if xff else [f"sources={self.sources}"] if self.sources else []),
+                *(["xff"] if xff else [f"sources={sources}"] if sources else []),
             ]
         if self.pin:
             cmd = ["taskset", "-c", "1", *cmd]
@@ -619,7 +634,7 @@ class LoadGenerator:
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             raise RuntimeError(f"load generator failed: {done.stderr.strip()[-1000:]}")
-        out = parse_wrk(done.stdout) if self.wrk else json.loads(done.stdout)
+        out = parse_wrk(done.stdout) if use_wrk else json.loads(done.stdout)
         # Only the load generator is reaped during run(): its own CPU time.
         out["cpu_seconds"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         return out
@@ -688,8 +703,7 @@ class Bench:
         xff_lua.write_text(XFF_LUA)
         # --clients sources: the asyncio generator, the one that can bind source addresses
         sources = args.source_addresses if args.clients == "sources" else 0
-        use_wrk = not args.no_wrk and not sources
-        self.load = LoadGenerator(self.pin, use_wrk, xff_lua, sources)
+        self.load = LoadGenerator(self.pin, not args.no_wrk, xff_lua, sources)
         self.envoy = envoy_binary(args.envoy)
         self.nginx_port = 0
         self.nginx: subprocess.Popen[bytes] | None = None
@@ -939,11 +953,14 @@ class Bench:
         connections = STREAM_CONNECTIONS if row.kind == "stream" else self.args.connections
         prefix = f"{tag}-{int(time.time())}"
         xff = self.table.xff
+        spread = row.kind != "stream"  # (LoadGenerator.run)
         proc = None
         try:
             proc, base, result.cpus = self.start_target(row, source, tag)
             url = base + self.path_for(row)
-            warmed = self.load.run(url, self.args.warmup, connections, prefix, row.keys, xff=xff)
+            warmed = self.load.run(
+                url, self.args.warmup, connections, prefix, row.keys, xff=xff, spread=spread
+            )
             if row.preexhaust:
                 # Every key: its admitted requests, then refused at least once (so the
                 # measured window sees the steady state of a flood of 10k identities).
@@ -966,7 +983,9 @@ class Bench:
             profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
             cpu0, cores0 = cpu_seconds(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
-            out = self.load.run(url, self.args.seconds, connections, prefix, row.keys, xff=xff)
+            out = self.load.run(
+                url, self.args.seconds, connections, prefix, row.keys, xff=xff, spread=spread
+            )
             if profiler is not None:
                 self.finish_profile(profiler, tag)
             cpu1, cores1 = cpu_seconds(proc.pid), core_times()
