@@ -102,6 +102,7 @@ _STATUS_CLASSES: Final = {n: f"{n}xx" for n in range(1, 6)}
 _sha256: Final = hashlib.sha256
 _time: Final = time.time  # tokens expire in epoch seconds
 MAX_KNOWN_TOKENS: Final = 100_000  # verified tokens kept by hash (then the cache starts over)
+MAX_FORWARDED_CHAINS: Final = 4096  # X-Forwarded-For values kept resolved (see _forwarded)
 # Outcome.value through the enum's descriptor costs more than a dict lookup.
 _OUTCOME_LABELS: Final = {outcome: outcome.value for outcome in Outcome}
 
@@ -209,6 +210,12 @@ class Gateway:
     _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
     _counted: dict[str, str] = field(default_factory=dict)  # consumer -> its counted value
     _tokens: dict[bytes, VerifiedUser] = field(default_factory=dict)  # see _verify
+    # (trusted proxy, X-Forwarded-For as received) -> the client address it names: walking
+    # the chain with ``ipaddress`` cost more than the rest of a request (+61 %
+    # instructions, benchmarks/README.md "Shipped table"), and a proxy forwards the same
+    # few clients over and over. Bounded (emptied when full): a client writing a new
+    # chain each request costs what it did without the cache.
+    _forwarded: dict[tuple[str | None, bytes], str] = field(default_factory=dict)
     _refusals_table: RuleTable | None = None
 
     def use_identities(self, verified: VerifiedIdentities) -> None:
@@ -231,6 +238,19 @@ class Gateway:
         # From an untrusted peer forwarding headers are ignored: the client is the peer.
         client = None if trusted else self.addresses.client_address(address, None)
         return Peer(address, trusted, client)
+
+    def _forwarded_client(self, peer: Peer, chain: list[bytes]) -> str:
+        """The client a trusted proxy names in its X-Forwarded-For header(s)."""
+        raw = chain[0] if len(chain) == 1 else b", ".join(chain)
+        key = (peer.address, raw)
+        found = self._forwarded.get(key)
+        if found is None:
+            forwarded = raw.decode("latin-1") if raw else None
+            found = self.addresses.client_address(peer.address, forwarded)
+            if len(self._forwarded) >= MAX_FORWARDED_CHAINS:
+                self._forwarded.clear()
+            self._forwarded[key] = found
+        return found
 
     def begin(
         self, req: Incoming, peer: Peer, memo: dict[tuple[IdentityKind, str], str] | None = None
@@ -298,9 +318,7 @@ class Gateway:
         req.region = region
         client = peer.client
         if client is None:  # a trusted proxy: the client is named in X-Forwarded-For
-            chain = req.forwarded_for
-            forwarded = b", ".join(chain).decode("latin-1") if chain else None
-            client = self.addresses.client_address(peer.address, forwarded)
+            client = self._forwarded_client(peer, req.forwarded_for)
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
         if self.verified is not None:
