@@ -22,6 +22,7 @@ from gateway.upstreams.postgres.connection import redact
 from . import auth_service, deployments, integrations, listeners
 from .api_doc import API
 from .config import ControlPlaneConfig
+from .database import Database
 from .http_helpers import (
     PUBLIC_ROUTE_PREFIX,
     RUNTIME_KEY,
@@ -30,7 +31,6 @@ from .http_helpers import (
     error_middleware,
 )
 from .lifecycle import LifecycleDriver
-from .storage import Database
 
 log = logging.getLogger("gateway.control_plane")
 

@@ -19,9 +19,12 @@ from gateway.upstreams.postgres.connection import DatabaseUnavailable
 
 from .config import ControlPlaneConfig
 from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
+from .database import Database
 from .lifecycle import LifecycleDriver
 from .models import PATTERNS, SOURCES, PageQuery, PathId
-from .storage import Conflict, ControlPlaneStore, Database, Row
+from .rows import Row
+from .storage import ControlPlaneStore
+from .tables import Conflict
 
 log = logging.getLogger("gateway.control_plane")
 

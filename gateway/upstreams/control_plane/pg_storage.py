@@ -37,7 +37,8 @@ from gateway.upstreams.postgres.connection import (
 )
 from gateway.upstreams.postgres.migrations import migrate
 
-from .storage import ControlPlaneStore, Database
+from .database import Database
+from .storage import ControlPlaneStore
 
 log = logging.getLogger("gateway.control_plane.postgres")
 T = TypeVar("T")
