@@ -12,3 +12,10 @@ class StoreRequestError(Exception):
         super().__init__(detail)
         self.status = status
         self.detail = detail
+
+
+class StoreBusyError(StoreRequestError):
+    """The database stayed locked by other writers for longer than the busy timeout."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the store is busy (database locked); retry the request")

@@ -54,7 +54,7 @@ from gateway.upstreams.store.models import (
     StoreSearchRequest,
 )
 from gateway.upstreams.store.pg_filters import compile_pg_filter, has_nul
-from gateway.upstreams.store.storage import (
+from gateway.upstreams.store.rows import (
     _UPDATED_AT_STEP,
     SWEEP_BATCH,
     _dotted,

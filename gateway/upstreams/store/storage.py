@@ -1,37 +1,20 @@
-"""SQLite storage of Store items, run on worker threads so the event loop never blocks.
+"""SQLite storage of Store items: the SQL of each operation (put, get, delete, search by
+words, the namespaces listing, the TTL sweep) and the plans that keep them cheap.
 
-One writer thread per process owns the write connection; a small pool of reader threads has
-one connection each. Writes queue up and the writer commits whatever has accumulated in one
-short transaction (group commit: one fsync for many writes), then acknowledges each; nothing
-is acknowledged before its commit. Several processes may share the file: WAL lets readers
-proceed beside the writer and the busy timeout makes writers of different processes take
-turns.
+``SQLiteStorage`` runs these statements on the worker threads of ``SQLiteConnections``
+(``sqlite_connections.py``): reads on a reader thread, writes in the writer's group commit.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import contextlib
 import functools
 import json
-import queue
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-from gateway.upstreams.store.config import StoreConfig
-from gateway.upstreams.store.errors import StoreRequestError
-from gateway.upstreams.store.filters import (
-    CANONICAL_JSON_SQL_FUNCTION,
-    canonical_json_text,
-    compile_filter,
-)
+from gateway.upstreams.store.filters import compile_filter
 
 # Hook (issue 12): `hybrid` and `vectors` are the embedding index's modules.
 from gateway.upstreams.store.hybrid import Ranker
@@ -43,16 +26,18 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
-from gateway.upstreams.store.schema import SCHEMA_VERSION, upgrade_script
+from gateway.upstreams.store.rows import (
+    _UPDATED_AT_STEP,
+    SWEEP_BATCH,
+    _dotted,
+    _namespace_matches,
+    _Row,
+)
+from gateway.upstreams.store.sqlite_connections import SQLiteConnections, _snapshot
 from gateway.upstreams.store.text_index import match_expression, searchable_text
-from gateway.upstreams.store.vector_dialect import SQLITE, IndexConnection, VectorDialect
-from gateway.upstreams.store.vectors import VECTOR_SCHEMA, ItemVectors, item_id
+from gateway.upstreams.store.vector_dialect import SQLITE, VectorDialect
+from gateway.upstreams.store.vectors import ItemVectors, item_id
 
-T = TypeVar("T")
-
-SWEEP_BATCH = 500
-# Upper bound on writes committed together, so one transaction stays short.
-MAX_GROUP_COMMIT = 256
 _ITEM_COLUMNS = "i.namespace, i.key, i.value, i.created_at, i.updated_at, i.id, i.ttl_minutes"
 _LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
 _LIVE_S = "(s.expires_at IS NULL OR s.expires_at > ?)"
@@ -60,40 +45,6 @@ _LIVE_S = "(s.expires_at IS NULL OR s.expires_at > ?)"
 # items (see SQLiteStorage._search); above it, the prefix is checked on each match instead.
 # Crossover measured at 1M items: ~0.8 us per prefix item against ~1.8 us per store-wide match.
 SCOPED_SEARCH_MAX_ITEMS = 10_000
-# Keeps a rewritten item strictly newer than before, so "last updated first" holds even
-# when two writes land within the clock's resolution.
-_UPDATED_AT_STEP = 0.000001
-
-
-@dataclass(frozen=True, slots=True)
-class _Row:
-    namespace: str
-    key: str
-    value: str
-    created_at: float
-    updated_at: float
-    id: int
-    ttl_minutes: float | None
-
-    def as_item(self) -> Item:
-        return {
-            "namespace": self.namespace.split("."),
-            "key": self.key,
-            "value": json.loads(self.value),
-            "created_at": _iso(self.created_at),
-            "updated_at": _iso(self.updated_at),
-        }
-
-    def as_search_item(self, score: float | None) -> SearchItem:
-        return {**self.as_item(), "score": score}
-
-
-def _iso(epoch_seconds: float) -> str:
-    return datetime.fromtimestamp(epoch_seconds, tz=UTC).isoformat()
-
-
-def _dotted(namespace: Namespace) -> str:
-    return ".".join(namespace)
 
 
 def _prefix_bounds(connection: sqlite3.Connection, prefix: Namespace) -> list[str] | None:
@@ -132,16 +83,6 @@ def _holds_at_most(
         (*bounds, now, limit + 1),
     ).fetchone()[0]
     return int(found) <= limit
-
-
-@contextlib.contextmanager
-def _snapshot(connection: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """A read transaction, so several SELECTs see one state of the database."""
-    connection.execute("BEGIN")
-    try:
-        yield connection
-    finally:
-        connection.execute("COMMIT")
 
 
 def _namespaces_from(
@@ -199,196 +140,11 @@ def _walk_is_done(last_wanted: str, walked: str, depth: int | None, seen: set[st
     return True
 
 
-def _namespace_matches(labels: list[str], request: StoreListNamespacesRequest) -> bool:
-    for pattern, from_end in ((request.prefix, False), (request.suffix, True)):
-        if pattern is None:
-            continue
-        if len(pattern) > len(labels):
-            return False
-        window = labels[len(labels) - len(pattern) :] if from_end else labels[: len(pattern)]
-        if any(p not in ("*", label) for p, label in zip(pattern, window, strict=True)):
-            return False
-    return True
-
-
-class StoreBusyError(StoreRequestError):
-    """The database stayed locked by other writers for longer than the busy timeout."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "the store is busy (database locked); retry the request")
-
-
-class SQLiteStorage:
+class SQLiteStorage(SQLiteConnections):
     """Items in one SQLite file; async methods, each one a short statement on a thread."""
 
     # Hook (issue 12): the embedding index's SQL names these tables.
     vector_dialect: VectorDialect = SQLITE
-
-    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
-        self._config = config
-        self._clock = clock
-        self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
-        self._local = threading.local()
-        self._writer: ThreadPoolExecutor | None = None
-        self._write_queue: queue.SimpleQueue[
-            tuple[Callable[[sqlite3.Connection], Any], Future[Any]]
-        ] = queue.SimpleQueue()
-        self._readers: ThreadPoolExecutor | None = None
-
-    # -- lifetime -----------------------------------------------------------------
-
-    async def open(self) -> None:
-        """Create the data directory and schema, and start the worker threads."""
-        self._writer = ThreadPoolExecutor(
-            1, thread_name_prefix="store-writer", initializer=self._attach_connection
-        )
-        self._readers = ThreadPoolExecutor(
-            self._config.read_threads,
-            thread_name_prefix="store-reader",
-            initializer=self._attach_connection,
-        )
-        await self._run(self._writer, self._migrate)
-        if self._config.index is not None:
-            # Hook (issue 12): vector tables, only when an index is configured.
-            await self._run(self._writer, self._create_vector_tables)
-
-    def _create_vector_tables(self) -> None:
-        connection = self._connection()
-        script = f"BEGIN IMMEDIATE;{VECTOR_SCHEMA}COMMIT;"
-        self._retry_locked(lambda: connection.executescript(script))
-
-    async def close(self) -> None:
-        """Stop the worker threads and close every connection."""
-        executors = [e for e in (self._writer, self._readers) if e is not None]
-        self._writer = self._readers = None
-        loop = asyncio.get_running_loop()
-        for executor in executors:
-            await loop.run_in_executor(None, functools.partial(executor.shutdown, wait=True))
-        with self._connections_lock:
-            connections, self._connections = self._connections, []
-        for connection in connections:
-            connection.close()
-
-    def _connect(self) -> sqlite3.Connection:
-        self._config.data_dir.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(
-            self._config.database_path,
-            timeout=self._config.busy_timeout_seconds,
-            isolation_level=None,  # autocommit: each write statement commits on its own
-            check_same_thread=False,  # created on its worker thread, closed at shutdown
-        )
-        connection.execute(f"PRAGMA busy_timeout = {int(self._config.busy_timeout_seconds * 1000)}")
-        self._retry_locked(lambda: connection.execute("PRAGMA journal_mode = WAL"))
-        connection.execute(f"PRAGMA synchronous = {self._config.sqlite_synchronous.upper()}")
-        connection.create_function(
-            CANONICAL_JSON_SQL_FUNCTION, 1, canonical_json_text, deterministic=True
-        )
-        return connection
-
-    def _attach_connection(self) -> None:
-        connection = self._connect()
-        self._local.connection = connection
-        with self._connections_lock:
-            self._connections.append(connection)
-
-    def _retry_locked(self, action: Callable[[], object]) -> None:
-        # Switching to WAL takes an exclusive lock that the busy handler does not cover
-        # when several processes open a fresh file at once.
-        deadline = time.monotonic() + self._config.busy_timeout_seconds
-        while True:
-            try:
-                action()
-                return
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-
-    def _migrate(self) -> None:
-        connection = self._connection()
-        version = connection.execute("PRAGMA user_version").fetchone()[0]
-        if version == SCHEMA_VERSION:
-            return
-        if version > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"{self._config.database_path} has store schema {version}; "
-                f"this version understands up to {SCHEMA_VERSION}"
-            )
-        script = upgrade_script(version)
-        self._retry_locked(lambda: connection.executescript(f"BEGIN IMMEDIATE;{script}COMMIT;"))
-
-    def _connection(self) -> sqlite3.Connection:
-        connection: sqlite3.Connection = self._local.connection
-        return connection
-
-    async def _run(self, executor: ThreadPoolExecutor | None, call: Callable[[], T]) -> T:
-        if executor is None:
-            raise RuntimeError("the store is not open")
-        try:
-            return await asyncio.get_running_loop().run_in_executor(executor, call)
-        except sqlite3.OperationalError as exc:
-            raise _busy_or_same(exc) from exc
-
-    async def _write(self, operation: Callable[[sqlite3.Connection], T]) -> T:
-        """Queue a write; it returns once the transaction holding it has committed."""
-        if self._writer is None:
-            raise RuntimeError("the store is not open")
-        done: Future[Any] = Future()
-        self._write_queue.put((operation, done))
-        self._writer.submit(self._commit_queued_writes)
-        try:
-            result: T = await asyncio.wrap_future(done)
-        except sqlite3.OperationalError as exc:
-            raise _busy_or_same(exc) from exc
-        return result
-
-    def _commit_queued_writes(self) -> None:
-        batch: list[tuple[Callable[[sqlite3.Connection], Any], Future[Any]]] = []
-        while len(batch) < MAX_GROUP_COMMIT:
-            try:
-                operation, done = self._write_queue.get_nowait()
-            except queue.Empty:
-                break
-            if done.set_running_or_notify_cancel():  # False: the caller gave up
-                batch.append((operation, done))
-        if not batch:
-            return  # an earlier call already committed these writes
-        connection = self._connection()
-        outcomes: list[tuple[Future[Any], Any, BaseException | None]] = []
-        try:
-            connection.execute("BEGIN IMMEDIATE")
-            for operation, done in batch:
-                outcomes.append((done, *_isolated(connection, operation)))
-            connection.execute("COMMIT")
-        except Exception as exc:  # the transaction itself failed: every waiter hears so
-            if connection.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    connection.execute("ROLLBACK")
-            for _, done in batch:
-                done.set_exception(exc)
-            return
-        for done, result, error in outcomes:
-            if error is None:
-                done.set_result(result)
-            else:
-                done.set_exception(error)
-
-    # -- hooks for the embedding index (issue 12): its own SQL, on these threads -------
-
-    async def read(self, call: Callable[[IndexConnection, float], T]) -> T:
-        """Run ``call(connection, now)`` in one read transaction on a reader thread."""
-        now = self._clock()
-
-        def in_snapshot() -> T:
-            with _snapshot(self._connection()) as connection:
-                return call(connection, now)
-
-        return await self._run(self._readers, in_snapshot)
-
-    async def write(self, call: Callable[[IndexConnection], T]) -> T:
-        """Run ``call(connection)`` inside the writer's next group commit."""
-        return await self._write(call)
 
     # -- operations ---------------------------------------------------------------
 
@@ -674,33 +430,7 @@ class SQLiteStorage:
         )
 
 
-def _busy_or_same(exc: sqlite3.OperationalError) -> Exception:
-    if "locked" in str(exc) or "busy" in str(exc):
-        return StoreBusyError()
-    return exc
-
-
 # Write operations: each runs inside the writer's group-commit transaction.
-
-
-def _isolated(
-    connection: sqlite3.Connection, operation: Callable[[sqlite3.Connection], Any]
-) -> tuple[Any, Exception | None]:
-    """Run one queued write under its own savepoint: if it fails, for whatever reason, only
-    its own changes are undone and only its caller hears of it; the batch still commits.
-
-    A failure to roll back to the savepoint (the transaction is gone) propagates, and then
-    the whole batch fails, as it must.
-    """
-    connection.execute("SAVEPOINT store_write")
-    try:
-        result = operation(connection)
-    except Exception as exc:
-        connection.execute("ROLLBACK TO store_write")
-        connection.execute("RELEASE store_write")
-        return None, exc
-    connection.execute("RELEASE store_write")
-    return result, None
 
 
 def _put(
