@@ -12,6 +12,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 # standard library so that it can).
 HOT_MODULES = (
     "gateway.proxy.server",
+    "gateway.proxy.forwarding",
+    "gateway.proxy.framing",
     "gateway.proxy.handler",
     "gateway.proxy.relay",
     "gateway.proxy.request",

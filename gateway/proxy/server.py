@@ -13,6 +13,12 @@ these deadlines at a time, checked by the sweep: the head must arrive within
 ``client_idle_timeout``, the upstream must answer within ``upstream_timeout`` (504),
 a request body may be silent at most ``body_read_timeout`` (408) and a response body
 ``upstream_read_timeout``. The number of open client connections is capped.
+
+This module holds the parsing callbacks, the request cycle and the connection's
+lifecycle and deadlines. Forwarding a request upstream (the relay, uploads, downloads,
+tunnels) is the connection's base class, ``gateway.proxy.forwarding.Forwarding``; the
+request framing helpers (declared body length, the HTTP/2 preface, an Upgrade request's
+body) are ``gateway.proxy.framing``.
 """
 
 from __future__ import annotations
@@ -20,26 +26,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
 from gateway.policy.model import IdentityKind
-from gateway.proxy.handler import Peer
-from gateway.proxy.relay import (
-    BUFFER_BEFORE_FORWARD,
-    WAITING,
-    Relay,
-    request_head,
-    stale_connection,
+from gateway.proxy.forwarding import (
+    HEAD,
+    IDLE,
+    RESPONSE,
+    UPSTREAM,
+    BodyStalledError,
+    Forwarding,
+    stalled,
 )
+from gateway.proxy.framing import (
+    H2_REFUSAL,
+    StopParsingError,
+    UpgradeBody,
+    declared_body,
+    h2_preface,
+)
+from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, WAITING
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import new_request_id
 from gateway.proxy.tls import peer_subject
-from gateway.proxy.tunnel import Tunnel
-from gateway.proxy.upstream_pool import Upstream, UpstreamConnection
-from gateway.proxy.wire import CONTINUE_100, CRLF, Answer
+from gateway.proxy.wire import CRLF, Answer
 from gateway.ratelimit.decision import Decision
 from gateway.ratelimit.ports import CounterUnavailableError
 
@@ -48,11 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.proxy")
 
-# Deadline kinds (one at a time per connection, besides the request body's own).
-IDLE: Final = 1
-HEAD: Final = 2
-UPSTREAM: Final = 3
-RESPONSE: Final = 4
 MAX_PIPELINED: Final = 32  # queued requests after which reading pauses
 # A read larger than this is parsed a slice at a time, the loop turning between slices
 # (with reading paused): whatever the bytes hold (tiny chunks, tiny pipelined requests),
@@ -64,7 +71,9 @@ FEED_SLICE: Final = 16 * 1024
 FREE_CHUNKS: Final = 1024
 MIN_MEAN_CHUNK: Final = 64
 LINGER_SECONDS: Final = 2.0  # reading (and dropping) after a final answer, before closing
-NO_PEER: Final = Peer(None, False, "unknown")
+# What an upgrade's client may send before the upstream has answered (then reading
+# pauses until the tunnel is joined, or the connection closes).
+EARLY_BYTES: Final = 64 * 1024
 # The methods llhttp knows, as str, without a decode per request.
 _METHODS: Final = {
     m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -72,49 +81,25 @@ _METHODS: Final = {
 perf_counter: Final = time.perf_counter
 
 
-class StopParsingError(Exception):
-    """Raised from a parser callback to stop reading the connection's input."""
-
-
-class BodyStalledError(Exception):
-    """The client stopped sending its request body for longer than allowed."""
-
-
-class ClientConnection(asyncio.Protocol):
-    """One client connection: parse, answer in order, relay."""
+class ClientConnection(Forwarding):
+    """One client connection: parse, answer in order, relay (the forwarding half is the
+    base class, ``Forwarding``; one object per connection)."""
 
     def __init__(self, plane: DataPlane) -> None:
-        self.plane = plane
-        self.gateway = plane.gateway
-        self.limits = plane.limits
+        # The state both halves use, and the forwarding state, are set there.
+        super().__init__(plane)
         self.loop = plane.loop
-        self.transport: asyncio.Transport | None = None
-        self.peer = NO_PEER
         self.identity_memo: dict[tuple[IdentityKind, str], str] = {}
         self.tls = plane.scheme == "https"  # client certificates may identify requests
         self.parser = httptools.HttpRequestParser(self)
         self.current: Incoming | None = None  # being parsed
-        self.active: Incoming | None = None  # being answered
-        self.pipeline: deque[Incoming] = deque()
-        self.relay: Relay | None = None
-        self.upstream: Upstream | None = None  # where the active request is forwarded
-        self.upstream_address: tuple[str, int, bool, str] = ("", 0, False, "")  # its address
-        self.attempt = 0
-        self.forward_started = 0.0
-        self.waiting_body = False  # a small body is read whole before forwarding
-        self.paused: set[str] = set()
-        self.reading_paused = False
-        self.deadline = 0.0
         self.deadline_kind = 0
-        self.body_deadline = 0.0
         self.in_head = False
         self.head_bytes = 0
         self.read_size = 0  # bytes of the read being parsed
         self.url: list[bytes] = []
         self.dead_parser = False  # after an upgrade or a parse error nothing more is read
-        self.lost = False
         self.draining = False
-        self.response_started = False
         self.pending_error: tuple[int, str] | None = None
         self.no_more = False  # a request said Connection: close: nothing after it is read
         self.head_fields = 0  # bytes of the head being parsed (target, names, values)
@@ -127,14 +112,8 @@ class ClientConnection(asyncio.Protocol):
         self.feed_scheduled = False
         # The body of an Upgrade request: llhttp (as httptools drives it) stops at the end
         # of an Upgrade request's head, so the body is read by a second parser told only
-        # the framing (see _UpgradeBody).
-        self.upgrade_body: _UpgradeBody | None = None
-        # Once the upstream has switched protocols, the joined connections (the protocol
-        # of this connection's transport is then the tunnel's: see gateway.proxy.tunnel).
-        self.tunnel: Tunnel | None = None
-        # Bytes that came after an Upgrade request's head (without a body), kept until
-        # the upstream has answered: a tunnel passes them on (bounded; then reading pauses).
-        self.upgrade_early: bytearray | None = None
+        # the framing (see gateway.proxy.framing.UpgradeBody).
+        self.upgrade_body: UpgradeBody | None = None
 
     # --- asyncio.Protocol
 
@@ -258,7 +237,7 @@ class ClientConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             self.dead_parser = True
-            if self.active is None and not self.pipeline and _h2_preface(self.parser, data):
+            if self.active is None and not self.pipeline and h2_preface(self.parser, data):
                 self._http2_refused()
             elif not self.no_more:  # after Connection: close llhttp refuses what follows
                 self._protocol_error(exc)
@@ -282,7 +261,7 @@ class ClientConnection(asyncio.Protocol):
         if len(early) >= EARLY_BYTES:
             self.set_paused("upgrade", True)  # the rest waits in the kernel
 
-    def _feed_upgrade_body(self, body: _UpgradeBody, data: bytes | memoryview) -> None:
+    def _feed_upgrade_body(self, body: UpgradeBody, data: bytes | memoryview) -> None:
         try:
             body.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -409,7 +388,7 @@ class ClientConnection(asyncio.Protocol):
             req.upgrade = True
             framing = declared_body(req.headers)
             if framing:
-                self.upgrade_body = _UpgradeBody(self, framing)
+                self.upgrade_body = UpgradeBody(self, framing)
             else:
                 # (set before the request starts: its decision may be taken right here)
                 self.upgrade_early = bytearray()
@@ -467,9 +446,6 @@ class ClientConnection(asyncio.Protocol):
         if req.body_size >= BUFFER_BEFORE_FORWARD:
             self.set_paused("buffer", True)
             self._body_progress(req)
-
-    def _discard(self, data: bytes) -> None:
-        """Sink for the body of a request that was answered without reading it."""
 
     def body_sink_ready(self) -> None:
         self.set_paused("buffer", False)
@@ -636,16 +612,6 @@ class ClientConnection(asyncio.Protocol):
                 self.deadline = 0.0
                 self.body_deadline = self.loop.time() + self.limits.body_read_timeout
 
-    def _release_slots(self, req: Incoming) -> None:
-        """What an ended request held: its upload and download slots, its relay."""
-        if req.upload_client is not None:
-            self._end_upload(req)
-        if req.download_client is not None:
-            self.plane.end_download(req.download_client)
-            req.download_client = None
-        self.relay = None
-        self.upstream = None
-
     def _idle(self) -> bool:
         return self.active is None
 
@@ -654,321 +620,6 @@ class ClientConnection(asyncio.Protocol):
         # one says Connection: close.
         closing = self.plane.closing and not self.pipeline
         return req.keep_alive and not req.upgrade and not closing and not self.lost
-
-    # --- forwarding
-
-    def _forward(self, req: Incoming, upstream: Upstream) -> None:
-        """Start forwarding ``req``: by callbacks from here on, no task unless a new
-        upstream connection must be opened."""
-        if req.content_length is not None and req.content_length > self.limits.max_body_bytes:
-            self._answer(req, self._too_large(req), keep=False)
-            return
-        if req.upgrade and upstream.upgrade and not self._take_tunnel(req):
-            return
-        if req.expect_continue and not req.body_done and self.transport is not None:
-            self.transport.write(CONTINUE_100)
-        self.upstream = upstream
-        self.attempt = 0
-        if not req.body_done and req.body_size < BUFFER_BEFORE_FORWARD:
-            # A small body is read whole first: a trickling client holds no upstream.
-            self.waiting_body = True
-            return
-        self._connect(req)
-
-    def _take_tunnel(self, req: Incoming) -> bool:
-        """An Upgrade to an upstream that takes upgrades: pass it on, with a tunnel slot
-        reserved (False: answered 429 / 503 instead). Not passed on (the request is plain
-        HTTP, as it is where upgrades are not offered): h2c, which this data plane does
-        not speak, and an Upgrade request with a body (forwarded whole as HTTP)."""
-        value = b", ".join(v for n, v in req.headers if n.lower() == b"upgrade")
-        if (
-            not value
-            or self.upgrade_early is None  # a body was declared: read as HTTP
-            or b"h2c" in {t.strip().lower() for t in value.split(b",")}
-        ):
-            return True
-        refused = self.plane.tunnels.take(None if req.trusted_peer else req.client_ip)
-        if refused:
-            limits = self.limits.tunnels
-            if refused == 429:
-                reason = "tunnels_per_client"
-                detail = (
-                    f"too many upgraded connections open from this client (at most "
-                    f"{limits.max_tunnels_per_client}); close one and retry"
-                )
-            else:
-                reason = "tunnels_total"
-                detail = (
-                    f"every upgraded connection slot ({limits.max_tunnels}) is in use; "
-                    "retry shortly"
-                )
-            self.gateway.metrics.upstream_errors.labels("-", reason).inc()
-            headers = [*req.rate_headers, ("Retry-After", "1")]
-            self._answer(req, Answer.error(refused, detail, headers), keep=False)
-            return False
-        req.tunnel = True
-        req.upgrade_value = value
-        return True
-
-    def tunnel_open(self, relay: Relay, rest: bytes) -> None:
-        """The upstream switched protocols: end the HTTP request (logged, 101) and join
-        the two connections (``gateway.proxy.tunnel``)."""
-        req = relay.req
-        uconn = relay.uconn
-        client = self.transport
-        upstream = None if uconn is None else uconn.transport
-        if self.active is not req or not req.tunnel:
-            if upstream is not None:
-                upstream.abort()
-            return
-        latency = perf_counter() - self.forward_started
-        metrics = self.gateway.metrics
-        metrics.child(metrics.upstream_latency, relay.upstream.name).observe(latency)
-        record = req.record
-        if record is not None:
-            record.status = 101
-            record.upstream_ms = int(latency * 1e6) / 1000
-        if self.lost or client is None or upstream is None or upstream.is_closing():
-            if upstream is not None:
-                upstream.abort()
-            if record is not None:
-                record.status = 502 if not self.lost else 499
-            self._finish(req, keep=False)
-            return
-        early = bytes(self.upgrade_early or b"")
-        self.upgrade_early = None
-        req.tunnel = False  # the reservation becomes the tunnel
-        address = None if req.trusted_peer else req.client_ip
-        tunnel = self.tunnel = Tunnel(
-            self.plane.tunnels, client, upstream, address, self._tunnel_client_lost
-        )
-        self.plane.tunnels.opened(tunnel)
-        metrics.child(metrics.tunnels_opened).inc()
-        # The HTTP request ends here (metrics, access log); the connection goes on as the
-        # tunnel, its deadlines now the tunnel's.
-        self.active = None
-        metrics.inflight.dec()
-        self._release_slots(req)
-        self.deadline = self.body_deadline = 0.0
-        self.pipeline.clear()
-        self.paused.clear()
-        self.reading_paused = False
-        if record is not None:
-            self.gateway.finished(record, req.started)
-        tunnel.join(rest, early)
-
-    def _tunnel_client_lost(self) -> None:
-        self.connection_lost(None)
-
-    def _take_upload(self, req: Incoming) -> bool:
-        """A body that streams holds an upstream connection while it arrives: at most
-        ``max_uploads_per_client`` per client, half the pool in all (else 429 / 503)."""
-        refused = self.plane.take_upload(req.client_ip)
-        if not refused:
-            req.upload_client = req.client_ip
-            return True
-        upstream = self.upstream
-        limits = self.limits
-        if refused == 429:
-            reason = "uploads_per_client"
-            detail = (
-                f"too many uploads in progress from this client (at most "
-                f"{limits.max_uploads_per_client} at once); retry when one has finished"
-            )
-        else:
-            reason = "uploads_total"
-            detail = (
-                f"the upstream connections set aside for uploads ({limits.max_uploads}) "
-                "are all in use; retry shortly"
-            )
-        self.gateway.metrics.upstream_errors.labels(
-            upstream.name if upstream else "-", reason
-        ).inc()
-        headers = [*req.rate_headers, ("Retry-After", "1")]
-        self._answer(req, Answer.error(refused, detail, headers), keep=False)
-        return False
-
-    def _too_many_downloads(self, req: Incoming, upstream: Upstream) -> None:
-        self.gateway.metrics.upstream_errors.labels(upstream.name, "downloads_per_client").inc()
-        detail = (
-            f"too many answers still streaming to this client (at most "
-            f"{self.limits.max_downloads_per_client} at once); read them, or retry when "
-            "one has finished"
-        )
-        headers = [*req.rate_headers, ("Retry-After", "1")]
-        self._answer(req, Answer.error(429, detail, headers))
-
-    def download_started(self, relay: Relay) -> None:
-        """An answer outlasted the read its head came in: it holds its upstream
-        connection until the client has read it, counted per client address."""
-        req = relay.req
-        # Only a slot taken is released (in _finish): answers that started together past
-        # the cap (the check in _connect came before any of them streamed) are not
-        # counted, rather than releasing slots other answers hold.
-        if (
-            req is self.active
-            and req.download_client is None
-            and self.plane.take_download(req.client_ip)
-        ):
-            req.download_client = req.client_ip
-
-    def _end_upload(self, req: Incoming) -> None:
-        client, req.upload_client = req.upload_client, None
-        if client is not None:
-            self.plane.end_upload(client)
-
-    def _body_progress(self, req: Incoming) -> None:
-        if (
-            self.waiting_body
-            and req is self.active
-            and (req.body_done or req.body_size >= BUFFER_BEFORE_FORWARD)
-        ):
-            self.waiting_body = False
-            self._connect(req)
-
-    def _connect(self, req: Incoming) -> None:
-        upstream = self.upstream
-        assert upstream is not None
-        if not req.body_done and req.upload_client is None and not self._take_upload(req):
-            return
-        if self.plane.downloads and self.plane.downloads_full(req.client_ip):
-            self._too_many_downloads(req, upstream)
-            return
-        self.attempt += 1
-        if self.attempt == 1:
-            self.forward_started = perf_counter()
-            self._set_deadline(UPSTREAM, self.limits.upstream_timeout)
-        address = self.upstream_address = self.plane.address(upstream)
-        host, port, tls, _ = address
-        uconn = self.plane.pool.take_idle(host, port, tls)
-        if uconn is not None:
-            self._send(req, uconn)
-        else:
-            self.plane.spawn(self._open_and_send(req, host, port, tls))
-
-    async def _open_and_send(self, req: Incoming, host: str, port: int, tls: bool) -> None:
-        upstream = self.upstream
-        if upstream is None or self.active is not req:
-            return  # answered meanwhile (a refused body, a lost client)
-        try:
-            uconn = await self.plane.pool.acquire(host, port, tls)
-        except TimeoutError:
-            self._forward_error(req, self._upstream_timeout(req, upstream))
-            return
-        except OSError as exc:
-            self._forward_error(req, self._unreachable(req, upstream, exc))
-            return
-        if self.lost or self.active is not req:
-            self.plane.pool.release(uconn)
-            return
-        self._send(req, uconn)
-
-    def _send(self, req: Incoming, uconn: UpstreamConnection) -> None:
-        upstream = self.upstream
-        assert upstream is not None
-        host, port, _, prefix = self.upstream_address
-        head = req.upstream_head
-        if head is None:
-            head = req.upstream_head = request_head(
-                req, upstream, prefix, f"{host}:{port}", self.peer.address or "",
-                self.plane.scheme == "https",
-            )  # fmt: skip
-        relay = self.relay = Relay(self, req, upstream, self.gateway.metrics)
-        relay.send(uconn, head)
-        if not req.body_done:
-            # While the body streams, its silence is what is bounded (body_read_timeout);
-            # the wait for the answer (upstream_timeout) starts once all of it is sent.
-            self.deadline = 0.0
-
-    def _forward_error(self, req: Incoming, answer: Answer) -> None:
-        if self.active is req and not self.lost:
-            self.relay = None
-            self._answer(req, answer, keep=False)
-
-    # --- relay callbacks
-
-    def forward_failed(self, relay: Relay, exc: BaseException) -> None:
-        """The upstream did not answer: retry a stale keep-alive connection once, else
-        answer 504 / 408 / 502."""
-        req = relay.req
-        upstream = relay.upstream
-        if self.active is not req or self.lost:
-            return
-        if isinstance(exc, TimeoutError):
-            answer = self._upstream_timeout(req, upstream)
-        elif isinstance(exc, BodyStalledError):
-            answer = _stalled(req)
-        elif self.attempt == 1 and stale_connection(relay):
-            self.relay = None
-            self._connect(req)
-            return
-        else:
-            answer = self._unreachable(req, upstream, exc)
-        self._forward_error(req, answer)
-
-    def forward_head(self, relay: Relay) -> None:
-        """The response head is on its way to the client."""
-        latency = perf_counter() - self.forward_started
-        metrics = self.gateway.metrics
-        metrics.child(metrics.upstream_latency, relay.upstream.name).observe(latency)
-        record = relay.req.record
-        if record is not None:
-            record.upstream_ms = int(latency * 1e6) / 1000  # whole µs, as duration_ms
-        self.response_started = True
-        self._set_deadline(RESPONSE, self.limits.upstream_read_timeout)
-
-    def forward_done(self, relay: Relay, outcome: int) -> None:
-        """The response ended: ``outcome`` is its status, or -502 (the upstream broke the
-        stream) / -499 (the client went away)."""
-        req = relay.req
-        if self.active is not req:
-            return
-        record = req.record
-        if record is not None:
-            record.status = relay.status if outcome > 0 else -outcome
-        uconn = relay.uconn
-        if outcome < 0:
-            if uconn is not None:
-                uconn.abort()
-            if self.transport is not None:
-                self.transport.abort()
-            self._finish(req, keep=False)
-            return
-        if not req.body_done:
-            # The upstream answered before the whole body arrived: its connection is
-            # mid-request and cannot be reused; the rest of the body is read and dropped
-            # so the client's connection stays usable (bounded by max_body_bytes).
-            req.sink = self._discard
-            if uconn is not None:
-                uconn.abort()
-        elif not relay.forwarded_whole():
-            # What went upstream is not the whole message that was parsed: the upstream
-            # may read the next request as the rest of this one (request smuggling).
-            # Neither connection is used again.
-            log.error("request %s was not forwarded whole: both connections closed",
-                      req.request_id)  # fmt: skip
-            if uconn is not None:
-                uconn.abort()
-            self._finish(req, keep=False)
-            return
-        elif uconn is not None:
-            self.plane.pool.release(uconn)
-        self._finish(req, keep=not relay.close_after)
-
-    def _too_large(self, req: Incoming) -> Answer:
-        limit = self.limits.max_body_bytes
-        detail = f"request body is larger than the {limit} bytes this gateway accepts"
-        return Answer.error(413, detail, req.rate_headers)
-
-    def _upstream_timeout(self, req: Incoming, upstream: Upstream) -> Answer:
-        self.gateway.metrics.upstream_errors.labels(upstream.name, "timeout").inc()
-        detail = f"upstream {repr(upstream.name)} did not answer in time"
-        return Answer.error(504, detail, req.rate_headers)
-
-    def _unreachable(self, req: Incoming, upstream: Upstream, exc: BaseException) -> Answer:
-        self.gateway.metrics.upstream_errors.labels(upstream.name, "unreachable").inc()
-        log.warning("upstream %s unreachable: %s", upstream.name, type(exc).__name__)
-        return Answer.error(502, f"upstream {repr(upstream.name)} is unreachable", req.rate_headers)
 
     # --- used by the relay
 
@@ -1045,7 +696,7 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.waiting_body:
             self.waiting_body = False
-            self._answer(req, _stalled(req), keep=False)
+            self._answer(req, stalled(req), keep=False)
             return
         relay = self.relay
         if relay is not None and relay.phase == WAITING:
@@ -1126,83 +777,3 @@ class ClientConnection(asyncio.Protocol):
         req = self.pipeline[-1] if self.pipeline else self.active
         if req is not None:
             req.keep_alive = False
-
-
-def _stalled(req: Incoming) -> Answer:
-    return Answer.error(408, "the request body stalled", req.rate_headers)
-
-
-def declared_body(headers: list[tuple[bytes, bytes]]) -> int:
-    """The body a request head declares: -1 chunked, its Content-Length, or 0."""
-    length = 0
-    for name, value in headers:
-        lower = name.lower()
-        if lower == b"transfer-encoding":
-            return -1  # (llhttp refuses Transfer-Encoding beside Content-Length)
-        if lower == b"content-length":
-            length = int(value)  # llhttp accepted it: digits only
-    return length
-
-
-# HTTP/2's connection preface (RFC 9113 3.4) as a client sends it; llhttp stops at "PRI".
-H2_PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_H2_REASON: Final = b"HTTP/2 is not served here; use HTTP/1.1"
-# An empty SETTINGS frame (the server's preface), then GOAWAY: last stream 0, error
-# HTTP_1_1_REQUIRED (0xd), the reason as debug data.
-H2_REFUSAL: Final = (
-    b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-    + len(_H2_REASON + b"\x00" * 8).to_bytes(3, "big")
-    + b"\x07\x00\x00\x00\x00\x00"
-    + b"\x00\x00\x00\x00\x00\x00\x00\x0d"
-    + _H2_REASON
-)
-
-
-def _h2_preface(parser: httptools.HttpRequestParser, data: bytes | memoryview) -> bool:
-    """Whether the connection opened with HTTP/2's preface (llhttp refuses it)."""
-    if bytes(data[:3]) == b"PRI":
-        return True
-    try:
-        return bool(parser.get_method() == b"PRI")
-    except httptools.HttpParserError:
-        return False
-
-
-# What an upgrade's client may send before the upstream has answered (then reading
-# pauses until the tunnel is joined, or the connection closes).
-EARLY_BYTES: Final = 64 * 1024
-
-
-class _UpgradeBody:
-    """Reads the body of an Upgrade request with a fresh llhttp parser told only its
-    framing: the same strict parse (chunk sizes, lengths) as any other body, reported
-    to the connection as the request's own body."""
-
-    def __init__(self, conn: ClientConnection, framing: int) -> None:
-        self.conn = conn
-        self.reading = False  # llhttp has reached the end of the head
-        self.done = False
-        self.parser = httptools.HttpRequestParser(self)
-        framing_line = (
-            b"Transfer-Encoding: chunked" if framing < 0 else b"Content-Length: %d" % framing
-        )
-        self.parser.feed_data(b"PUT / HTTP/1.1\r\nHost: body\r\n" + framing_line + b"\r\n\r\n")
-
-    def on_chunk_header(self) -> None:
-        if not self.done:
-            self.conn.on_chunk_header()
-
-    def on_body(self, body: bytes) -> None:
-        if not self.done:
-            self.conn.on_body(body)
-
-    def on_message_complete(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        conn = self.conn
-        conn.upgrade_body = None
-        conn.on_message_complete()
-        # Nothing after an Upgrade request is read: the connection closes after its answer.
-        conn.dead_parser = True
-        raise StopParsingError
