@@ -2,19 +2,21 @@
 
 ``None`` or ``memory://`` give the in-process backend. Redis URLs give the full stack
 ``DenyCacheBackend(ResilientBackend(CoalescingBackend(RedisBackend)))``. For a Redis
-Cluster the middle of it is built once per master (``PerNodeBackend``), so a master
-that is down or hung opens only its own breaker: keys on the other masters keep
-being counted in Redis. One server (``redis://``, ``rediss://``, ``unix://``) is
-reached over the lean ``RespClient`` (``gateway/counters/resp.py``), Sentinel and
-Cluster over redis-py. Nothing here connects: both connect on first use and the
-script is loaded on the first ``NOSCRIPT``, so the factory may run before the event
-loop does.
+Cluster the middle of it is built once per master (``PerNodeBackend``,
+``gateway/counters/cluster.py``), so a master that is down or hung opens only its own
+breaker: keys on the other masters keep being counted in Redis. One server
+(``redis://``, ``rediss://``, ``unix://``) and each master of a cluster are reached
+over the lean ``RespClient`` (``gateway/counters/resp.py``); Sentinel over redis-py,
+whose cluster client also keeps a cluster's slot map. Nothing here connects: both
+connect on first use and the script is loaded on the first ``NOSCRIPT``, so the
+factory may run before the event loop does.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -24,22 +26,16 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.crc import key_slot
 from redis.maint_notifications import MaintNotificationsConfig
 
-from gateway.counters.base import (
-    CounterBackend,
-    CounterEvents,
-    HitResult,
-    HitSettled,
-    LimitCheck,
-    NoEvents,
-)
+from gateway.counters.base import CounterBackend, CounterEvents, NoEvents
+from gateway.counters.cluster import PerNodeBackend
+from gateway.counters.cluster import _NodeBreakers as _NodeBreakers  # where tests look
 from gateway.counters.coalesce import CoalescingBackend
 from gateway.counters.deny_cache import DenyCacheBackend, monotonic_ms
 from gateway.counters.memory import MemoryBackend
 from gateway.counters.redis_backend import RedisBackend
-from gateway.counters.resilient import CLOSED, HALF_OPEN, OPEN, ResilientBackend
+from gateway.counters.resilient import ResilientBackend
 from gateway.counters.resp import RespClient, tls_context
 
 MAX_URL_LENGTH = 2048
@@ -266,20 +262,42 @@ def _connection_kwargs(parsed: CounterUrl) -> dict[str, Any]:
 
 def store_client(parsed: CounterUrl) -> RespClient | Redis | RedisCluster:
     """The client the counter path uses: the lean ``RespClient`` for one server
-    (``redis://``, ``rediss://``, ``unix://``), redis-py for Sentinel and Cluster."""
+    (``redis://``, ``rediss://``, ``unix://``), redis-py for Sentinel, and for a Cluster
+    redis-py's client, which keeps the slot map (each master's calls go over a
+    ``RespClient`` of its own: ``node_client``)."""
     if parsed.scheme not in ("redis", "rediss", "unix"):
         return redis_client(parsed)
-    tls = None
-    if parsed.tls:
-        tls_kwargs = _connection_kwargs(parsed)  # checks the files, as for redis-py
-        tls = tls_context(
-            ca_certs=tls_kwargs.get("ssl_ca_certs"),
-            certfile=tls_kwargs.get("ssl_certfile"),
-            keyfile=tls_kwargs.get("ssl_keyfile"),
-            cert_reqs=tls_kwargs.get("ssl_cert_reqs", "required"),
-            check_hostname=tls_kwargs.get("ssl_check_hostname", True),
-        )
     host, port = parsed.hosts[0] if parsed.hosts else ("", 0)
+    return _resp_client(parsed, host, port, _tls(parsed))
+
+
+def node_client(parsed: CounterUrl) -> Callable[[str, int], RespClient]:
+    """Makes the lean connection to one master of the cluster ``parsed`` names, with
+    the URL's credentials, TLS options and timeouts."""
+    tls = _tls(parsed)
+
+    def connect(host: str, port: int) -> RespClient:
+        return _resp_client(parsed, host, port, tls)
+
+    return connect
+
+
+def _tls(parsed: CounterUrl) -> ssl.SSLContext | None:
+    if not parsed.tls:
+        return None
+    tls_kwargs = _connection_kwargs(parsed)  # checks the files, as for redis-py
+    return tls_context(
+        ca_certs=tls_kwargs.get("ssl_ca_certs"),
+        certfile=tls_kwargs.get("ssl_certfile"),
+        keyfile=tls_kwargs.get("ssl_keyfile"),
+        cert_reqs=tls_kwargs.get("ssl_cert_reqs", "required"),
+        check_hostname=tls_kwargs.get("ssl_check_hostname", True),
+    )
+
+
+def _resp_client(
+    parsed: CounterUrl, host: str, port: int, tls: ssl.SSLContext | None
+) -> RespClient:
     return RespClient(
         host=host,
         port=port,
@@ -385,121 +403,6 @@ def _with_hiredis_packing(base: type[Any]) -> type[Any]:
     return HiredisPacking
 
 
-_BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
-
-
-class _NodeBreakers:
-    """The breakers of every master reported as one: the worst state among them.
-
-    Errors, fallback decisions and deny-cache hits pass through unchanged.
-    """
-
-    def __init__(self, events: CounterEvents) -> None:
-        self._events = events
-        self._states: dict[str, str] = {}
-        self._reported = CLOSED
-
-    def for_node(self, node: str) -> CounterEvents:
-        return _NodeEvents(self, node)
-
-    def changed(self, node: str, state: str) -> None:
-        self._states[node] = state
-        worst = max(self._states.values(), key=lambda s: _BREAKER_RANK.get(s, 1))
-        if worst != self._reported:
-            self._reported = worst
-            self._events.breaker_changed(worst)
-
-    @property
-    def events(self) -> CounterEvents:
-        return self._events
-
-
-class _NodeEvents:
-    def __init__(self, breakers: _NodeBreakers, node: str) -> None:
-        self._breakers = breakers
-        self._node = node
-
-    def store_error(self, kind: str) -> None:
-        self._breakers.events.store_error(kind)
-
-    def breaker_changed(self, state: str) -> None:
-        self._breakers.changed(self._node, state)
-
-    def fallback_used(self) -> None:
-        self._breakers.events.fallback_used()
-
-    def deny_cache_hit(self) -> None:
-        self._breakers.events.deny_cache_hit()
-
-
-class PerNodeBackend:
-    """Redis Cluster: a timeout, breaker and coalescer per master, on one client.
-
-    Each call goes to the stack of the master that serves its keys' slot, as the
-    client's slot map says at that moment (one stack for all calls until the map is
-    loaded). All stacks share the client and the fallback counters.
-    """
-
-    def __init__(
-        self,
-        client: RedisCluster,
-        build: Callable[[RedisBackend, CounterEvents], CounterBackend],
-        *,
-        name: str,
-        events: CounterEvents,
-    ) -> None:
-        self._client = client
-        self._build = build
-        self._name = name
-        self._breakers = _NodeBreakers(events)
-        self._stacks: dict[str, CounterBackend] = {}
-        self._probe = RedisBackend(client, name=name, close_client=False)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def stacks(self) -> dict[str, CounterBackend]:
-        """The stack per master (``host:port``; ``""`` before the slot map is known)."""
-        return self._stacks
-
-    def node_for(self, key: str) -> str:
-        nodes = self._client.nodes_manager.slots_cache.get(key_slot(key.encode()))
-        return nodes[0].name if nodes else ""
-
-    def stack_for(self, key: str) -> CounterBackend:
-        node = self.node_for(key)
-        stack = self._stacks.get(node)
-        if stack is None:
-            store = RedisBackend(
-                self._client, name=f"{self._name} [{node or 'any'}]", close_client=False
-            )
-            stack = self._stacks[node] = self._build(store, self._breakers.for_node(node))
-        return stack
-
-    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
-        if not checks:
-            return HitResult(True, (), source="redis")
-        return await self.stack_for(checks[0].key).hit(checks)
-
-    def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
-        """``hit`` by callback, through the stack of the master that serves the keys."""
-        if not checks:
-            return False
-        submit = getattr(self.stack_for(checks[0].key), "submit", None)
-        return bool(submit(checks, done)) if submit is not None else False
-
-    async def healthy(self) -> bool:
-        return await self._probe.healthy()
-
-    async def close(self) -> None:
-        for stack in list(self._stacks.values()):
-            await stack.close()
-        self._stacks.clear()
-        await self._client.aclose()
-
-
 def _memory(clock: Callable[[], int] | None, max_keys: int, label: str) -> MemoryBackend:
     if clock is None:
         return MemoryBackend(max_keys=max_keys, label=label)
@@ -563,7 +466,9 @@ def open_counter_backend(
     client = store_client(parsed)
     resilient: CounterBackend
     if isinstance(client, RedisCluster):
-        resilient = PerNodeBackend(client, build, name=name, events=events)
+        resilient = PerNodeBackend(
+            client, build, name=name, events=events, node_client=node_client(parsed)
+        )
     else:
         resilient = build(RedisBackend(client, name=name), events)
     if not deny_cache:

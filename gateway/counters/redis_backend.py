@@ -5,13 +5,19 @@ it in all of them or none, with the store's own clock. The script runs by SHA; w
 the server does not know it (first use, ``SCRIPT FLUSH``, a restarted or failed-over
 server) it is loaded once and the affected calls are sent again, so no extra round
 trip is spent on ``SCRIPT EXISTS`` in the common case.
+
+A Redis Cluster master is reached like a standalone server, over its own lean
+connection (``gateway/counters/cluster.py`` routes each call to its master). A call
+the master does not serve comes back as ``MOVED`` or ``ASK`` (or ``TRYAGAIN`` while its
+slot migrates): nothing was counted, and the ``redirect`` the backend was built with
+sends it again where it belongs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import lru_cache
 from importlib.resources import files
 from typing import Any, Final, TypeAlias
@@ -31,6 +37,32 @@ MAX_CACHED_CALLS: Final = 50_000  # identities whose EVALSHA bytes are kept (the
 RedisClient: TypeAlias = Redis | RedisCluster
 # What ``send_many`` hands back: one result or exception per entry, or why all failed.
 BatchSettled: TypeAlias = Callable[[list[HitResult | Exception] | Exception], None]
+# Follows calls a cluster master redirected (their checks, and the error reply each got:
+# ``MOVED``, ``ASK``, ``TRYAGAIN``) to where they belong; one result or exception per call.
+Redirect: TypeAlias = Callable[
+    [list[Sequence[LimitCheck]], list[Exception]], Awaitable[list[HitResult | Exception]]
+]
+
+# Error replies that mean "not counted here, send it again" (a cluster redirection, or a
+# multi-key call during a slot migration).
+REDIRECTIONS: Final = ("MOVED ", "ASK ", "TRYAGAIN")
+ASKING: Final = pack(("ASKING",))
+
+
+def redirection(reply: object) -> bool:
+    """Whether a call's result is a redirection (``REDIRECTIONS``): the master did not
+    run the script, so nothing was counted."""
+    return isinstance(reply, ResponseError) and str(reply).startswith(REDIRECTIONS)
+
+
+def _errors(results: Sequence[HitResult | Exception], indices: Sequence[int]) -> list[Exception]:
+    """The exceptions among ``results`` at ``indices`` (the redirected calls')."""
+    found: list[Exception] = []
+    for index in indices:
+        result = results[index]
+        if isinstance(result, Exception):
+            found.append(result)
+    return found
 
 
 @lru_cache(maxsize=1)
@@ -75,10 +107,12 @@ def _fill(
     todo: Sequence[int],
     replies: Sequence[Any],
     results: list[HitResult | Exception],
+    redirected: list[int] | None = None,
 ) -> list[int]:
     """Each call's reply (``replies[k]`` for ``batch[todo[k]]``) as its result, in place;
     an error reply is that call's exception. Returns the entries whose script the server
-    did not know (NOSCRIPT), left for the caller to send again."""
+    did not know (NOSCRIPT), left for the caller to send again; the redirected ones
+    (``redirection``) are added to ``redirected`` when given."""
     missing: list[int] = []
     for k, index in enumerate(todo):
         reply = replies[k]
@@ -88,6 +122,8 @@ def _fill(
             missing.append(index)
         elif isinstance(reply, Exception):
             results[index] = reply
+            if redirected is not None and redirection(reply):
+                redirected.append(index)
         else:
             try:
                 results[index] = parse_reply(reply, len(batch[index]))[0]
@@ -113,23 +149,35 @@ class _Call:
 
 
 class RedisBackend:
-    """A ``CounterBackend`` on one client: the lean ``RespClient`` (standalone servers)
-    or a redis-py asyncio client (Sentinel, Cluster).
+    """A ``CounterBackend`` on one client: the lean ``RespClient`` (a standalone server,
+    or one master of a cluster) or a redis-py asyncio client (Sentinel; a cluster's calls
+    sent before its slot map is known).
 
     ``hit_many`` sends several requests' checks in one pipeline (one round trip per
-    node); ``CoalescingBackend`` uses it to batch concurrent requests.
+    node); ``CoalescingBackend`` uses it to batch concurrent requests. ``cluster``: the
+    keys of one call must share a hash tag; ``redirect`` follows the calls a cluster
+    master redirected (without it they fail with the master's error reply).
     """
 
     def __init__(
-        self, client: RedisClient | RespClient, *, name: str, close_client: bool = True
+        self,
+        client: RedisClient | RespClient,
+        *,
+        name: str,
+        close_client: bool = True,
+        cluster: bool = False,
+        redirect: Redirect | None = None,
     ) -> None:
         self._client = client
         self._wire = client if isinstance(client, RespClient) else None
         self._name = name
-        # False when several backends share one client (one per cluster master); the
+        # False when several backends share one client (redis-py's cluster client); the
         # owner closes it.
         self._close_client = close_client
-        self._cluster = isinstance(client, RedisCluster)
+        # redis-py's cluster client routes each call itself (and follows redirections)
+        self._redis_cluster = isinstance(client, RedisCluster)
+        self._cluster = cluster or self._redis_cluster
+        self._redirect = redirect
         self._sha = script_sha()
         self._calls: dict[str, _Call] = {}  # first key of the checks -> their call
         self._tasks: set[asyncio.Task[None]] = set()  # the rare awaited follow-ups of send_many
@@ -154,36 +202,40 @@ class RedisBackend:
         return (await self.hit_timed(checks))[0]
 
     async def hit_timed(self, checks: Sequence[LimitCheck]) -> tuple[HitResult, int]:
-        """Like ``hit``, plus the store's clock (ms since the epoch) at decision time."""
+        """Like ``hit``, plus the store's clock (ms since the epoch) at decision time (0
+        for a call a cluster master redirected: the master that counted it answered)."""
         if not checks:
             return HitResult(True, (), source="redis"), 0
         call = self._call(checks)
         self.round_trips += 1
-        try:
-            reply = await self._evalsha(call)
-        except NoScriptError:
-            # Loaded below, not here: compiled (mypyc) code must not await inside an
-            # except or finally block (the exception being handled can resurface).
-            reply = None
-        if reply is None:
+        reply = await self._evalsha(call)
+        if isinstance(reply, NoScriptError):
             await self.load_script()
             self.round_trips += 1
             reply = await self._evalsha(call)
+        if isinstance(reply, Exception):
+            redirect = self._redirect
+            if redirect is None or not redirection(reply):
+                raise reply
+            result = (await redirect([checks], [reply]))[0]
+            if isinstance(result, Exception):
+                raise result
+            return result, 0
         return parse_reply(reply, len(checks))
 
     async def _evalsha(self, call: _Call) -> Any:
-        """One EVALSHA; an error reply raises. Standalone servers take the same lean
-        round trip as a pipeline (``_direct_pipeline``)."""
-        if self._cluster:
+        """One EVALSHA: its reply, or its error reply as an exception (returned, not
+        raised; over redis-py only ``NOSCRIPT`` is, the others raise). Standalone
+        servers take the same lean round trip as a pipeline (``_direct_pipeline``)."""
+        if self._redis_cluster:
             cluster: Any = self._client
-            return await cluster.execute_command("EVALSHA", self._sha, *call.args)
+            try:
+                return await cluster.execute_command("EVALSHA", self._sha, *call.args)
+            except NoScriptError as exc:
+                return exc
         if self._wire is not None:
-            reply = (await self._wire_pipeline(self._wire, [call]))[0]
-        else:
-            reply = (await self._direct_pipeline([call]))[0]
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+            return (await self._wire_pipeline(self._wire, [call]))[0]
+        return (await self._direct_pipeline([call]))[0]
 
     async def hit_many(self, batch: Sequence[Sequence[LimitCheck]]) -> list[HitResult | Exception]:
         """Run many independent ``hit`` calls in one pipeline.
@@ -191,6 +243,20 @@ class RedisBackend:
         Each entry is a result or the exception for that entry alone (a bad check, a
         script error). Losing the connection raises, since it fails every entry.
         """
+        return await self._hit_many(batch, False, True)
+
+    async def hit_redirected(
+        self, batch: Sequence[Sequence[LimitCheck]], asking: bool
+    ) -> list[HitResult | Exception]:
+        """``hit_many`` for calls another cluster master redirected here: ``asking``
+        sends each right after ``ASKING`` on the same connection (an ``ASK``
+        redirection: the slot is being migrated here). A call redirected once more is
+        left as its error reply, for the caller to follow."""
+        return await self._hit_many(batch, asking, False)
+
+    async def _hit_many(
+        self, batch: Sequence[Sequence[LimitCheck]], asking: bool, follow: bool
+    ) -> list[HitResult | Exception]:
         results: list[HitResult | Exception] = [HitResult(True, (), source="redis")] * len(batch)
         todo: list[int] = []
         commands: list[_Call] = []
@@ -205,13 +271,19 @@ class RedisBackend:
             todo.append(index)
         if not commands:
             return results
-        replies = await self._pipeline(commands)
-        missing = _fill(batch, todo, replies, results)
+        replies = await self._pipeline(commands, asking)
+        redirected: list[int] = []
+        missing = _fill(batch, todo, replies, results, redirected)
         if missing:
             await self.load_script()
-            again = await self._pipeline([self._call(batch[index]) for index in missing])
-            for index in _fill(batch, missing, again, results):
+            again = await self._pipeline([self._call(batch[index]) for index in missing], asking)
+            for index in _fill(batch, missing, again, results, redirected):
                 results[index] = NoScriptError("the server lost the script again")
+        redirect = self._redirect
+        if follow and redirected and redirect is not None:
+            followed = await redirect([batch[i] for i in redirected], _errors(results, redirected))
+            for index, result in zip(redirected, followed, strict=True):
+                results[index] = result
         return results
 
     def send_many(self, batch: Sequence[Sequence[LimitCheck]], done: BatchSettled) -> bool:
@@ -222,8 +294,9 @@ class RedisBackend:
 
         The rare cases that need to wait for something else go on in a task, with the
         same outcome as ``hit_many``: a script the server lost (``NOSCRIPT``: loaded,
-        then those calls sent again) and a connection that died under the round trip
-        (sent once more on a new connection, as ``hit_many`` retries once).
+        then those calls sent again), calls a cluster master redirected (followed by
+        ``redirect``) and a connection that died under the round trip (sent once more
+        on a new connection, as ``hit_many`` retries once).
         """
         wire = self._wire
         if wire is None:
@@ -252,9 +325,10 @@ class RedisBackend:
                 else:
                     self._follow_up(self._again(batch, done))
                 return
-            missing = _fill(batch, todo, replies, results)
-            if missing:
-                self._follow_up(self._reload_then(batch, missing, results, done))
+            redirected: list[int] | None = [] if self._redirect is not None else None
+            missing = _fill(batch, todo, replies, results, redirected)
+            if missing or redirected:
+                self._follow_up(self._complete(batch, missing, redirected or [], results, done))
                 return
             done(results)
 
@@ -286,29 +360,44 @@ class RedisBackend:
             outcome = exc
         done(outcome)
 
-    async def _reload_then(
+    async def _complete(
         self,
         batch: Sequence[Sequence[LimitCheck]],
         missing: list[int],
+        redirected: list[int],
         results: list[HitResult | Exception],
         done: BatchSettled,
     ) -> None:
+        """The rest of a round trip ``send_many`` wrote: the calls whose script the
+        server lost (loaded, then sent again) and the calls a cluster master redirected
+        (followed)."""
         outcome: list[HitResult | Exception] | Exception = results
         try:
-            await self.load_script()
-            again = await self.hit_many([batch[i] for i in missing])
+            if missing:
+                await self.load_script()
+                again = await self._hit_many([batch[i] for i in missing], False, False)
+                for index, result in zip(missing, again, strict=True):
+                    results[index] = result
+                    if redirection(result):
+                        redirected.append(index)
+            redirect = self._redirect
+            if redirected and redirect is not None:
+                followed = await redirect(
+                    [batch[i] for i in redirected], _errors(results, redirected)
+                )
+                for index, result in zip(redirected, followed, strict=True):
+                    results[index] = result
         except Exception as exc:
             outcome = exc
-        else:
-            for index, result in zip(missing, again, strict=True):
-                results[index] = result
         done(outcome)
 
-    async def _pipeline(self, commands: Sequence[_Call]) -> list[Any]:
+    async def _pipeline(self, commands: Sequence[_Call], asking: bool = False) -> list[Any]:
         self.round_trips += 1
         if self._wire is not None:
-            return await self._wire_pipeline(self._wire, commands)
-        if not self._cluster:
+            return await self._wire_pipeline(self._wire, commands, asking)
+        if asking:
+            raise ValueError("ASKING needs the lean connection")
+        if not self._redis_cluster:
             return await self._direct_pipeline(commands)
         cluster: Any = self._client
         pipe: Any = cluster.pipeline(transaction=False)
@@ -317,17 +406,25 @@ class RedisBackend:
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         return replies
 
-    async def _wire_pipeline(self, wire: RespClient, commands: Sequence[_Call]) -> list[Any]:
+    async def _wire_pipeline(
+        self, wire: RespClient, commands: Sequence[_Call], asking: bool = False
+    ) -> list[Any]:
         """The EVALSHA calls in one write on the lean connection; an error reply is that
-        call's result alone (``NoScriptError`` for a script the server lost)."""
+        call's result alone (``NoScriptError`` for a script the server lost). With
+        ``asking`` each goes right after an ``ASKING`` (one write: nothing comes between
+        them on the connection), whose replies are dropped."""
         sha = self._sha
         wire_bytes: list[bytes] = []
         for call in commands:
             packed = call.packed
             if packed is None:
                 packed = call.packed = pack(("EVALSHA", sha, *call.args))
+            if asking:
+                wire_bytes.append(ASKING)
             wire_bytes.append(packed)
         replies = await wire.call(b"".join(wire_bytes), len(wire_bytes))
+        if asking:
+            replies = replies[1::2]
         for k, reply in enumerate(replies):
             if isinstance(reply, ResponseError):
                 replies[k] = reply_error(reply)
@@ -381,7 +478,8 @@ class RedisBackend:
         return replies
 
     async def load_script(self) -> None:
-        """Load the script (on every primary, for a cluster); normally done on demand."""
+        """Load the script (on this backend's server; on every primary through redis-py's
+        cluster client); normally done on demand."""
         self.round_trips += 1
         self.script_loads += 1
         sha: Any

@@ -1,16 +1,18 @@
 """A lean Redis connection for the counter path: an asyncio Protocol, replies parsed by hiredis.
 
 Why not redis-py here: for standalone servers (``redis://``, ``rediss://``, ``unix://``)
-the counter path sends pre-packed EVALSHA pipelines and reads back flat integer
-arrays, and redis-py's asyncio connection wraps each reply in a stream read, a parser
-call and its bookkeeping, and each round trip in a pool checkout and a retry wrapper:
-~67 us of CPU per round trip and ~1.8 us per reply, against ~31 and ~0.3 here
-(``benchmarks/README.md``, "Counter wire"; the Redis rows of ``dataplane_bench.py``).
-Sentinel and Cluster keep redis-py, which knows their topology.
+and each master of a Redis Cluster, the counter path sends pre-packed EVALSHA pipelines
+and reads back flat integer arrays, and redis-py's asyncio connection wraps each reply
+in a stream read, a parser call and its bookkeeping, and each round trip in a pool
+checkout and a retry wrapper: ~67 us of CPU per round trip and ~1.8 us per reply,
+against ~31 and ~0.3 here (``benchmarks/README.md``, "Counter wire"; the Redis rows of
+``dataplane_bench.py``). Sentinel keeps redis-py, which knows its topology; so does a
+Cluster's slot map.
 
 One connection carries every round trip: Redis answers in the order it was asked, so
 the replies are handed back in order (pipelining), and a round trip costs one write
-and the reads its replies arrive in. What redis-py's pool did for the counter path is
+and the reads its replies arrive in. A Redis Cluster gets one per master
+(``gateway/counters/cluster.py``). What redis-py's pool did for the counter path is
 kept:
 
 * a connection that died (a restarted server) is replaced once within the same call
@@ -165,6 +167,16 @@ class RespConnection(asyncio.Protocol):
         transport.write(data)
         return True
 
+    @property
+    def local_address(self) -> str:
+        """This end's address (``host:port``, as the server's ``CLIENT LIST`` shows it;
+        "" for a Unix socket)."""
+        transport = self._transport
+        name = transport.get_extra_info("sockname") if transport is not None else None
+        if isinstance(name, tuple) and len(name) >= 2:
+            return f"{name[0]}:{name[1]}"
+        return ""
+
     def abort(self, why: str, given_up: bool = False) -> None:
         """Drop the connection now; every round trip in flight fails with ``why``."""
         transport = self._transport
@@ -238,6 +250,13 @@ class RespClient:
         self._closed = False
         # Connections made, for tests and /info-style checks.
         self.connects = 0
+
+    @property
+    def local_address(self) -> str:
+        """The open connection's own address (``RespConnection.local_address``), "" when
+        none is open: which of the server's clients it is, for tests."""
+        conn = self._conn
+        return conn.local_address if conn is not None and not conn.closed else ""
 
     @property
     def where(self) -> str:

@@ -1,0 +1,401 @@
+"""Redis Cluster: a timeout, breaker, coalescer and lean connection per master.
+
+Each call goes to the stack of the master that serves its keys' slot, as redis-py's
+cluster client's slot map says at that moment. Each master's stack sends over its own
+``RespClient`` (``gateway/counters/resp.py``), the same pipelined connection a
+standalone server gets; redis-py's ``RedisCluster`` stays the source of the slot map
+(``CLUSTER SLOTS``, refreshed as below) and carries the calls sent before the map is
+known (the ``""`` stack) and the health check.
+
+What keeps the counts exact while slots move (resharding, failover). The script counts
+a call in all its keys or none, and a master that does not serve a call's slot answers
+with an error reply before running anything, so a redirected call is sent again:
+
+* ``MOVED slot host:port``: the slot has a new owner. The slot map is refreshed (once
+  for all the calls redirected together, and not when it already names that owner;
+  concurrent refreshes are one) and the call goes to the named master, on that
+  master's connection.
+* ``ASK slot host:port``: the slot is being migrated and this call's keys are gone from
+  the old owner. The call goes to the named master right after ``ASKING``, in one write
+  on its connection; the map is not changed (the old owner still serves the slot).
+* ``TRYAGAIN`` (a call of several keys, some of them moved already): sent again to the
+  slot's owner after a short pause, until the migration ends.
+
+A call is followed for at most ``MAX_REDIRECTIONS`` hops and ``REDIRECT_SECONDS``; what
+the master it ends at answers is its result. A lost connection (a master that died or
+left) fails only the calls in flight on it. Whether the master ran them is unknown, so
+they are never sent to another master (no double count); as for a standalone server
+they go once more to the same address on a new connection, and when that fails too its
+stack's breaker and fallback answer them. Every store failure schedules a refresh of
+the map (``REFRESH_INTERVAL_SECONDS`` apart at most), so a replica promoted in its place
+gets its own stack and connection and the slot's calls go there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+from gateway.counters.base import (
+    CounterBackend,
+    CounterEvents,
+    HitResult,
+    HitSettled,
+    LimitCheck,
+)
+from gateway.counters.errors import StoreTimeoutError
+from gateway.counters.redis_backend import RedisBackend, redirection
+from gateway.counters.resilient import CLOSED, HALF_OPEN, OPEN
+from gateway.counters.resp import RespClient
+
+log = logging.getLogger("gateway.counters")
+
+# Following one batch's redirections (slot-map refresh and the calls sent again): well
+# inside the coalescer's hard bound on a round trip (1 s at least).
+REDIRECT_SECONDS: Final = 0.5
+MAX_REDIRECTIONS: Final = 5
+TRYAGAIN_PAUSE_SECONDS: Final = 0.01
+# One slot-map refresh (CLUSTER SLOTS from a reachable node; redis-py reads it without a
+# timeout of its own), and how often store failures may ask for one.
+REFRESH_SECONDS: Final = 1.0
+REFRESH_INTERVAL_SECONDS: Final = 0.5
+
+_BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+
+NodeClient = Callable[[str, int], RespClient]
+
+
+class _NodeBreakers:
+    """The breakers of every master reported as one: the worst state among them.
+
+    Errors, fallback decisions and deny-cache hits pass through unchanged; a store
+    error also tells ``failed`` which master it came from. The breaker of a node that
+    serves no slot any more (a master that failed over, the stack of the calls sent
+    before the slot map was known) no longer counts (``departed``).
+    """
+
+    def __init__(self, events: CounterEvents, failed: Callable[[str], None] | None = None) -> None:
+        self._events = events
+        self._failed = failed
+        self._states: dict[str, str] = {}
+        self._departed: frozenset[str] = frozenset()
+        self._reported = CLOSED
+
+    def for_node(self, node: str) -> CounterEvents:
+        return _NodeEvents(self, node)
+
+    def changed(self, node: str, state: str) -> None:
+        self._states[node] = state
+        self._report()
+
+    def departed(self, nodes: frozenset[str]) -> None:
+        """The nodes that serve no slot now (the slot map just read), until they do."""
+        if nodes != self._departed:
+            self._departed = nodes
+            self._report()
+
+    def store_error(self, node: str, kind: str) -> None:
+        self._events.store_error(kind)
+        if self._failed is not None:
+            self._failed(node)
+
+    def _report(self) -> None:
+        departed = self._departed
+        states = [state for node, state in self._states.items() if node not in departed]
+        worst = max(states, key=lambda s: _BREAKER_RANK.get(s, 1)) if states else CLOSED
+        if worst != self._reported:
+            self._reported = worst
+            self._events.breaker_changed(worst)
+
+    @property
+    def events(self) -> CounterEvents:
+        return self._events
+
+
+class _NodeEvents:
+    def __init__(self, breakers: _NodeBreakers, node: str) -> None:
+        self._breakers = breakers
+        self._node = node
+
+    def store_error(self, kind: str) -> None:
+        self._breakers.store_error(self._node, kind)
+
+    def breaker_changed(self, state: str) -> None:
+        self._breakers.changed(self._node, state)
+
+    def fallback_used(self) -> None:
+        self._breakers.events.fallback_used()
+
+    def deny_cache_hit(self) -> None:
+        self._breakers.events.deny_cache_hit()
+
+
+def _address(node: str) -> tuple[str, int] | None:
+    """``host:port`` (as redis-py names nodes and Redis names them in redirections) as a
+    pair; None for an endpoint a redirection leaves unknown (``?:port``, ``:port``)."""
+    host, _, port = node.rpartition(":")
+    if not host or host == "?" or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+class PerNodeBackend:
+    """Redis Cluster: a timeout, breaker and coalescer per master (module docstring).
+
+    ``node_client`` makes the lean connection to one master; without it every master's
+    stack sends through redis-py's cluster client (which follows redirections itself).
+    """
+
+    def __init__(
+        self,
+        client: RedisCluster,
+        build: Callable[[RedisBackend, CounterEvents], CounterBackend],
+        *,
+        name: str,
+        events: CounterEvents,
+        node_client: NodeClient | None = None,
+    ) -> None:
+        self._client = client
+        self._build = build
+        self._name = name
+        self._node_client = node_client
+        self._breakers = _NodeBreakers(events, self._store_failed)
+        self._stacks: dict[str, CounterBackend] = {}
+        self._stores: dict[str, RedisBackend] = {}
+        self._submits: dict[str, Callable[[Sequence[LimitCheck], HitSettled], bool] | None] = {}
+        self._probe = RedisBackend(client, name=name, close_client=False)
+        self._refreshing: asyncio.Task[None] | None = None
+        self._refresh_started = float("-inf")
+        self._closed = False
+        # Redirections followed, by kind, and slot-map refreshes run; for tests and /info.
+        self.moved = 0
+        self.asked = 0
+        self.tried_again = 0
+        self.refreshes = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def stacks(self) -> dict[str, CounterBackend]:
+        """The stack per master (``host:port``; ``""`` before the slot map is known)."""
+        return self._stacks
+
+    @property
+    def stores(self) -> dict[str, RedisBackend]:
+        """The store at the bottom of each stack, by the same names."""
+        return self._stores
+
+    def node_for(self, key: str) -> str:
+        return self.node_for_slot(key_slot(key.encode()))
+
+    def node_for_slot(self, slot: int) -> str:
+        nodes = self._client.nodes_manager.slots_cache.get(slot)
+        return nodes[0].name if nodes else ""
+
+    def stack_for(self, key: str) -> CounterBackend:
+        node = self.node_for(key)
+        stack = self._stacks.get(node)
+        if stack is None:
+            stack = self._new_stack(node)
+        return stack
+
+    def _new_stack(self, node: str) -> CounterBackend:
+        label = f"{self._name} [{node or 'any'}]"
+        address = _address(node) if self._node_client is not None else None
+        if self._node_client is not None and address is not None:
+            store = RedisBackend(
+                self._node_client(*address), name=label, cluster=True, redirect=self._redirected
+            )
+        else:
+            # redis-py's client routes these calls itself, and loads the slot map on the
+            # first one; meanwhile it is loaded here too, so the lean stacks take over.
+            store = RedisBackend(self._client, name=label, close_client=False)
+            if self._node_client is not None:
+                self._refresh_soon()
+        stack = self._build(store, self._breakers.for_node(node))
+        self._stores[node] = store
+        self._stacks[node] = stack
+        self._submits[node] = getattr(stack, "submit", None)
+        return stack
+
+    async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        if not checks:
+            return HitResult(True, (), source="redis")
+        return await self.stack_for(checks[0].key).hit(checks)
+
+    def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
+        """``hit`` by callback, through the stack of the master that serves the keys."""
+        if not checks:
+            return False
+        node = self.node_for(checks[0].key)
+        if node not in self._stacks:
+            self._new_stack(node)
+        submit = self._submits[node]
+        return bool(submit(checks, done)) if submit is not None else False
+
+    # --- redirections
+
+    async def _redirected(
+        self, batch: list[Sequence[LimitCheck]], errors: list[Exception]
+    ) -> list[HitResult | Exception]:
+        """Follow the calls a master redirected (``RedisBackend``'s ``redirect``): one
+        result or exception per call, never raises (but for cancellation)."""
+        results: list[HitResult | Exception] = list(errors)
+        try:
+            async with asyncio.timeout(REDIRECT_SECONDS):
+                await self._follow(batch, results)
+        except TimeoutError:
+            for index, result in enumerate(results):
+                if redirection(result):
+                    results[index] = StoreTimeoutError(
+                        "following a Redis Cluster redirection ran out of time"
+                    )
+        return results
+
+    async def _follow(
+        self, batch: list[Sequence[LimitCheck]], results: list[HitResult | Exception]
+    ) -> None:
+        todo = [index for index, result in enumerate(results) if redirection(result)]
+        for _ in range(MAX_REDIRECTIONS):
+            if not todo:
+                return
+            groups: dict[tuple[str, bool], list[int]] = {}
+            refresh = pause = False
+            for index in todo:
+                kind, _, rest = str(results[index]).partition(" ")
+                slot_text, _, node = rest.partition(" ")
+                asking = kind == "ASK"
+                if kind == "MOVED":
+                    self.moved += 1
+                    slot = int(slot_text) if slot_text.isdigit() else -1
+                    refresh = refresh or slot < 0 or self.node_for_slot(slot) != node
+                elif asking:
+                    self.asked += 1
+                else:  # TRYAGAIN: the slot's owner again, after a pause
+                    self.tried_again += 1
+                    pause = True
+                    node = ""
+                if _address(node) is None:
+                    node = ""  # the slot's owner in the map (refreshed first for a MOVED)
+                groups.setdefault((node, asking), []).append(index)
+            if refresh:
+                await self.refresh_slot_map()
+            if pause:
+                await asyncio.sleep(TRYAGAIN_PAUSE_SECONDS)
+            sends: list[tuple[RedisBackend, bool, list[int]]] = []
+            for (node, asking), indices in groups.items():
+                if not node:
+                    # Grouped by the owner each call's slot has now.
+                    for index in indices:
+                        owner = self.node_for(batch[index][0].key)
+                        sends.append((self._store(owner), asking, [index]))
+                else:
+                    sends.append((self._store(node), asking, indices))
+            outcomes = await asyncio.gather(
+                *(
+                    store.hit_redirected([batch[i] for i in indices], asking)
+                    for store, asking, indices in sends
+                ),
+                return_exceptions=True,
+            )
+            todo = []
+            for (_, _, indices), outcome in zip(sends, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    if not isinstance(outcome, Exception):
+                        raise outcome
+                    # The round trip failed as a whole (a lost connection): whether the
+                    # master ran these is unknown, so they go nowhere else.
+                    for index in indices:
+                        results[index] = outcome
+                    continue
+                for index, result in zip(indices, outcome, strict=True):
+                    results[index] = result
+                    if redirection(result):
+                        todo.append(index)
+
+    def _store(self, node: str) -> RedisBackend:
+        store = self._stores.get(node)
+        if store is None:
+            self._new_stack(node)
+            store = self._stores[node]
+        return store
+
+    # --- the slot map
+
+    async def refresh_slot_map(self) -> None:
+        """Load the slot map again (bounded by ``REFRESH_SECONDS``; a failure is logged
+        at debug and left for the next redirection or store failure to retry). One
+        refresh serves everyone who asks while it runs; a caller that gives up does not
+        stop it."""
+        task = self._refreshing
+        if task is None or task.done():
+            task = self._start_refresh()
+        await asyncio.shield(task)
+
+    def _refresh_soon(self) -> None:
+        """A refresh in the background, unless one runs or ran within
+        ``REFRESH_INTERVAL_SECONDS``."""
+        if self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - stores fail only inside the loop
+            return
+        task = self._refreshing
+        if task is not None and not task.done():
+            return
+        if loop.time() - self._refresh_started < REFRESH_INTERVAL_SECONDS:
+            return
+        self._start_refresh()
+
+    def _start_refresh(self) -> asyncio.Task[None]:
+        loop = asyncio.get_running_loop()
+        self._refresh_started = loop.time()
+        task = self._refreshing = loop.create_task(self._refresh())
+        return task
+
+    async def _refresh(self) -> None:
+        self.refreshes += 1
+        client = self._client
+        try:
+            async with asyncio.timeout(REFRESH_SECONDS):
+                if client.nodes_manager.slots_cache:
+                    await client.nodes_manager.initialize()
+                else:
+                    await client.initialize()
+        except Exception as exc:  # the next failure or redirection asks again
+            log.debug("Redis Cluster slot map not refreshed: %s", type(exc).__name__)
+            return
+        slots = client.nodes_manager.slots_cache
+        masters = {nodes[0].name for nodes in slots.values() if nodes}
+        if len(slots) < REDIS_CLUSTER_HASH_SLOTS:
+            masters.add("")  # a slot without a master: its calls go to "" (redis-py)
+        self._breakers.departed(frozenset(node for node in self._stacks if node not in masters))
+
+    def _store_failed(self, node: str) -> None:
+        # A master that failed may have left (failover): what the cluster says now.
+        if self._node_client is not None:
+            self._refresh_soon()
+
+    async def healthy(self) -> bool:
+        return await self._probe.healthy()
+
+    async def close(self) -> None:
+        self._closed = True
+        task = self._refreshing
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for stack in list(self._stacks.values()):
+            await stack.close()  # each lean store closes its connection
+        self._stacks.clear()
+        self._stores.clear()
+        self._submits.clear()
+        await self._client.aclose()
