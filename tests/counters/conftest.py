@@ -15,6 +15,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gateway.counters.base import CounterBackend  # noqa: E402
+from gateway.counters.cluster import PerNodeBackend  # noqa: E402
 from gateway.counters.factory import (  # noqa: E402
     open_counter_backend,
     parse_counter_url,
@@ -75,5 +76,13 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[CounterBacken
     else:
         cluster: RedisClusterProcess = request.getfixturevalue("redis_cluster")
         made = open_counter_backend(cluster.url, region="us", timeout_seconds=2.0)
+        # The slot map known, as in a gateway past its first calls: every call of the
+        # test goes over a master's lean connection, none through redis-py ("").
+        nodes = getattr(made, "inner", None)
+        assert isinstance(nodes, PerNodeBackend)
+        await nodes.refresh_slot_map()
     yield made
+    if kind == "cluster-stack":
+        assert "" not in nodes.stores
+        assert all(store.lean for store in nodes.stores.values())
     await made.close()

@@ -344,6 +344,106 @@ class RedisClusterProcess:
                     raise RuntimeError(f"node {server.port} did not reach cluster_state:{state}")
                 time.sleep(0.05)
 
+    def node_id(self, server: RedisServer) -> str:
+        return server.cli("CLUSTER", "MYID").strip()
+
+    def start_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Begin moving ``slot`` from ``source`` to ``target`` (``IMPORTING`` on the
+        target, then ``MIGRATING`` on the source): the source answers ``ASK`` for its
+        keys that are gone."""
+        for server, state, other in ((target, "IMPORTING", source), (source, "MIGRATING", target)):
+            out = server.cli("CLUSTER", "SETSLOT", str(slot), state, self.node_id(other))
+            if out.strip() != "OK":
+                raise RuntimeError(f"CLUSTER SETSLOT {state} failed: {out}")
+
+    def move_keys(
+        self, slot: int, source: RedisServer, target: RedisServer, keys: list[str] | None = None
+    ) -> int:
+        """``MIGRATE`` ``keys`` (default: every key of ``slot`` on ``source``, until none
+        is left) to ``target``; how many moved."""
+        moved = 0
+        while True:
+            batch = keys or source.cli("CLUSTER", "GETKEYSINSLOT", str(slot), "100").split()
+            if not batch:
+                return moved
+            out = source.cli(
+                "MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", "KEYS", *batch
+            )
+            if out.strip() not in ("OK", "NOKEY"):
+                raise RuntimeError(f"MIGRATE failed: {out}")
+            moved += len(batch)
+            if keys is not None:
+                return moved
+
+    def finish_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Give ``slot`` to ``target`` on every node (the target first, then the source,
+        as Redis's resharding does): the source now answers ``MOVED``."""
+        target_id = self.node_id(target)
+        others = [s for s in self.servers if s not in (source, target) and self.is_master(s)]
+        for server in (target, source, *others):
+            out = server.cli("CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
+            if out.strip() != "OK":
+                raise RuntimeError(f"CLUSTER SETSLOT NODE failed on {server.port}: {out}")
+
+    def migrate_slot(self, slot: int, source: RedisServer, target: RedisServer) -> int:
+        """Move ``slot`` and all its keys from ``source`` to ``target`` (what
+        ``redis-cli --cluster reshard`` does for one slot); how many keys moved."""
+        self.start_migration(slot, source, target)
+        moved = self.move_keys(slot, source, target)
+        self.finish_migration(slot, source, target)
+        return moved
+
+    def is_master(self, server: RedisServer) -> bool:
+        return "role:master" in server.cli("INFO", "replication")
+
+    def add_replica(self, master: RedisServer) -> RedisServer:
+        """A new node replicating ``master``, joined with ``redis-cli --cluster
+        add-node``; waits until its replication link is up."""
+        replica = RedisServer(
+            self.directory / f"node{len(self.servers)}",
+            cluster=True,
+            extra_args=self.servers[0].extra_args,
+        )
+        replica.start()
+        self.servers.append(replica)
+        done = subprocess.run(
+            [
+                REDIS_CLI, "--cluster", "add-node",
+                f"127.0.0.1:{replica.port}", f"127.0.0.1:{master.port}",
+                "--cluster-slave", "--cluster-master-id", self.node_id(master),
+            ],
+            capture_output=True, timeout=CLUSTER_TIMEOUT_SECONDS, check=False, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster add-node failed: {done.stdout}{done.stderr}")
+        deadline = time.monotonic() + CLUSTER_TIMEOUT_SECONDS
+        while "master_link_status:up" not in replica.cli("INFO", "replication"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the new replica did not connect to its master")
+            time.sleep(0.05)
+        return replica
+
+    def manual_failover(self, replica: RedisServer) -> None:
+        """``CLUSTER FAILOVER`` on ``replica`` (its master stops taking writes until the
+        replica has caught up, then they swap roles); waits until every node agrees."""
+        out = replica.cli("CLUSTER", "FAILOVER")
+        if out.strip() != "OK":
+            raise RuntimeError(f"CLUSTER FAILOVER failed: {out}")
+        deadline = time.monotonic() + CLUSTER_TIMEOUT_SECONDS
+        me = self.node_id(replica)
+        while not all(self._sees_master(s, me) for s in self.servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the failover did not complete")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _sees_master(server: RedisServer, node_id: str) -> bool:
+        for line in server.cli("CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if fields and fields[0] == node_id:
+                return "master" in fields[2]
+        return False
+
     def commandstats(self) -> dict[str, int]:
         """Calls per command summed over every node."""
         total: dict[str, int] = {}

@@ -1,0 +1,398 @@
+"""Redis Cluster over the lean connections (issue 27): every master's calls go over its
+own ``RespClient``, and a call a master redirects (a slot migrated, a failover) is
+counted exactly once, where it belongs.
+
+Real 3-master clusters (tests/support/redis_servers.py): the session's for what leaves
+the topology as it was, a cluster of its own for each test that moves slots or masters.
+What proves "exactly once": every counted call gets the store's count back (the limit
+minus ``remaining``), so the answers for one key must be exactly 1, 2, ..., n, and the
+hash the script keeps for it on its master must add up to n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from gateway.counters.base import CounterBackend, CounterUnavailableError, HitResult, LimitCheck
+from gateway.counters.cluster import PerNodeBackend
+from gateway.counters.factory import open_counter_backend
+from gateway.counters.redis_backend import script_text
+from gateway.counters.resp import RespClient
+from tests.counters.helpers import RecordingEvents, ViaSubmit, eventually, keys_sharing_tag, new_key
+from tests.support.redis_servers import REDIS_CLI, RedisClusterProcess, RedisServer
+
+LIMIT = 1_000_000
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[RedisClusterProcess]:
+    """A cluster for one test (slots and masters move). Partial coverage: a master that
+    died does not stop the others (as the failover tests want)."""
+    cluster = RedisClusterProcess(tmp_path / "cluster", full_coverage=False)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def check(key: str, *, fail_open: bool = True) -> LimitCheck:
+    return LimitCheck(key, LIMIT, 60_000, 1_000, fail_open=fail_open)
+
+
+def name(server: RedisServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def nodes_of(backend: CounterBackend) -> PerNodeBackend:
+    inner = getattr(backend, "inner", backend)  # under the deny cache, when there is one
+    assert isinstance(inner, PerNodeBackend)
+    return inner
+
+
+def owners(cluster: RedisClusterProcess) -> dict[int, RedisServer]:
+    """The master of every slot, read once from CLUSTER NODES."""
+    by_port = {s.port: s for s in cluster.servers}
+    found: dict[int, RedisServer] = {}
+    for line in cluster.servers[0].cli("CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        if "master" not in fields[2]:
+            continue
+        server = by_port[int(fields[1].split("@")[0].rsplit(":", 1)[1])]
+        for ranges in fields[8:]:
+            low, _, high = ranges.partition("-")
+            if low.isdigit():
+                for slot in range(int(low), int(high or low) + 1):
+                    found[slot] = server
+    return found
+
+
+def keys_by_master(cluster: RedisClusterProcess, per_master: int) -> dict[int, list[str]]:
+    """``per_master`` fresh keys served by each master (by port)."""
+    slots = owners(cluster)
+    keys: dict[int, list[str]] = {s.port: [] for s in cluster.servers}
+    while any(len(group) < per_master for group in keys.values()):
+        key = new_key()
+        group = keys[slots[key_slot(key.encode())].port]
+        if len(group) < per_master:
+            group.append(key)
+    return keys
+
+
+def counted(server: RedisServer, key: str, *, asking: bool = False) -> int:
+    """What the script counted for ``key`` on ``server`` (the sum of its buckets);
+    ``asking``: on a node the key's slot is being migrated to."""
+    command = ("HVALS", key)
+    if not asking:
+        return sum(int(v) for v in server.cli(*command).split())
+    done = subprocess.run(
+        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(server.port)],
+        input=f"ASKING\n{' '.join(command)}\n",
+        capture_output=True,
+        timeout=10,
+        check=True,
+        text=True,
+    )
+    return sum(int(v) for v in done.stdout.split()[1:])  # after ASKING's OK
+
+
+def assert_each_counted_once(key: str, results: list[HitResult]) -> None:
+    """The store answered every call with a count of its own: 1, 2, ..., n."""
+    assert {r.source for r in results} == {"redis"}, key
+    counts = sorted(LIMIT - r.states[0].remaining for r in results)
+    assert counts == list(range(1, len(results) + 1)), key
+
+
+def client_addresses(server: RedisServer, command: str | None = None) -> list[str]:
+    """The addresses of ``server``'s clients (those whose last command was ``command``)."""
+    found = []
+    for line in server.cli("CLIENT", "LIST").splitlines():
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        if command is None or fields.get("cmd") == command:
+            found.append(fields["addr"])
+    return found
+
+
+def gone(server: RedisServer, address: str) -> Callable[[], bool]:
+    return lambda: address not in client_addresses(server)
+
+
+async def test_each_master_is_counted_over_its_own_lean_connection(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    wires: dict[int, str] = {}
+    try:
+        await nodes.refresh_slot_map()  # the map known: no call goes through redis-py
+        keys = keys_by_master(redis_cluster, 5)
+        for server in redis_cluster.servers:
+            server.cli("SCRIPT", "LOAD", script_text())  # no NOSCRIPT retries to count
+            server.cli("CONFIG", "RESETSTAT")
+        calls = [key for group in keys.values() for key in group for _ in range(4)]
+        by_submit = ViaSubmit(backend)
+        results = await asyncio.gather(
+            *((by_submit if i % 2 else backend).hit([check(k)]) for i, k in enumerate(calls))
+        )
+        assert {r.source for r in results} == {"redis"}
+        assert set(nodes.stores) == {name(s) for s in redis_cluster.servers}  # no "" stack
+        for server in redis_cluster.servers:
+            store = nodes.stores[name(server)]
+            wire = store.client
+            assert store.lean and isinstance(wire, RespClient) and store.round_trips >= 1
+            assert wire.connects == 1
+            # Server side: this master ran exactly the calls for its keys...
+            assert server.commandstats().get("evalsha") == 4 * len(keys[server.port])
+            # ...and every one came over the lean connection (the only client whose last
+            # command was EVALSHA; redis-py's connections sent CLUSTER SLOTS at most).
+            wires[server.port] = wire.local_address
+            assert client_addresses(server, "evalsha") == [wires[server.port]]
+    finally:
+        await backend.close()
+    # close() closed every master's connection.
+    for server in redis_cluster.servers:
+        await eventually(5, gone(server, wires[server.port]), f"{server.port}'s lean connection")
+
+
+async def test_concurrent_calls_across_masters_are_counted_exactly(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        keys = keys_by_master(redis_cluster, 8)
+        times = 25
+        calls = [key for group in keys.values() for key in group for _ in range(times)]
+        by_submit = ViaSubmit(backend)
+        results = await asyncio.gather(
+            *((by_submit if i % 2 else backend).hit([check(k)]) for i, k in enumerate(calls))
+        )
+        by_key: dict[str, list[HitResult]] = {}
+        for key, result in zip(calls, results, strict=True):
+            by_key.setdefault(key, []).append(result)
+        total = 0
+        for server in redis_cluster.servers:
+            for key in keys[server.port]:
+                assert_each_counted_once(key, by_key[key])
+                assert counted(server, key) == times
+                total += counted(server, key)
+        assert total == len(calls) == 3 * 8 * times
+        # Pipelined per master: far fewer round trips than calls.
+        trips = sum(store.round_trips for store in nodes.stores.values())
+        assert 3 <= trips < len(calls) / 4
+    finally:
+        await backend.close()
+
+
+async def test_ask_then_moved_while_a_slot_migrates(own_cluster: RedisClusterProcess) -> None:
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        moved_key, staying_key, fresh_key = keys_sharing_tag(3)  # one slot
+        slot = key_slot(moved_key.encode())
+        source = own_cluster.server_for_key(moved_key)
+        target = next(s for s in own_cluster.servers if s is not source)
+        for key in (moved_key, staying_key):
+            for _ in range(3):
+                assert (await backend.hit([check(key)])).source == "redis"
+
+        own_cluster.start_migration(slot, source, target)
+        own_cluster.move_keys(slot, source, target, [moved_key])
+        # Gone from the source: ASK, then ASKING and the call on the target's connection.
+        assert (await backend.hit([check(moved_key)])).states[0].remaining == LIMIT - 4
+        # A key that exists nowhere yet is made on the target (by submit, the data plane's way).
+        assert (await ViaSubmit(backend).hit([check(fresh_key)])).states[0].remaining == LIMIT - 1
+        # Still on the source: counted there.
+        assert (await backend.hit([check(staying_key)])).states[0].remaining == LIMIT - 4
+        assert (nodes.asked, nodes.moved) == (2, 0)
+        assert nodes.node_for(moved_key) == name(source)  # ASK leaves the map as it is
+        # A call of two keys, one moved and one not: TRYAGAIN until the migration ends;
+        # after a few tries it fails (here fail closed) and neither key is counted. (A
+        # backend of its own: the failure asks for a refresh of the map, which would
+        # spoil the count of refreshes below.)
+        other = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
+        try:
+            await nodes_of(other).refresh_slot_map()
+            with pytest.raises(CounterUnavailableError):
+                await other.hit([check(staying_key, fail_open=False), check(moved_key)])
+            assert nodes_of(other).tried_again >= 2
+        finally:
+            await other.close()
+        assert counted(target, moved_key, asking=True) == 4
+        assert counted(target, fresh_key, asking=True) == 1
+        assert counted(source, staying_key) == 4
+        assert source.cli("EXISTS", moved_key).startswith("ASK ")  # not on the source
+
+        own_cluster.move_keys(slot, source, target)
+        own_cluster.finish_migration(slot, source, target)
+        refreshes = nodes.refreshes
+        times = 20
+        calls = [key for key in (moved_key, staying_key, fresh_key) for _ in range(times)]
+        results = await asyncio.gather(*(backend.hit([check(k)]) for k in calls))
+        # MOVED: the map refreshed once for all of them, each call sent again to the target.
+        assert nodes.moved >= 1 and nodes.refreshes == refreshes + 1
+        assert nodes.node_for(moved_key) == name(target)
+        assert {r.source for r in results} == {"redis"}
+        for key, before in ((moved_key, 4), (staying_key, 4), (fresh_key, 1)):
+            mine = [r for k, r in zip(calls, results, strict=True) if k == key]
+            counts = sorted(LIMIT - r.states[0].remaining for r in mine)
+            assert counts == list(range(before + 1, before + times + 1)), key
+            assert counted(target, key) == before + times
+        assert source.cli("CLUSTER", "COUNTKEYSINSLOT", str(slot)).strip() == "0"
+        # Now the map is right: the call of two keys goes straight to the target.
+        both = await backend.hit([check(staying_key), check(moved_key)])
+        assert [s.remaining for s in both.states] == [LIMIT - 25, LIMIT - 25]
+    finally:
+        await backend.close()
+
+
+class Traffic:
+    """Workers hitting each key in a loop, by ``hit`` and by ``submit``, until stopped."""
+
+    def __init__(self, backend: CounterBackend, keys: list[str]) -> None:
+        self.answers: dict[str, list[HitResult]] = {key: [] for key in keys}
+        self.failures: list[str] = []
+        self._stop = False
+        by_submit = ViaSubmit(backend)
+        self._tasks = [
+            asyncio.create_task(self._work(via, key))
+            for key in keys
+            for via in (backend, by_submit)
+        ]
+
+    async def _work(self, via: CounterBackend, key: str) -> None:
+        while not self._stop:
+            try:
+                self.answers[key].append(await via.hit([check(key)]))
+            except Exception as exc:  # a failure of the test, reported below
+                self.failures.append(f"{key}: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(0.002)
+
+    def count(self) -> int:
+        return sum(len(a) for a in self.answers.values())
+
+    async def stop(self) -> None:
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+
+
+async def test_counts_stay_exact_while_a_slot_migrates_under_traffic(
+    own_cluster: RedisClusterProcess,
+) -> None:
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    migrating = keys_sharing_tag(6)
+    elsewhere = [new_key() for _ in range(6)]
+    slot = key_slot(migrating[0].encode())
+    source = own_cluster.server_for_key(migrating[0])
+    target = next(s for s in own_cluster.servers if s is not source)
+    try:
+        await nodes.refresh_slot_map()
+        traffic = Traffic(backend, migrating + elsewhere)
+        try:
+            await eventually(10, lambda: traffic.count() >= 200, "traffic runs")
+            # Off the loop: the workers keep calling while the slot moves.
+            moved = await asyncio.to_thread(own_cluster.migrate_slot, slot, source, target)
+            seen = traffic.count()
+            await eventually(10, lambda: traffic.count() >= seen + 200, "traffic goes on")
+        finally:
+            await traffic.stop()
+        assert traffic.failures == []
+        assert moved == len(migrating)
+        for key in migrating + elsewhere:
+            assert_each_counted_once(key, traffic.answers[key])
+            assert counted(own_cluster.server_for_key(key), key) == len(traffic.answers[key])
+        assert nodes.moved >= 1  # the map named the source until a MOVED said otherwise
+        assert nodes.node_for(migrating[0]) == name(target)
+    finally:
+        await backend.close()
+
+
+async def test_a_replica_promoted_by_a_failover_gets_its_own_stack(
+    own_cluster: RedisClusterProcess,
+) -> None:
+    old = own_cluster.servers[0]
+    replica = own_cluster.add_replica(old)
+    slots = owners(own_cluster)
+    on_old = [k for k in (new_key() for _ in range(200)) if slots[key_slot(k.encode())] is old][:4]
+    elsewhere = [k for k in (new_key() for _ in range(9)) if slots[key_slot(k.encode())] is not old]
+    events = RecordingEvents()
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0, events=events)
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        traffic = Traffic(backend, on_old + elsewhere[:4])
+        try:
+            await eventually(10, lambda: traffic.count() >= 200, "traffic runs")
+            # The old master stops taking writes until its replica has caught up, then
+            # they swap roles: it answers MOVED from then on.
+            await asyncio.to_thread(own_cluster.manual_failover, replica)
+            seen = traffic.count()
+            await eventually(10, lambda: traffic.count() >= seen + 200, "traffic goes on")
+        finally:
+            await traffic.stop()
+        assert traffic.failures == []
+        for key in on_old + elsewhere[:4]:
+            assert_each_counted_once(key, traffic.answers[key])
+        for key in on_old:
+            assert counted(replica, key) == len(traffic.answers[key])
+            assert nodes.node_for(key) == name(replica)
+        store = nodes.stores[name(replica)]
+        assert store.lean and isinstance(store.client, RespClient)
+        assert store.client is not nodes.stores[name(old)].client
+        assert nodes.moved >= 1
+        assert events.breaker == [] and events.errors == []  # no call failed
+    finally:
+        await backend.close()
+
+
+async def test_a_dead_masters_replica_takes_over_without_a_restart(
+    own_cluster: RedisClusterProcess,
+) -> None:
+    victim = own_cluster.servers[0]
+    replica = own_cluster.add_replica(victim)
+    slots = owners(own_cluster)
+    keys = [k for k in (new_key() for _ in range(200)) if slots[key_slot(k.encode())] is victim][:3]
+    events = RecordingEvents()
+    backend = open_counter_backend(
+        own_cluster.url,
+        region="us",
+        timeout_seconds=0.25,
+        breaker_reset_seconds=0.2,
+        events=events,
+    )
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        for key in keys:
+            assert (await backend.hit([check(key)])).source == "redis"
+        await asyncio.to_thread(victim.kill9)
+        started = time.monotonic()
+        sources: list[str] = []
+
+        async def back_in_redis() -> bool:
+            result = await backend.hit([check(keys[0])])
+            sources.append(result.source)
+            return result.source == "redis"
+
+        # Fallback while no master serves the slots; then the replica is elected (node
+        # timeout 2 s), a failed call's refresh finds it, and its keys go to it.
+        while not await back_in_redis():
+            assert time.monotonic() - started < 20, "the promoted replica was never used"
+            await asyncio.sleep(0.05)
+        assert "fallback" in sources and "connection" in events.errors
+        assert nodes.node_for(keys[0]) == name(replica)
+        assert nodes.stores[name(replica)].lean
+        assert own_cluster.server_for_key(keys[0]) is replica
+        assert replica.cli("EXISTS", keys[0]).strip() == "1"
+        # The region's breaker reports the masters that serve slots: closed again.
+        await eventually(5, lambda: events.breaker[-1:] == ["closed"], "the breaker closes")
+    finally:
+        await backend.close()
