@@ -11,6 +11,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.policy.model import IdentityKind
 from gateway.proxy.access_log import (
@@ -18,6 +20,7 @@ from gateway.proxy.access_log import (
     AccessRecord,
     json_line,
     plain_line,
+    tenths,
     utc_now_ms,
 )
 from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
@@ -34,6 +37,7 @@ def logged(r: AccessRecord) -> dict[str, Any]:
     fields = dataclasses.asdict(dataclasses.replace(r, identities=None))
     del fields["identities"]
     return fields
+
 
 ODD_PATHS = [
     '/a"b',
@@ -206,6 +210,95 @@ async def test_nothing_is_formatted_when_the_logger_is_quiet(caplog):
     assert not [r for r in caplog.records if r.name == "gateway.access"]
 
 
+async def test_a_logger_turned_up_later_gets_its_lines(caplog):
+    # INFO is asked once per batch: quiet at first, lines from when it is turned up
+    with caplog.at_level(logging.WARNING, logger="gateway.access"):
+        logger = AccessLogger("plain")
+        logger.emit(record(path="/quiet"))
+        caplog.set_level(logging.INFO, logger="gateway.access")
+        logger.emit(record(path="/heard"))
+        logger.flush()
+    messages = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert len(messages) == 1 and "POST /heard" in messages[0] and "/quiet" not in messages[0]
+
+
+@given(st.integers(min_value=0, max_value=10**9 - 1))
+@settings(max_examples=3000)
+def test_tenths_is_format_for_whole_microseconds(micros):
+    ms = int(micros) / 1000  # as duration_ms and upstream_ms are made
+    assert tenths(ms) == format(ms, ".1f")
+
+
+def test_tenths_is_format_at_every_tie_and_table_edge():
+    for micros in [*range(0, 3000), *range(99_000, 101_000), 123_456_750]:
+        assert tenths(micros / 1000) == format(micros / 1000, ".1f"), micros
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_tenths_is_format_for_any_float(value):
+    assert tenths(value) == format(value, ".1f")
+
+
+def _plain_as_before(r: AccessRecord) -> str:
+    """The plain line as formatted before the kept heads (one f-string, appended to)."""
+    upstream_ms = "-" if r.upstream_ms is None else format(r.upstream_ms, ".1f")
+    rid = r.request_id
+    line = (
+        f'{r.client} "{r.method} {r.path}" {r.status} region={r.region} '
+        f"rule={r.rule or '-'} decision={r.decision or '-'} id={r.identity or '-'} "
+        f"upstream={r.upstream or '-'} dur_ms={format(r.duration_ms, '.1f')} "
+        f"upstream_ms={upstream_ms} rid={rid or '-'}"
+    )
+    if r.time is not None:
+        line = f"{line} time={r.time}"
+    if r.ip is not None:
+        line = f"{line} key={r.key or '-'} user={r.user or '-'} ip={r.ip} start_us={r.start_us}"
+    if r.consumer is not None or r.tier is not None:
+        line = f"{line} consumer={r.consumer or '-'} tier={r.tier or '-'}"
+    return line
+
+
+_WORDS = st.sampled_from(["/x", "GET", "us", "10.0.0.1", "a b", "-", "", '"q', "{j", "é", "\n"])
+
+
+@given(
+    method=_WORDS,
+    path=_WORDS,
+    client=_WORDS,
+    region=_WORDS,
+    upstream=st.none() | _WORDS,
+    rid=st.none() | _WORDS,
+    rule=st.none() | st.sampled_from(["r1", ""]),
+    status=st.sampled_from([200, 429]),
+    micros=st.integers(0, 10**7),
+    ip=st.none() | st.just("0123456789ab"),
+    consumer=st.none() | st.sampled_from(["acme", ""]),
+)
+@settings(max_examples=1500)
+def test_plain_lines_from_kept_heads_match_the_old_formatting(
+    method, path, client, region, upstream, rid, rule, status, micros, ip, consumer
+):
+    r = record(
+        method=method, path=path, client=client, region=region, upstream=upstream,
+        request_id=rid, rule=rule, status=status, duration_ms=micros / 1000,
+        upstream_ms=None if upstream is None else micros / 2000, ip=ip, start_us=micros,
+        key="k" * 12 if ip else None, time="2026-11-26T00:00:00.000Z", consumer=consumer,
+    )  # fmt: skip
+    line = plain_line(r)
+    assert plain_line(r) == line  # the second time from the kept head
+    quoted = any(
+        v == "" or " " in v or not v.isprintable() or v[0] in '"{'
+        for v in (method, path, client, region)
+    ) or any(
+        v is not None and (v in ("-", "") or " " in v or not v.isprintable() or v[0] in '"{')
+        for v in (upstream, rid)
+    )
+    if not quoted:
+        assert line == _plain_as_before(r)
+    else:  # every value a client or the configuration chose, read back exactly
+        assert line.count(" region=") == 1 and "\n" not in line
+
+
 def test_records_have_no_place_for_a_query_string(access):
     assert [f.name for f in dataclasses.fields(AccessRecord)] == [*FIELDS, "identities"]
     logger = AccessLogger("json")
@@ -296,8 +389,9 @@ def test_identity_hashes_computed_for_matching_are_reused(access):
     ids.key_for(IdentityKind.API_KEY)  # as rule matching does
     logger = AccessLogger("json")
     logger.emit(record(identities=ids))
-    logger.emit(record(identities=RequestIdentity(ids.hasher, "198.51.100.7", "k", None,
-                                                  memo=ids.memo)))
+    logger.emit(
+        record(identities=RequestIdentity(ids.hasher, "198.51.100.7", "k", None, memo=ids.memo))
+    )
     logger.flush()
     assert calls == ["api_key", "ip"]  # then the connection's memo
     off = AccessLogger("off")
