@@ -1,6 +1,6 @@
 """The data-plane comparison table, side by side in one run: Envoy, a minimal aiohttp
-proxy, the gateway (in-process and Redis counters), floods of over-limit requests, two
-workers, a streamed 10 MB body, and a reference relay of ~300 lines
+proxy, the gateway (in-process, Redis and Redis Cluster counters), floods of over-limit
+requests, two workers, a streamed 10 MB body, and a reference relay of ~300 lines
 (``benchmarks/reference_relay.py``: what Python itself does here, without the product's
 features) — same upstream, same load, same CPU pinning.
 
@@ -250,7 +250,8 @@ class RowSpec:
     title: str
     kind: str  # proxy | flood | stream
     target: str  # envoy | aiohttp | bare | gateway | relay
-    # memory | redis (gateway rows); memory | redis-pipelined | redis-awaited (relay rows)
+    # memory | redis | redis-cluster (gateway rows); memory | redis-pipelined |
+    # redis-awaited (relay rows)
     counters: str | None = None
     workers: int = 1
     path: str = "/bench"
@@ -265,6 +266,13 @@ ROWS = [
     ),
     RowSpec("gateway-memory", "gateway, in-process counters", "proxy", "gateway", "memory"),
     RowSpec("gateway-redis", "gateway, Redis counters", "proxy", "gateway", "redis"),
+    RowSpec(
+        "gateway-redis-cluster",
+        "gateway, Redis Cluster counters (3 masters)",
+        "proxy",
+        "gateway",
+        "redis-cluster",
+    ),
     RowSpec(
         "flood-bare",
         "flood: bare aiohttp web.Server, fixed 429",
@@ -709,6 +717,8 @@ class Bench:
         self.nginx: subprocess.Popen[bytes] | None = None
         self.redis: subprocess.Popen[bytes] | None = None
         self.redis_port = 0
+        self.cluster: list[subprocess.Popen[bytes]] = []
+        self.cluster_ports: list[int] = []
         self.rules = tmp / "rules.yaml"
         self.rules.write_text(RULES)
         if args.table == "shipped":
@@ -816,6 +826,37 @@ class Bench:
         )
         self.procs.wait_ready(proc, lambda: tcp_open(self.redis_port), "redis-server")
 
+    def start_redis_cluster(self) -> None:
+        """Three masters, no replicas, on core 1 like the single server, joined with
+        ``redis-cli --cluster create``."""
+        server = shutil.which("redis-server") or "redis-server"
+        for i in range(3):
+            port, directory = free_port(), self.tmp / f"redis-cluster-{i}"
+            directory.mkdir()
+            proc = self.procs.start(
+                f"redis-cluster-{i}",
+                [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(directory), "--daemonize", "no",
+                 "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                 "--cluster-config-file", str(directory / "nodes.conf")],
+                "1",
+            )  # fmt: skip
+            self.procs.wait_ready(proc, lambda port=port: tcp_open(port), "redis-server")
+            self.cluster.append(proc)
+            self.cluster_ports.append(port)
+        nodes = [f"127.0.0.1:{port}" for port in self.cluster_ports]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0",
+             "--cluster-yes"],
+            capture_output=True, timeout=60, check=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + READY_TIMEOUT
+        for port in self.cluster_ports:
+            while b"cluster_state:ok" not in redis_call(port, "CLUSTER", "INFO"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+
     # --- processes under test
     def start_target(self, row: RowSpec, source: tuple[str | None, Path], tag: str):
         """Start the row's process under test; (process, base URL, its CPU list)."""
@@ -896,6 +937,11 @@ class Bench:
             if row.counters == "redis":
                 redis_call(self.redis_port, "FLUSHALL")
                 cmd += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0"]
+            if row.counters == "redis-cluster":
+                for cluster_port in self.cluster_ports:
+                    redis_call(cluster_port, "FLUSHALL")
+                nodes = ",".join(f"127.0.0.1:{p}" for p in self.cluster_ports)
+                cmd += ["--redis-url", f"redis+cluster://{nodes}"]
             if row.workers > 1:
                 cmd += ["--workers", str(row.workers)]
                 cpus = "0,1"
@@ -979,7 +1025,7 @@ class Bench:
                     )
                     total += more["requests"]
                 result.notes.append(f"{total} warm-up requests")
-            helpers = [p.pid for p in (self.nginx, self.redis) if p is not None]
+            helpers = [p.pid for p in (self.nginx, self.redis, *self.cluster) if p is not None]
             profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
             cpu0, cores0 = cpu_seconds(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
@@ -1078,6 +1124,8 @@ class Bench:
         self.start_nginx()
         if any((r.counters or "").startswith("redis") for r in wanted):
             self.start_redis()
+        if any(r.counters == "redis-cluster" for r in wanted):
+            self.start_redis_cluster()
         results = []
         # --repeat: every row once, then every row again (not each row twice in a row), so
         # a row and the rows it is compared with share each pass's share of the noise.
