@@ -213,7 +213,20 @@ class Limiter:
             return False  # decide_now answers these
         groups = self._groups(region, selection)
         if len(groups) != 1:
-            return False
+            if not groups:
+                return False
+            # Several calls (shadow rules; a rule and its ceilings in other Redis Cluster
+            # slots): each by callback, the decision once all have answered. A task and
+            # an asyncio.gather per request cost about as much as the calls themselves.
+            gathered = _Gathered(self, region, selection, groups, done)
+            for index, group in enumerate(groups):
+                if not submit(group[2], gathered.settler(index)):
+                    if index == 0:
+                        return False  # nothing sent: ``decide`` does it all
+                    # (Not expected: a region's calls all go one way.) The rest awaited.
+                    gathered.await_rest(self._backends[region], index)
+                    break
+            return True
 
         def settled(outcome: HitResult | Exception) -> None:
             if isinstance(outcome, Exception):
@@ -404,3 +417,69 @@ class Limiter:
             shadow_exceeded=tuple(shadow_exceeded),
             certain_ms=results[0].certain_ms if len(results) == 1 else 0,
         )
+
+
+class _Gathered:
+    """The counter calls of one ``decide_later`` with several groups: ``done`` gets the
+    decision once every call has answered, or the first exception at once (as
+    ``asyncio.gather`` raises it in ``decide``); whatever answers after that is dropped."""
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        region: str,
+        selection: Selection,
+        groups: list[Group],
+        done: Callable[[Decision | Exception], None],
+    ) -> None:
+        self.limiter = limiter
+        self.region = region
+        self.selection = selection
+        self.groups = groups
+        self.done = done
+        self.results: list[HitResult | None] = [None] * len(groups)
+        self.remaining = len(groups)
+        self.finished = False
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def settler(self, index: int) -> HitSettled:
+        def settled(outcome: HitResult | Exception) -> None:
+            self.settle(index, outcome)
+
+        return settled
+
+    def settle(self, index: int, outcome: HitResult | Exception) -> None:
+        if self.finished:
+            return
+        if isinstance(outcome, Exception):
+            self.finished = True
+            self.done(outcome)
+            return
+        self.results[index] = outcome
+        self.remaining -= 1
+        if self.remaining:
+            return
+        self.finished = True
+        results = [r for r in self.results if r is not None]
+        try:
+            decision = self.limiter._decision(self.region, self.selection, self.groups, results)
+        except Exception as exc:  # a bug: the request still gets its answer (500)
+            self.done(exc)
+            return
+        self.done(decision)
+
+    def await_rest(self, backend: CounterBackend, start: int) -> None:
+        for index in range(start, len(self.groups)):
+            task = asyncio.get_running_loop().create_task(
+                self._hit(backend, index, self.groups[index][2])
+            )
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _hit(self, backend: CounterBackend, index: int, checks: Sequence[LimitCheck]) -> None:
+        outcome: HitResult | Exception
+        try:
+            outcome = await backend.hit(checks)
+        except Exception as exc:
+            outcome = exc
+        self.settle(index, outcome)

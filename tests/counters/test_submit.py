@@ -25,7 +25,7 @@ from gateway.policy.model import IdentityKind
 from gateway.ratelimit.decision import Decision, Outcome
 from gateway.ratelimit.limiter import Limiter
 from tests.counters.helpers import ViaSubmit, new_key
-from tests.support.redis_servers import RedisServer
+from tests.support.redis_servers import RedisClusterProcess, RedisServer
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
             table, "us", "GET", path, lambda kind: key if kind is IdentityKind.API_KEY else None
         )
 
-    async def later(path: str) -> Decision:
+    async def later(path: str, sel: Selection | None = None) -> Decision:
         got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
 
         def done(outcome: Decision | Exception) -> None:
@@ -173,7 +173,7 @@ async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
             else:
                 got.set_result(outcome)
 
-        assert limiter.decide_later("us", selection(path), done)
+        assert limiter.decide_later("us", sel or selection(path), done)
         return await got
 
     try:
@@ -181,12 +181,81 @@ async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
         assert [d.outcome for d in by_callback] == [Outcome.ALLOWED] * 3 + [Outcome.LIMITED]
         assert [d.reports[0].remaining for d in by_callback] == [2, 1, 0, 0]
         assert by_callback[-1].retry_after >= 1 and by_callback[0].source == "redis"
-        # Shadow rules make several calls: those go through ``decide``, and so does a
-        # backend without ``submit``.
-        assert not limiter.decide_later("us", selection("/both"), lambda _: None)
+        # A backend without ``submit`` goes through ``decide``.
         assert not memory_limiter.decide_later("us", selection("/x"), lambda _: None)
-        both = await limiter.decide("us", selection("/both"))
-        assert both.outcome is Outcome.ALLOWED and len(both.reports) == 2
+        # Shadow rules make several calls, by callback too: the same decisions as
+        # awaited ones, for another key with the same history.
+        other = new_key()[-16:]
+
+        def other_selection(path: str) -> Selection:
+            return select(
+                table, "us", "GET", path, lambda k: other if k is IdentityKind.API_KEY else None
+            )
+
+        called = [await later("/both") for _ in range(7)]
+        awaited = [await limiter.decide("us", other_selection("/both")) for _ in range(7)]
+
+        def seen(d: Decision) -> list[object]:
+            return [d.outcome, d.rule_id, [(r.name, r.remaining, r.shadow) for r in d.reports]]
+
+        assert [seen(d) for d in called] == [seen(d) for d in awaited]
+        assert [d.outcome for d in called] == [Outcome.ALLOWED] * 5 + [Outcome.LIMITED] * 2
+        assert len(called[0].reports) == 2 and called[0].source == "redis"
+    finally:
+        await stack.close()
+
+
+CEILING_RULES = """
+ceilings:
+  - id: per-address
+    identity: ip
+    limits: {us: 4/60}
+rules:
+  - id: keyed
+    match: {path: /x}
+    identity: api_key
+    limits: {us: 3/60}
+"""
+
+
+async def test_on_a_cluster_a_rule_and_its_ceiling_are_decided_by_callback(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    # Their keys hash to other slots, so they are two calls (separate_calls): both by
+    # callback, with the decisions an awaited decide gives for another client's history.
+    table = load_rules_from_texts([("rules.yaml", CEILING_RULES)])
+    stack = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    limiter = Limiter({"us": stack}, separate_calls=frozenset({"us"}))
+
+    def selection(client: str, key: str) -> Selection:
+        ids = {IdentityKind.API_KEY: key, IdentityKind.IP: client}
+        return select(table, "us", "GET", "/x", ids.get)
+
+    async def later(sel: Selection) -> Decision:
+        got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+
+        def done(outcome: Decision | Exception) -> None:
+            if isinstance(outcome, Exception):
+                got.set_exception(outcome)
+            else:
+                got.set_result(outcome)
+
+        assert limiter.decide_later("us", sel, done)
+        return await got
+
+    def seen(d: Decision) -> list[object]:
+        return [d.outcome, d.rule_id, sorted((r.name, r.remaining) for r in d.reports)]
+
+    try:
+        mine, theirs = new_key()[-12:], new_key()[-12:]
+        # two keys from one address: the first uses up the rule, the second meets the ceiling
+        plan = ["a"] * 4 + ["b"] * 2
+        called = [await later(selection(mine, f"{mine}{k}")) for k in plan]
+        awaited = [await limiter.decide("us", selection(theirs, f"{theirs}{k}")) for k in plan]
+        assert [seen(d) for d in called] == [seen(d) for d in awaited]
+        # (separate calls: the rule's refusal still counted against the ceiling)
+        assert [d.outcome for d in called] == [Outcome.ALLOWED] * 3 + [Outcome.LIMITED] * 3
+        assert [d.rule_id for d in called[3:]] == ["keyed", "per-address", "per-address"]
     finally:
         await stack.close()
 
