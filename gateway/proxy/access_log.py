@@ -171,23 +171,32 @@ _q: Final = encode_basestring_ascii
 _HeadKey = tuple[str, str, int, str, str, str | None, str | None, str | None]
 _HEADS: Final[dict[_HeadKey, tuple[str, str]]] = {}
 MAX_CACHED_HEADS: Final = 4096
+# Only lines of paths this short are kept (a method is short; a path need not be): at most
+# 4096 x a few hundred bytes per cache, whatever clients send.
+MAX_KEPT_PATH: Final = 256
 
 
 def _head(r: AccessRecord) -> tuple[str, str]:
+    if len(r.path) > MAX_KEPT_PATH:  # a long path would be held twice (key and text)
+        return _head_text(r)
     key = (r.method, r.path, r.status, r.region, r.client, r.rule, r.decision, r.upstream)
     found = _HEADS.get(key)
     if found is None:
-        found = (
-            f'{{"method":{_q(r.method)},"path":{_q(r.path)},"status":{str(r.status)},'
-            f'"region":{_q(r.region)},"client":{_q(r.client)},'
-            f'"rule":{"null" if r.rule is None else _q(r.rule)},'
-            f'"decision":{"null" if r.decision is None else _q(r.decision)},"identity":',
-            f',"upstream":{"null" if r.upstream is None else _q(r.upstream)},"duration_ms":',
-        )
+        found = _head_text(r)
         if len(_HEADS) >= MAX_CACHED_HEADS:
             _HEADS.clear()
         _HEADS[key] = found
     return found
+
+
+def _head_text(r: AccessRecord) -> tuple[str, str]:
+    return (
+        f'{{"method":{_q(r.method)},"path":{_q(r.path)},"status":{str(r.status)},'
+        f'"region":{_q(r.region)},"client":{_q(r.client)},'
+        f'"rule":{"null" if r.rule is None else _q(r.rule)},'
+        f'"decision":{"null" if r.decision is None else _q(r.decision)},"identity":',
+        f',"upstream":{"null" if r.upstream is None else _q(r.upstream)},"duration_ms":',
+    )
 
 
 def json_line(r: AccessRecord) -> str:
@@ -238,22 +247,27 @@ def tenths(ms: float) -> str:
 
 
 def _plain_head(r: AccessRecord) -> str:
+    if len(r.path) > MAX_KEPT_PATH:  # a long path would be held twice (key and text)
+        return _plain_head_text(r)
     key = (r.client, r.method, r.path, r.status, r.region, r.rule, r.decision)
     found = _PLAIN_HEADS.get(key)
     if found is None:
-        # The rule and decision are the gateway's own, always bare; the others are a
-        # client's (method, path, address) or the configuration's (region).
-        if _bare(r.method) and _bare(r.path) and _bare(r.client) and _bare(r.region):
-            found = (
-                f'{r.client} "{r.method} {r.path}" {str(r.status)} region={r.region} '
-                f"rule={r.rule or '-'} decision={r.decision or '-'} id="
-            )
-        else:
-            found = ""
+        found = _plain_head_text(r)
         if len(_PLAIN_HEADS) >= MAX_CACHED_HEADS:
             _PLAIN_HEADS.clear()
         _PLAIN_HEADS[key] = found
     return found
+
+
+def _plain_head_text(r: AccessRecord) -> str:
+    # The rule and decision are the gateway's own, always bare; the others are a
+    # client's (method, path, address) or the configuration's (region).
+    if _bare(r.method) and _bare(r.path) and _bare(r.client) and _bare(r.region):
+        return (
+            f'{r.client} "{r.method} {r.path}" {str(r.status)} region={r.region} '
+            f"rule={r.rule or '-'} decision={r.decision or '-'} id="
+        )
+    return ""
 
 
 def plain_line(r: AccessRecord) -> str:

@@ -103,6 +103,8 @@ _sha256: Final = hashlib.sha256
 _time: Final = time.time  # tokens expire in epoch seconds
 MAX_KNOWN_TOKENS: Final = 100_000  # verified tokens kept by hash (then the cache starts over)
 MAX_FORWARDED_CHAINS: Final = 4096  # X-Forwarded-For values kept resolved (see _forwarded)
+# Only values this short are kept: at most 4096 x 512 bytes, whatever a client sends.
+MAX_KEPT_CHAIN_BYTES: Final = 512
 # Outcome.value through the enum's descriptor costs more than a dict lookup.
 _OUTCOME_LABELS: Final = {outcome: outcome.value for outcome in Outcome}
 
@@ -242,6 +244,8 @@ class Gateway:
     def _forwarded_client(self, peer: Peer, chain: list[bytes]) -> str:
         """The client a trusted proxy names in its X-Forwarded-For header(s)."""
         raw = chain[0] if len(chain) == 1 else b", ".join(chain)
+        if len(raw) > MAX_KEPT_CHAIN_BYTES:  # (kept, a long chain would hold its memory)
+            return self.addresses.client_address(peer.address, raw.decode("latin-1"))
         key = (peer.address, raw)
         found = self._forwarded.get(key)
         if found is None:

@@ -397,3 +397,19 @@ def test_identity_hashes_computed_for_matching_are_reused(access):
     off = AccessLogger("off")
     off.emit(record(identities=RequestIdentity(ids.hasher, "203.0.113.1", "k2", None)))
     assert len(calls) == 2  # with the log off nothing is hashed
+
+
+def test_lines_of_long_paths_are_written_but_not_kept():
+    # The kept heads hold a path twice (key and text): a client sending long, new paths
+    # must not pin 4096 of them.
+    from gateway.proxy import access_log
+
+    access_log._HEADS.clear()
+    access_log._PLAIN_HEADS.clear()
+    for n in range(50):
+        path = f"/{n}/" + "a" * 60_000
+        r = record(path=path)
+        assert f"POST {path}" in plain_line(r) and json.loads(json_line(r))["path"] == path
+    short = record(path="/short")
+    plain_line(short), json_line(short)
+    assert len(access_log._PLAIN_HEADS) == 1 and len(access_log._HEADS) == 1

@@ -59,3 +59,14 @@ async def test_the_cache_is_bounded_and_starts_over():
         assert gateway._forwarded_client(peer, [b"nonsense"]) == "127.0.0.1"
         other = Peer("127.0.0.5", True, None)
         assert gateway._forwarded_client(other, [b"nonsense"]) == "127.0.0.5"
+
+
+async def test_long_chains_are_resolved_but_not_kept():
+    async with running_gateway(None, trusted_proxies=["127.0.0.0/8"]) as gw:
+        gateway = gw.gateway
+        peer = Peer("127.0.0.1", True, None)
+        for n in range(50):
+            chain = ", ".join(["198.51.100.1"] * 2000 + [f"203.0.113.{n}"]).encode()
+            assert gateway._forwarded_client(peer, [chain]) == f"203.0.113.{n}"
+        assert gateway._forwarded_client(peer, [b"203.0.113.200"]) == "203.0.113.200"
+        assert len(gateway._forwarded) == 1
