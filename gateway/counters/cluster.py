@@ -11,24 +11,36 @@ What keeps the counts exact while slots move (resharding, failover). The script 
 a call in all its keys or none, and a master that does not serve a call's slot answers
 with an error reply before running anything, so a redirected call is sent again:
 
-* ``MOVED slot host:port``: the slot has a new owner. The slot map is refreshed (once
-  for all the calls redirected together, and not when it already names that owner;
-  concurrent refreshes are one) and the call goes to the named master, on that
-  master's connection.
+* ``MOVED slot host:port``: the slot has a new owner. The call goes to the named
+  master at once, on that master's connection, while the slot map is refreshed in the
+  background (once for all the calls redirected together, and not when it already
+  names that owner; concurrent refreshes are one): waiting for it would only add its
+  time, which during a failover can be the whole budget. Only a call whose ``MOVED``
+  names no usable address waits for the refresh, then goes where the map says.
 * ``ASK slot host:port``: the slot is being migrated and this call's keys are gone from
   the old owner. The call goes to the named master right after ``ASKING``, in one write
-  on its connection; the map is not changed (the old owner still serves the slot).
+  on its connection; the map is not changed (the old owner still serves the slot). An
+  ``ASK`` that names no usable address is that call's answer (its error reply).
 * ``TRYAGAIN`` (a call of several keys, some of them moved already): sent again to the
   slot's owner after a short pause, until the migration ends.
 
 A call is followed for at most ``MAX_REDIRECTIONS`` hops and ``REDIRECT_SECONDS``; what
-the master it ends at answers is its result. A lost connection (a master that died or
-left) fails only the calls in flight on it. Whether the master ran them is unknown, so
-they are never sent to another master (no double count); as for a standalone server
-they go once more to the same address on a new connection, and when that fails too its
-stack's breaker and fallback answer them. Every store failure schedules a refresh of
-the map (``REFRESH_INTERVAL_SECONDS`` apart at most), so a replica promoted in its place
-gets its own stack and connection and the slot's calls go there.
+the master it ends at answers is its result. The budget is checked before each hop; a
+hop already sent is never cancelled for it (that would drop the target master's only
+connection and fail every other round in flight on it): the call fails with
+``StoreTimeoutError`` at the deadline and the late reply is dropped. A lost connection
+(a master that died or left) fails only the calls in flight on it. Whether the master
+ran them is unknown, so they are never sent to another master (no double count); as
+for a standalone server they go once more to the same address on a new connection, and
+when that fails too its stack's breaker and fallback answer them. Every store failure
+schedules a refresh of the map (``REFRESH_INTERVAL_SECONDS`` apart at most), so a
+replica promoted in its place gets its own stack and connection and the slot's calls go
+there. The stack of a master that has served no slot for ``RETIRE_REFRESHES`` refreshes
+in a row and ``RETIRE_SECONDS`` is closed with its connection (repeated failovers do
+not pile up stacks); a later refresh while such a stack waits is scheduled for it.
+
+Once ``close`` has run, every call is answered with ``CounterUnavailableError`` and no
+stack or connection is made any more.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from gateway.counters.base import (
     CounterBackend,
     CounterEvents,
+    CounterUnavailableError,
     HitResult,
     HitSettled,
     LimitCheck,
@@ -64,6 +77,15 @@ TRYAGAIN_PAUSE_SECONDS: Final = 0.01
 # timeout of its own), and how often store failures may ask for one.
 REFRESH_SECONDS: Final = 1.0
 REFRESH_INTERVAL_SECONDS: Final = 0.5
+# A redirected call's round trip that outlives the budget goes on in the background (its
+# reply dropped); past this it is given up, which drops that master's connection as a
+# stack's own hard bound does for a hung server (far longer than any healthy answer).
+LATE_SEND_SECONDS: Final = 10.0
+# A master's stack that served no slot for this many refreshes in a row, the first at
+# least this long ago, is closed: longer than a call stays in a stack (its queue and
+# hard bounds with the default timeouts), so none is in flight on it any more.
+RETIRE_REFRESHES: Final = 3
+RETIRE_SECONDS: Final = 10.0
 
 _BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 
@@ -86,12 +108,17 @@ class _NodeBreakers:
         self._departed: frozenset[str] = frozenset()
         self._reported = CLOSED
 
-    def for_node(self, node: str) -> CounterEvents:
+    def for_node(self, node: str) -> _NodeEvents:
         return _NodeEvents(self, node)
 
     def changed(self, node: str, state: str) -> None:
         self._states[node] = state
         self._report()
+
+    def forget(self, node: str) -> None:
+        """A node whose stack was closed: its breaker no longer counts."""
+        if self._states.pop(node, None) is not None:
+            self._report()
 
     def departed(self, nodes: frozenset[str]) -> None:
         """The nodes that serve no slot now (the slot map just read), until they do."""
@@ -121,12 +148,16 @@ class _NodeEvents:
     def __init__(self, breakers: _NodeBreakers, node: str) -> None:
         self._breakers = breakers
         self._node = node
+        # Set when the node's stack is closed: what its closing fails must not count
+        # for a stack of the same name made later.
+        self.retired = False
 
     def store_error(self, kind: str) -> None:
         self._breakers.store_error(self._node, kind)
 
     def breaker_changed(self, state: str) -> None:
-        self._breakers.changed(self._node, state)
+        if not self.retired:
+            self._breakers.changed(self._node, state)
 
     def fallback_used(self) -> None:
         self._breakers.events.fallback_used()
@@ -142,6 +173,14 @@ def _address(node: str) -> tuple[str, int] | None:
     if not host or host == "?" or not port.isdigit():
         return None
     return host, int(port)
+
+
+def _out_of_time() -> StoreTimeoutError:
+    return StoreTimeoutError("following a Redis Cluster redirection ran out of time")
+
+
+def _closed() -> CounterUnavailableError:
+    return CounterUnavailableError("the counter backend is closed")
 
 
 class PerNodeBackend:
@@ -168,19 +207,34 @@ class PerNodeBackend:
         self._stacks: dict[str, CounterBackend] = {}
         self._stores: dict[str, RedisBackend] = {}
         self._submits: dict[str, Callable[[Sequence[LimitCheck], HitSettled], bool] | None] = {}
+        self._events: dict[str, _NodeEvents] = {}
         self._probe = RedisBackend(client, name=name, close_client=False)
         self._refreshing: asyncio.Task[None] | None = None
         self._refresh_started = float("-inf")
+        # Redirected round trips (``_send``) and the closing of retired stacks: kept
+        # until they end, so none is collected early or left behind by ``close``.
+        self._sends: set[asyncio.Task[list[HitResult | Exception]]] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        # Nodes serving no slot: (loop time of the first such refresh, refreshes so far).
+        self._departed_since: dict[str, tuple[float, int]] = {}
+        self._retire_timer: asyncio.TimerHandle | None = None
         self._closed = False
-        # Redirections followed, by kind, and slot-map refreshes run; for tests and /info.
+        # Redirections followed, by kind, slot-map refreshes run and stacks closed for
+        # serving no slot; for tests and /info.
         self.moved = 0
         self.asked = 0
         self.tried_again = 0
         self.refreshes = 0
+        self.retired = 0
 
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def client(self) -> RedisCluster:
+        """redis-py's cluster client, which keeps the slot map."""
+        return self._client
 
     @property
     def stacks(self) -> dict[str, CounterBackend]:
@@ -207,6 +261,9 @@ class PerNodeBackend:
         return stack
 
     def _new_stack(self, node: str) -> CounterBackend:
+        if self._closed:
+            # A call racing shutdown: nothing new that no one would close.
+            raise _closed()
         label = f"{self._name} [{node or 'any'}]"
         address = _address(node) if self._node_client is not None else None
         if self._node_client is not None and address is not None:
@@ -219,19 +276,27 @@ class PerNodeBackend:
             store = RedisBackend(self._client, name=label, close_client=False)
             if self._node_client is not None:
                 self._refresh_soon()
-        stack = self._build(store, self._breakers.for_node(node))
+        events = self._breakers.for_node(node)
+        stack = self._build(store, events)
+        self._events[node] = events
         self._stores[node] = store
         self._stacks[node] = stack
         self._submits[node] = getattr(stack, "submit", None)
         return stack
 
     async def hit(self, checks: Sequence[LimitCheck]) -> HitResult:
+        if self._closed:
+            raise _closed()
         if not checks:
             return HitResult(True, (), source="redis")
         return await self.stack_for(checks[0].key).hit(checks)
 
     def submit(self, checks: Sequence[LimitCheck], done: HitSettled) -> bool:
         """``hit`` by callback, through the stack of the master that serves the keys."""
+        if self._closed:
+            # Answered as the coalescer answers once closed: later, by ``done``.
+            asyncio.get_running_loop().call_soon(done, _closed())
+            return True
         if not checks:
             return False
         node = self.node_for(checks[0].key)
@@ -248,66 +313,91 @@ class PerNodeBackend:
         """Follow the calls a master redirected (``RedisBackend``'s ``redirect``): one
         result or exception per call, never raises (but for cancellation)."""
         results: list[HitResult | Exception] = list(errors)
-        try:
-            async with asyncio.timeout(REDIRECT_SECONDS):
-                await self._follow(batch, results)
-        except TimeoutError:
-            for index, result in enumerate(results):
-                if redirection(result):
-                    results[index] = StoreTimeoutError(
-                        "following a Redis Cluster redirection ran out of time"
-                    )
+        deadline = asyncio.get_running_loop().time() + REDIRECT_SECONDS
+        await self._follow(batch, results, deadline)
         return results
 
     async def _follow(
-        self, batch: list[Sequence[LimitCheck]], results: list[HitResult | Exception]
+        self,
+        batch: list[Sequence[LimitCheck]],
+        results: list[HitResult | Exception],
+        deadline: float,
     ) -> None:
+        """One hop per turn, until no call is redirected any more, for at most
+        ``MAX_REDIRECTIONS`` hops and until ``deadline`` (loop time): no hop starts past
+        it, and a hop in flight at it is left to finish in the background (``_send``)
+        while its calls fail with ``StoreTimeoutError``."""
+        loop = asyncio.get_running_loop()
         todo = [index for index, result in enumerate(results) if redirection(result)]
         for _ in range(MAX_REDIRECTIONS):
             if not todo:
                 return
             groups: dict[tuple[str, bool], list[int]] = {}
-            refresh = pause = False
+            wait = pause = False
             for index in todo:
                 kind, _, rest = str(results[index]).partition(" ")
                 slot_text, _, node = rest.partition(" ")
+                usable = _address(node) is not None
                 asking = kind == "ASK"
                 if kind == "MOVED":
                     self.moved += 1
                     slot = int(slot_text) if slot_text.isdigit() else -1
-                    refresh = refresh or slot < 0 or self.node_for_slot(slot) != node
+                    if slot < 0 or self.node_for_slot(slot) != node:
+                        if usable:
+                            self._refresh_now()  # sent to the named owner meanwhile
+                        else:
+                            wait = True  # sent where the refreshed map says
                 elif asking:
                     self.asked += 1
+                    if not usable:
+                        # Only the named node has this call's keys: its answer is the
+                        # error reply (its old owner would just ask again).
+                        continue
                 else:  # TRYAGAIN: the slot's owner again, after a pause
                     self.tried_again += 1
                     pause = True
-                    node = ""
-                if _address(node) is None:
-                    node = ""  # the slot's owner in the map (refreshed first for a MOVED)
-                groups.setdefault((node, asking), []).append(index)
-            if refresh:
-                await self.refresh_slot_map()
+                    usable = False
+                groups.setdefault((node if usable else "", asking), []).append(index)
+            if wait:
+                await self._refresh_until(deadline)
             if pause:
-                await asyncio.sleep(TRYAGAIN_PAUSE_SECONDS)
-            sends: list[tuple[RedisBackend, bool, list[int]]] = []
+                await asyncio.sleep(min(TRYAGAIN_PAUSE_SECONDS, max(0.0, deadline - loop.time())))
+            failure: Exception | None = None
+            if self._closed:
+                failure = _closed()
+            elif loop.time() >= deadline:
+                failure = _out_of_time()
+            if failure is not None:
+                for indices in groups.values():
+                    for index in indices:
+                        results[index] = failure
+                return
+            sends: list[tuple[asyncio.Task[list[HitResult | Exception]], list[int]]] = []
             for (node, asking), indices in groups.items():
                 if not node:
                     # Grouped by the owner each call's slot has now.
                     for index in indices:
                         owner = self.node_for(batch[index][0].key)
-                        sends.append((self._store(owner), asking, [index]))
+                        sends.append((self._send(owner, [batch[index]], asking), [index]))
                 else:
-                    sends.append((self._store(node), asking, indices))
-            outcomes = await asyncio.gather(
-                *(
-                    store.hit_redirected([batch[i] for i in indices], asking)
-                    for store, asking, indices in sends
-                ),
-                return_exceptions=True,
-            )
+                    calls = [batch[i] for i in indices]
+                    sends.append((self._send(node, calls, asking), indices))
+            if not sends:
+                return
+            # Waited for until the deadline only: never cancelled here (``_send``).
+            await asyncio.wait([task for task, _ in sends], timeout=deadline - loop.time())
             todo = []
-            for (_, _, indices), outcome in zip(sends, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
+            for task, indices in sends:
+                if not task.done():
+                    for index in indices:
+                        results[index] = _out_of_time()
+                    continue
+                if task.cancelled():  # by ``close``
+                    for index in indices:
+                        results[index] = _closed()
+                    continue
+                outcome = task.exception()
+                if outcome is not None:
                     if not isinstance(outcome, Exception):
                         raise outcome
                     # The round trip failed as a whole (a lost connection): whether the
@@ -315,12 +405,40 @@ class PerNodeBackend:
                     for index in indices:
                         results[index] = outcome
                     continue
-                for index, result in zip(indices, outcome, strict=True):
+                for index, result in zip(indices, task.result(), strict=True):
                     results[index] = result
                     if redirection(result):
                         todo.append(index)
 
+    def _send(
+        self, node: str, calls: list[Sequence[LimitCheck]], asking: bool
+    ) -> asyncio.Task[list[HitResult | Exception]]:
+        """The redirected calls sent to ``node``'s store, in a task of their own: a
+        caller that stops waiting (the budget, or its own caller's bound) does not
+        cancel the round trip, which would drop that master's connection and fail every
+        other round in flight on it. Bounded by ``LATE_SEND_SECONDS``."""
+        store = self._store(node)
+        task = asyncio.get_running_loop().create_task(self._bounded(store, calls, asking))
+        self._sends.add(task)
+        task.add_done_callback(self._sent)
+        return task
+
+    @staticmethod
+    async def _bounded(
+        store: RedisBackend, calls: list[Sequence[LimitCheck]], asking: bool
+    ) -> list[HitResult | Exception]:
+        async with asyncio.timeout(LATE_SEND_SECONDS):
+            return await store.hit_redirected(calls, asking)
+
+    def _sent(self, task: asyncio.Task[list[HitResult | Exception]]) -> None:
+        self._sends.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved here: a late one's caller has gone
+
     def _store(self, node: str) -> RedisBackend:
+        # A node redirected to is in use, whatever the map says (an ASK target may serve
+        # no slot yet): not retired before it has been left alone again for a while.
+        self._departed_since.pop(node, None)
         store = self._stores.get(node)
         if store is None:
             self._new_stack(node)
@@ -334,10 +452,28 @@ class PerNodeBackend:
         at debug and left for the next redirection or store failure to retry). One
         refresh serves everyone who asks while it runs; a caller that gives up does not
         stop it."""
+        if self._closed:
+            return
         task = self._refreshing
         if task is None or task.done():
             task = self._start_refresh()
         await asyncio.shield(task)
+
+    async def _refresh_until(self, deadline: float) -> None:
+        """``refresh_slot_map``, waited for until ``deadline`` (loop time) at most; the
+        refresh itself goes on."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.refresh_slot_map()
+        except TimeoutError:
+            pass
+
+    def _refresh_now(self) -> None:
+        """A refresh in the background, unless one runs (a ``MOVED``: the map is
+        known to be stale, so no interval applies)."""
+        task = self._refreshing
+        if not self._closed and (task is None or task.done()):
+            self._start_refresh()
 
     def _refresh_soon(self) -> None:
         """A refresh in the background, unless one runs or ran within
@@ -377,7 +513,50 @@ class PerNodeBackend:
         masters = {nodes[0].name for nodes in slots.values() if nodes}
         if len(slots) < REDIS_CLUSTER_HASH_SLOTS:
             masters.add("")  # a slot without a master: its calls go to "" (redis-py)
-        self._breakers.departed(frozenset(node for node in self._stacks if node not in masters))
+        departed = frozenset(node for node in self._stacks if node not in masters)
+        self._retire(departed)
+        self._breakers.departed(frozenset(node for node in departed if node in self._stacks))
+
+    def _retire(self, departed: frozenset[str]) -> None:
+        """Count one more refresh for each stack of a node that serves no slot, close
+        those past ``RETIRE_REFRESHES`` and ``RETIRE_SECONDS``, and schedule a refresh
+        for those still waiting (with no failure to ask for one, none would come)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        since = self._departed_since
+        for node in [node for node in since if node not in departed]:
+            del since[node]  # serves slots again, or gone already
+        for node in departed:
+            first, seen = since.get(node, (now, 0))
+            seen += 1
+            if seen < RETIRE_REFRESHES or now - first < RETIRE_SECONDS:
+                since[node] = (first, seen)
+                continue
+            del since[node]
+            stack = self._stacks.pop(node)
+            self._stores.pop(node, None)
+            self._submits.pop(node, None)
+            events = self._events.pop(node, None)
+            if events is not None:
+                events.retired = True
+            self._breakers.forget(node)
+            self.retired += 1
+            log.info("Redis Cluster: %s serves no slot any more; its connection is closed", node)
+            task = loop.create_task(stack.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closed_stack)
+        if since and self._retire_timer is None:
+            self._retire_timer = loop.call_later(RETIRE_SECONDS, self._retire_check)
+
+    def _retire_check(self) -> None:
+        # Not held back by REFRESH_INTERVAL_SECONDS: the chain of checks would end.
+        self._retire_timer = None
+        self._refresh_now()
+
+    def _closed_stack(self, task: asyncio.Task[None]) -> None:
+        self._closing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("Redis Cluster: closing a stack failed: %r", task.exception())
 
     def _store_failed(self, node: str) -> None:
         # A master that failed may have left (failover): what the cluster says now.
@@ -389,10 +568,17 @@ class PerNodeBackend:
 
     async def close(self) -> None:
         self._closed = True
+        if self._retire_timer is not None:
+            self._retire_timer.cancel()
+            self._retire_timer = None
         task = self._refreshing
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        sends = list(self._sends)
+        for send in sends:
+            send.cancel()
+        await asyncio.gather(*sends, *self._closing, return_exceptions=True)
         for stack in list(self._stacks.values()):
             await stack.close()  # each lean store closes its connection
         self._stacks.clear()

@@ -16,10 +16,14 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from redis.asyncio.cluster import NodesManager
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
+from gateway.counters import cluster as cluster_module
 from gateway.counters.base import CounterBackend, CounterUnavailableError, HitResult, LimitCheck
 from gateway.counters.cluster import PerNodeBackend
 from gateway.counters.factory import open_counter_backend
@@ -236,9 +240,10 @@ async def test_ask_then_moved_while_a_slot_migrates(own_cluster: RedisClusterPro
         times = 20
         calls = [key for key in (moved_key, staying_key, fresh_key) for _ in range(times)]
         results = await asyncio.gather(*(backend.hit([check(k)]) for k in calls))
-        # MOVED: the map refreshed once for all of them, each call sent again to the target.
+        # MOVED: each call sent again to the target at once, the map refreshed in the
+        # background, once for all of them.
+        await eventually(5, lambda: nodes.node_for(moved_key) == name(target), "map refreshed")
         assert nodes.moved >= 1 and nodes.refreshes == refreshes + 1
-        assert nodes.node_for(moved_key) == name(target)
         assert {r.source for r in results} == {"redis"}
         for key, before in ((moved_key, 4), (staying_key, 4), (fresh_key, 1)):
             mine = [r for k, r in zip(calls, results, strict=True) if k == key]
@@ -396,3 +401,174 @@ async def test_a_dead_masters_replica_takes_over_without_a_restart(
         await eventually(5, lambda: events.breaker[-1:] == ["closed"], "the breaker closes")
     finally:
         await backend.close()
+
+
+async def test_a_redirect_out_of_time_leaves_the_target_connection_alone(
+    own_cluster: RedisClusterProcess,
+) -> None:
+    """The budget of a redirection runs out while its call waits on the target: the call
+    fails (the fallback answers it), but the round trip is not cancelled, so the target's
+    one connection stays up and the other calls in flight on it get their own answers."""
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    moved_key = new_key()
+    slot = key_slot(moved_key.encode())
+    source = own_cluster.server_for_key(moved_key)
+    target = next(s for s in own_cluster.servers if s is not source)
+    on_target = keys_by_master(own_cluster, 1)[target.port][0]
+    try:
+        await nodes.refresh_slot_map()
+        assert (await backend.hit([check(on_target)])).source == "redis"
+        assert (await backend.hit([check(moved_key)])).source == "redis"
+        wire = nodes.stores[name(target)].client
+        assert isinstance(wire, RespClient) and wire.connects == 1
+        address = wire.local_address
+        own_cluster.start_migration(slot, source, target)
+        own_cluster.move_keys(slot, source, target, [moved_key])
+        target.pause()  # the ASK's hop waits on it
+        try:
+            normal = asyncio.ensure_future(backend.hit([check(on_target)]))
+            by_submit = asyncio.ensure_future(ViaSubmit(backend).hit([check(on_target)]))
+            await asyncio.sleep(0.05)  # both sent (or queued) on the target's connection
+            started = time.monotonic()
+            redirected = await backend.hit([check(moved_key)])
+            elapsed = time.monotonic() - started
+            assert not normal.done()
+        finally:
+            target.resume()
+        assert redirected.source == "fallback"  # StoreTimeoutError, answered by the fallback
+        assert cluster_module.REDIRECT_SECONDS <= elapsed < 1.0
+        answers = await asyncio.gather(normal, by_submit)
+        assert {r.source for r in answers} == {"redis"}
+        assert sorted(LIMIT - r.states[0].remaining for r in answers) == [2, 3]
+        assert counted(target, on_target) == 3
+        # The same connection all along: never dropped, never made again.
+        assert wire.connects == 1 and wire.local_address == address
+        assert address in client_addresses(target)
+    finally:
+        await backend.close()
+
+
+async def test_moved_goes_to_the_named_master_while_the_map_refreshes_slowly(
+    own_cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    key = new_key()
+    slot = key_slot(key.encode())
+    source = own_cluster.server_for_key(key)
+    target = next(s for s in own_cluster.servers if s is not source)
+    try:
+        await nodes.refresh_slot_map()
+        for _ in range(3):
+            assert (await backend.hit([check(key)])).source == "redis"
+        manager = nodes.client.nodes_manager
+        initialize = NodesManager.initialize
+
+        async def slow_initialize(self: NodesManager, *args: Any, **kwargs: Any) -> None:
+            if self is manager:  # this backend's refreshes only
+                await asyncio.sleep(0.6)  # longer than the whole redirection budget
+            await initialize(self, *args, **kwargs)
+
+        # On the class: the instance's slots are read-only.
+        monkeypatch.setattr(NodesManager, "initialize", slow_initialize)
+        assert await asyncio.to_thread(own_cluster.migrate_slot, slot, source, target) == 1
+        refreshes = nodes.refreshes
+        results = []
+        for via in (backend, ViaSubmit(backend)):
+            started = time.monotonic()
+            results.append(await via.hit([check(key)]))  # the map still names the source
+            assert time.monotonic() - started < cluster_module.REDIRECT_SECONDS
+        assert [r.source for r in results] == ["redis", "redis"]
+        assert [r.states[0].remaining for r in results] == [LIMIT - 4, LIMIT - 5]
+        assert nodes.moved == 2
+        assert nodes.refreshes == refreshes + 1  # the second MOVED joined the running one
+        await eventually(5, lambda: nodes.node_for(key) == name(target), "map refreshed")
+        assert counted(target, key) == 5
+    finally:
+        await backend.close()
+
+
+async def test_calls_after_close_are_refused_and_make_nothing(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    await nodes.refresh_slot_map()
+    key = new_key()
+    slot = key_slot(key.encode())
+    owner = redis_cluster.server_for_key(key)
+    await backend.close()
+    with pytest.raises(CounterUnavailableError):
+        await nodes.hit([check(key)])
+    with pytest.raises(CounterUnavailableError):
+        await ViaSubmit(nodes).hit([check(key)])
+    # A redirection that comes back after close is answered, and sent nowhere.
+    moved = ResponseError(f"MOVED {slot} {name(owner)}")
+    (result,) = await nodes._redirected([[check(key)]], [moved])
+    assert isinstance(result, CounterUnavailableError)
+    assert nodes.stacks == {} and nodes.stores == {}
+    assert counted(owner, key) == 0
+
+
+async def test_stacks_of_masters_that_serve_no_slot_are_closed(
+    own_cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failovers in a row, each to a new replica: the stack of the master that left
+    is closed (its connection too) a few refreshes later, so only masters' stacks stay."""
+    monkeypatch.setattr(cluster_module, "RETIRE_SECONDS", 0.3)
+    master = own_cluster.servers[0]
+    slots = owners(own_cluster)
+    keys = [k for k in (new_key() for _ in range(200)) if slots[key_slot(k.encode())] is master][:3]
+    events = RecordingEvents()
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0, events=events)
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        calls = 1
+        for key in keys:
+            assert (await backend.hit([check(key)])).source == "redis"
+        for _ in range(2):
+            old, new = master, await asyncio.to_thread(own_cluster.add_replica, master)
+            wire = nodes.stores[name(old)].client
+            assert isinstance(wire, RespClient)
+            address = wire.local_address
+            await asyncio.to_thread(own_cluster.manual_failover, new)
+            master = new
+            calls += 1
+            for key in keys:  # MOVED, followed to the new master
+                assert (await backend.hit([check(key)])).states[0].remaining == LIMIT - calls
+            await eventually(10, lambda old=old: name(old) not in nodes.stacks, "stack closed")
+            await eventually(5, gone(old, address), "its connection closed")
+            masters = {name(s) for s in own_cluster.servers if own_cluster.is_master(s)}
+            assert name(new) in nodes.stacks
+            assert set(nodes.stacks) == set(nodes.stores) <= masters
+        assert nodes.retired == 2
+        for key in keys:
+            assert counted(master, key) == calls
+        assert events.breaker == [] and events.errors == []
+    finally:
+        await backend.close()
+
+
+async def test_an_ask_without_a_usable_address_is_the_answer(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    key = new_key()
+    slot = key_slot(key.encode())
+    owner = redis_cluster.server_for_key(key)
+    for known in (True, False):  # the slot map loaded, or not yet
+        backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+        nodes = nodes_of(backend)
+        try:
+            if known:
+                await nodes.refresh_slot_map()
+            stores = dict(nodes.stores)
+            asks = [ResponseError(f"ASK {slot} {where}") for where in ("?:7000", "garbage", ":1")]
+            results = await nodes._redirected([[check(key)] for _ in asks], list(asks))
+            assert results == asks  # each call's own error reply, at once
+            assert nodes.asked == len(asks)
+            assert nodes.stores == stores  # nothing sent anywhere
+            assert counted(owner, key) == 0
+        finally:
+            await backend.close()
