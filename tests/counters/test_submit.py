@@ -150,6 +150,20 @@ rules:
 """
 
 
+async def decided_later(limiter: Limiter, sel: Selection) -> Decision:
+    """``decide_later`` awaited: the decision (or its exception) handed to ``done``."""
+    got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+
+    def done(outcome: Decision | Exception) -> None:
+        if isinstance(outcome, Exception):
+            got.set_exception(outcome)
+        else:
+            got.set_result(outcome)
+
+    assert limiter.decide_later("us", sel, done)
+    return await got
+
+
 async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
     redis_server: RedisServer,
 ) -> None:
@@ -164,17 +178,8 @@ async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
             table, "us", "GET", path, lambda kind: key if kind is IdentityKind.API_KEY else None
         )
 
-    async def later(path: str, sel: Selection | None = None) -> Decision:
-        got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-
-        def done(outcome: Decision | Exception) -> None:
-            if isinstance(outcome, Exception):
-                got.set_exception(outcome)
-            else:
-                got.set_result(outcome)
-
-        assert limiter.decide_later("us", sel or selection(path), done)
-        return await got
+    async def later(path: str) -> Decision:
+        return await decided_later(limiter, selection(path))
 
     try:
         by_callback = [await later("/x") for _ in range(4)]
@@ -231,18 +236,6 @@ async def test_on_a_cluster_a_rule_and_its_ceiling_are_decided_by_callback(
         ids = {IdentityKind.API_KEY: key, IdentityKind.IP: client}
         return select(table, "us", "GET", "/x", ids.get)
 
-    async def later(sel: Selection) -> Decision:
-        got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-
-        def done(outcome: Decision | Exception) -> None:
-            if isinstance(outcome, Exception):
-                got.set_exception(outcome)
-            else:
-                got.set_result(outcome)
-
-        assert limiter.decide_later("us", sel, done)
-        return await got
-
     def seen(d: Decision) -> list[object]:
         return [d.outcome, d.rule_id, sorted((r.name, r.remaining) for r in d.reports)]
 
@@ -250,7 +243,7 @@ async def test_on_a_cluster_a_rule_and_its_ceiling_are_decided_by_callback(
         mine, theirs = new_key()[-12:], new_key()[-12:]
         # two keys from one address: the first uses up the rule, the second meets the ceiling
         plan = ["a"] * 4 + ["b"] * 2
-        called = [await later(selection(mine, f"{mine}{k}")) for k in plan]
+        called = [await decided_later(limiter, selection(mine, f"{mine}{k}")) for k in plan]
         awaited = [await limiter.decide("us", selection(theirs, f"{theirs}{k}")) for k in plan]
         assert [seen(d) for d in called] == [seen(d) for d in awaited]
         # (separate calls: the rule's refusal still counted against the ceiling)
