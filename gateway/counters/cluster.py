@@ -508,6 +508,7 @@ class PerNodeBackend:
                     await client.initialize()
         except Exception as exc:  # the next failure or redirection asks again
             log.debug("Redis Cluster slot map not refreshed: %s", type(exc).__name__)
+            self._check_retiring_later()  # a stack waiting to retire: try again then
             return
         slots = client.nodes_manager.slots_cache
         masters = {nodes[0].name for nodes in slots.values() if nodes}
@@ -545,7 +546,11 @@ class PerNodeBackend:
             task = loop.create_task(stack.close())
             self._closing.add(task)
             task.add_done_callback(self._closed_stack)
-        if since and self._retire_timer is None:
+        self._check_retiring_later()
+
+    def _check_retiring_later(self) -> None:
+        if self._departed_since and self._retire_timer is None and not self._closed:
+            loop = asyncio.get_running_loop()
             self._retire_timer = loop.call_later(RETIRE_SECONDS, self._retire_check)
 
     def _retire_check(self) -> None:

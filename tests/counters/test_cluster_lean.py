@@ -122,6 +122,17 @@ def client_addresses(server: RedisServer, command: str | None = None) -> list[st
     return found
 
 
+def seen_as_replica(cluster: RedisClusterProcess, server: RedisServer, of: RedisServer) -> bool:
+    """Whether every node of ``cluster`` lists ``server`` as a replica of ``of``."""
+    me, master = cluster.node_id(server), cluster.node_id(of)
+    for other in cluster.servers:
+        fields = [line.split() for line in other.cli("CLUSTER", "NODES").splitlines()
+                  if line.startswith(me)]  # fmt: skip
+        if not fields or "slave" not in fields[0][2] or fields[0][3] != master:
+            return False
+    return True
+
+
 def gone(server: RedisServer, address: str) -> Callable[[], bool]:
     return lambda: address not in client_addresses(server)
 
@@ -533,6 +544,19 @@ async def test_stacks_of_masters_that_serve_no_slot_are_closed(
             wire = nodes.stores[name(old)].client
             assert isinstance(wire, RespClient)
             address = wire.local_address
+            # A node joins as a master without slots and turns replica a moment later
+            # (now and then of another master, right after a failover): made the old
+            # one's for sure, and known as such everywhere before the failover, whose
+            # wait for "every node sees it as a master" would pass at once otherwise.
+            assert new.cli("CLUSTER", "REPLICATE", own_cluster.node_id(old)).strip() == "OK"
+            await eventually(
+                10,
+                lambda new=new, old=old: (
+                    seen_as_replica(own_cluster, new, old)
+                    and "master_link_status:up" in new.cli("INFO", "replication")
+                ),
+                "every node knows the replica",
+            )
             await asyncio.to_thread(own_cluster.manual_failover, new)
             master = new
             calls += 1
