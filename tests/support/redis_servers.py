@@ -416,12 +416,34 @@ class RedisClusterProcess:
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster add-node failed: {done.stdout}{done.stderr}")
+        # Joined, it may first be taken for a master (or attached elsewhere): wait until
+        # every node lists it as a replica of ``master`` and its link is up, asking again
+        # with CLUSTER REPLICATE when it is not (a failover of it is only then meaningful).
+        master_id = self.node_id(master)
+        me = self.node_id(replica)
         deadline = time.monotonic() + CLUSTER_TIMEOUT_SECONDS
-        while "master_link_status:up" not in replica.cli("INFO", "replication"):
+        asked = time.monotonic()
+        while not (
+            "master_link_status:up" in replica.cli("INFO", "replication")
+            and all(self._sees_replica_of(s, me, master_id) for s in self.servers)
+        ):
             if time.monotonic() > deadline:
-                raise RuntimeError("the new replica did not connect to its master")
+                raise RuntimeError("the new replica did not attach to its master")
+            if time.monotonic() - asked > 1.0 and not self._sees_replica_of(
+                replica, me, master_id
+            ):  # (only when it itself says otherwise: asking again restarts its sync)
+                replica.cli("CLUSTER", "REPLICATE", master_id)
+                asked = time.monotonic()
             time.sleep(0.05)
         return replica
+
+    @staticmethod
+    def _sees_replica_of(server: RedisServer, node_id: str, master_id: str) -> bool:
+        for line in server.cli("CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if fields and fields[0] == node_id:
+                return "slave" in fields[2] and fields[3] == master_id
+        return False
 
     def manual_failover(self, replica: RedisServer) -> None:
         """``CLUSTER FAILOVER`` on ``replica`` (its master stops taking writes until the
@@ -431,10 +453,22 @@ class RedisClusterProcess:
             raise RuntimeError(f"CLUSTER FAILOVER failed: {out}")
         deadline = time.monotonic() + CLUSTER_TIMEOUT_SECONDS
         me = self.node_id(replica)
-        while not all(self._sees_master(s, me) for s in self.servers):
+        # Done when every node takes it for a master and it serves slots (a node just
+        # joined is briefly a master without any: that is not the failover).
+        while not (
+            all(self._sees_master(s, me) for s in self.servers) and self._serves_slots(replica)
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError("the failover did not complete")
             time.sleep(0.05)
+
+    @staticmethod
+    def _serves_slots(server: RedisServer) -> bool:
+        for line in server.cli("CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "myself" in fields[2]:
+                return len(fields) > 8
+        return False
 
     @staticmethod
     def _sees_master(server: RedisServer, node_id: str) -> bool:
