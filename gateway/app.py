@@ -501,14 +501,18 @@ class Service:
         scheme = "http" if ssl_context is None else "https"
         return [_address(s, scheme) for s in runner.addresses]
 
-    async def start_socket(self, app: web.Application, sock: socket.socket) -> None:
+    async def start_socket(
+        self, app: web.Application, sock: socket.socket, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         # The built-in upstreams' runner answers aiohttp's parser errors as their
         # documented JSON, never echoing request bytes; any other app gets aiohttp's own.
         from gateway.upstreams.http_api.serving import runner_for
 
         runner = runner_for(app, access_log=None, shutdown_timeout=self.shutdown_timeout)
         await runner.setup()
-        await web.SockSite(runner, sock, shutdown_timeout=self.shutdown_timeout).start()
+        await web.SockSite(
+            runner, sock, shutdown_timeout=self.shutdown_timeout, ssl_context=ssl_context
+        ).start()
         self.runners.append(runner)
 
     async def stop(self) -> None:
@@ -629,7 +633,7 @@ def _with_store_index(
     return with_index
 
 
-def _with_admin_tls(
+def with_admin_tls(
     info: Callable[[], Awaitable[dict[str, object]]], admin: TlsReloader
 ) -> Callable[[], Awaitable[dict[str, object]]]:
     """``info`` plus ``admin_tls``: the admin port's own certificate (no key material)."""
@@ -721,7 +725,7 @@ async def serve(
                 log.info("%s", admin_https.describe())
                 certificates.append(admin_https)
                 admin_watch = asyncio.create_task(admin_https.watch())
-                info = _with_admin_tls(info, admin_https)
+                info = with_admin_tls(info, admin_https)
             assert proxy.readiness is not None
             admin = create_admin_app(
                 metrics.registry, info, console, readiness=proxy.readiness.answer

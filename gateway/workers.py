@@ -26,6 +26,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway import __version__, logs
@@ -39,6 +40,7 @@ from gateway.app import (
     open_backend,
     prepare_rules,
     serve_worker,
+    with_admin_tls,
 )
 from gateway.counters.base import CounterBackend
 from gateway.metrics import Metrics, shared_registry, worker_gone
@@ -47,6 +49,7 @@ from gateway.proxy.console import Recent
 from gateway.proxy.readiness import Readiness, backend_health
 from gateway.secrets import identity_secret
 from gateway.settings import Settings
+from gateway.tls_setup import admin_tls
 
 log = logging.getLogger("gateway.workers")
 
@@ -141,9 +144,16 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                 log.warning("%s", note)
         rules = prepare_rules(settings, Metrics())  # the console's view of the rule files
 
+        # The admin port's own certificate (tls.admin), served here as a single process
+        # serves it: rotated when its files change and on SIGHUP. (Its reload metrics
+        # stay in this process: the workers' shared files carry the proxy port's.)
+        admin_https = admin_tls(settings, Metrics())
+
         def hup() -> None:
             _signal_all(workers, signal.SIGHUP)
             rules.request_reload("SIGHUP")
+            if admin_https is not None:
+                admin_https.request_reload("SIGHUP")
 
         loop.add_signal_handler(signal.SIGHUP, hup)
 
@@ -201,10 +211,19 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             databases=database_checks(settings, embedded, ()),
         )
         readiness.start()
-        admin = create_admin_app(registry, info, console, readiness=readiness.answer)
-        await service.start_socket(admin, admin_sock)
+        admin_watch: asyncio.Task[None] | None = None
+        served: Callable[[], Awaitable[dict[str, object]]] = info
+        if admin_https is not None:
+            log.info("%s", admin_https.describe())
+            admin_watch = asyncio.create_task(admin_https.watch())
+            served = with_admin_tls(info, admin_https)
+        admin = create_admin_app(registry, served, console, readiness=readiness.answer)
+        await service.start_socket(
+            admin, admin_sock, ssl_context=None if admin_https is None else admin_https.context
+        )
         host, port = admin_sock.getsockname()[:2]
-        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "http" if admin_https is None else "https"
+        address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         log.info("metrics of all %d workers on %s/metrics, console on %s/console",
                  settings.workers, address, address)  # fmt: skip
         nonlocal failed_start
@@ -235,6 +254,12 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+            if admin_watch is not None:
+                admin_watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await admin_watch
+            if admin_https is not None:
+                await admin_https.close()
             await service.stop()
             for backend in backends.values():
                 await backend.close()

@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.test_tls_gateway import fetch
 from tests.support.gateway import ROOT, SECRET, free_port, running_app
+from tests.support.redis_servers import RedisServer
 from tests.support.tls_pki import Pki, swap_to, write_pair
 from tests.support.upstream import create_upstream_app
 
@@ -103,3 +104,62 @@ def test_unusable_files_are_a_configuration_error(tmp_path: Path) -> None:
             f"gateway: configuration error: HTTPS on the proxy port: TLS certificate file "
             f"{tmp_path / 'missing.crt'} does not exist" in done.stderr
         ), done.stderr
+
+
+async def test_the_supervisors_admin_port_serves_its_own_certificate(
+    tmp_path: Path, pki: Pki
+) -> None:
+    # With --workers the supervisor serves the admin port: tls.admin applies there too
+    # (it used to be plain HTTP whatever the configuration said), and rotates on SIGHUP.
+    admin_live = tmp_path / "admin-live"
+    write_pair(tmp_path / "a1", pki.issue("admin.test", serial=0xB01))
+    swap_to(admin_live, tmp_path / "a1")
+    config = tmp_path / "gw.yaml"
+    config.write_text(f"tls:\n  admin: {{cert: {admin_live}/tls.crt, key: {admin_live}/tls.key}}\n")
+    port, admin_port = free_port(), free_port()
+    log = tmp_path / "gateway.log"
+    redis = RedisServer(tmp_path / "redis").start()  # workers need shared counters
+    proc = start(
+        ["--workers", "2", "--redis-url", redis.url, "--no-embedded", "--port", str(port),
+         "--admin-port", str(admin_port), "--config", str(config),
+         "--data-dir", str(tmp_path / "data")],
+        log,
+    )  # fmt: skip
+    try:
+        status = 0
+        for _ in range(3000):
+            assert proc.poll() is None, log.read_text()
+            try:
+                serial, status, _, body = await fetch(admin_port, pki, "/info")
+                break
+            except OSError:
+                await asyncio.sleep(0.01)
+        assert (serial, status) == (0xB01, 200), log.read_text()
+        info = json.loads(body)
+        assert info["workers"] == 2 and info["admin_tls"]["serial"] == "b01"
+        assert (await fetch(admin_port, pki, "/ready"))[1] in (200, 503)
+        # plain HTTP on it fails the handshake: no answer in clear
+        reader, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert not answer.startswith(b"HTTP/1.1 200")
+        text = log.read_text()
+        assert "TLS on the admin port: certificate " in text
+        assert f"metrics of all 2 workers on https://127.0.0.1:{admin_port}/metrics" in text
+        # SIGHUP to the supervisor rotates the admin port's pair
+        write_pair(tmp_path / "a2", pki.issue("admin.test", serial=0xB02))
+        swap_to(admin_live, tmp_path / "a2")
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(3000):
+            serial, status, _, body = await fetch(admin_port, pki, "/info")
+            if serial == 0xB02:
+                break
+            await asyncio.sleep(0.01)
+        assert (serial, status) == (0xB02, 200)
+        assert json.loads(body)["admin_tls"]["reloads"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        redis.stop()
+        assert code == 0, log.read_text()
