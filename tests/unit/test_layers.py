@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "data_cli": {"upstreams", "settings"},
     "store_cli": {"upstreams", "settings"},
     "workers": {"app", "logs", "settings", "proxy", "counters", "metrics", "secrets", "native",
-                "ratelimit", "policy", "upstreams", "identity"},
+                "ratelimit", "policy", "upstreams", "identity", "tls_setup"},
     "app": {"logs", "settings", "proxy", "counters", "metrics", "secrets", "native", "ratelimit",
             "policy", "upstreams", "identity", "explain", "replay", "tls_setup"},
     "tls_setup": {"settings", "proxy", "metrics"},
