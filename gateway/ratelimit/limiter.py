@@ -15,12 +15,19 @@ from gateway.ratelimit.window import bucket_ms_for
 MAX_CACHED_CHECKS: Final = 50_000  # identities whose checks are kept (then the cache starts over)
 
 
+# The counter's layout in Redis (gateway/counters/lua/sliding_window.lua), in every key:
+# gateways of two layouts sharing one Redis during an upgrade count apart, each reading
+# only values it wrote, instead of failing on the other's (v1 was a hash of buckets).
+LAYOUT: Final = "v2"
+
+
 def counter_key(region: str, rule_id: str, identity_hash: str, seconds: int) -> str:
-    """``rl:{<region>:<rule>:<identity>}:<window>s`` — the hash tag keeps one identity's
-    keys for one rule in one Redis Cluster slot; the window in the name means a rule whose
-    window changes starts a fresh counter, while a changed count applies to the existing one.
+    """``rl:{<region>:<rule>:<identity>}:<window>s:v2`` — the hash tag keeps one
+    identity's keys for one rule in one Redis Cluster slot; the window in the name means a
+    rule whose window changes starts a fresh counter, while a changed count applies to the
+    existing one; the layout's version (``LAYOUT``) ends it.
     """
-    return f"rl:{{{region}:{rule_id}:{identity_hash}}}:{seconds}s"
+    return f"rl:{{{region}:{rule_id}:{identity_hash}}}:{seconds}s:{LAYOUT}"
 
 
 def limit_checks(region: str, rule: Rule, identity_hash: str, enforce: bool) -> list[LimitCheck]:

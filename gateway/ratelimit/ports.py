@@ -22,7 +22,7 @@ class LimitCheck:
     """One limit to check for one identity.
 
     ``key`` is the counter key, already namespaced and hash-tagged
-    (``rl:{<region>:<rule-id>:<identity-hash>}:<window>s``); all checks passed to
+    (``rl:{<region>:<rule-id>:<identity-hash>}:<window>s:v2``); all checks passed to
     one ``hit`` call share the hash tag so they live in one Redis Cluster slot.
     """
 

@@ -34,7 +34,7 @@ class RecordingEvents:
 
 def new_key(window_s: int | float = 60, region: str = "us", rule: str = "rule") -> str:
     """A fresh key in the lead's format, unique per call."""
-    return f"rl:{{{region}:{rule}:{uuid.uuid4().hex[:16]}}}:{window_s}s"
+    return f"rl:{{{region}:{rule}:{uuid.uuid4().hex[:16]}}}:{window_s}s:v2"
 
 
 def keys_sharing_tag(count: int, region: str = "us") -> list[str]:

@@ -88,10 +88,16 @@ def keys_by_master(cluster: RedisClusterProcess, per_master: int) -> dict[int, l
     return keys
 
 
+# The sum of the counts, in the first 8 bytes of a counter's value (sliding_window.lua).
+COUNTED = (
+    "local v = redis.call('GET', KEYS[1]) if not v then return 0 end return struct.unpack('<d', v)"
+)
+
+
 def counted(server: RedisServer, key: str, *, asking: bool = False) -> int:
-    """What the script counted for ``key`` on ``server`` (the sum of its buckets);
-    ``asking``: on a node the key's slot is being migrated to."""
-    command = ("HVALS", key)
+    """What the script counted for ``key`` on ``server`` (the sum in its value's
+    header); ``asking``: on a node the key's slot is being migrated to."""
+    command = ("EVAL", f'"{COUNTED}"' if asking else COUNTED, "1", key)
     if not asking:
         return sum(int(v) for v in server.cli(*command).split())
     done = subprocess.run(

@@ -1,0 +1,209 @@
+"""The sliding-window script against the arithmetic it implements, on a real redis-server.
+
+The script reads the store's clock (TIME); here a copy of it reads the time from its
+last argument instead, so sequences of calls can move time as they like (far beyond a
+window, back after a failover) while every other line runs as shipped. Each call's reply
+is compared with a model written from ``gateway.ratelimit.window`` alone, and for time
+that only moves forward with ``MemoryBackend``, the in-process backend, so all three
+agree on every request: admitted or not, each limit's allowed, remaining and reset.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.counters.base import LimitCheck
+from gateway.counters.memory import MemoryBackend
+from gateway.counters.redis_backend import parse_reply, script_args, script_text
+from gateway.ratelimit.window import (
+    bucket_ms_for,
+    current_bucket,
+    ms_until_room,
+    oldest_counted_bucket,
+)
+from tests.support.redis_servers import RedisServer
+
+CLOCK_LINES = (
+    "local t = redis.call('TIME')\n"
+    "local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)\n"
+)
+
+
+def clocked_script() -> str:
+    """The shipped script, reading ``now`` (ms) from its last argument instead of TIME."""
+    text = script_text()
+    assert text.count(CLOCK_LINES) == 1, "the script's clock lines changed: update this test"
+    return text.replace(CLOCK_LINES, "local now = tonumber(ARGV[#ARGV])\n")
+
+
+@pytest.fixture(scope="module")
+def raw(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    yield client
+    client.close()
+
+
+@dataclass
+class Model:
+    """window.py's arithmetic over a dict of buckets per key: the specification."""
+
+    buckets: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def hit(
+        self, checks: Sequence[LimitCheck], now: int
+    ) -> tuple[bool, list[tuple[bool, int, int]]]:
+        counted = []
+        for check in checks:
+            oldest = oldest_counted_bucket(now, check.window_ms, check.bucket_ms)
+            live = {b: c for b, c in self.buckets.get(check.key, {}).items() if b >= oldest}
+            self.buckets[check.key] = live
+            counted.append(live)
+        admitted = all(
+            sum(live.values()) < check.limit
+            for check, live in zip(checks, counted, strict=True)
+            if check.enforce
+        )
+        states = []
+        for check, live in zip(checks, counted, strict=True):
+            total = sum(live.values())
+            has_room = total < check.limit
+            if admitted and has_room:
+                bucket = current_bucket(now, check.bucket_ms)
+                live[bucket] = live.get(bucket, 0) + 1
+                total += 1
+            reset = ms_until_room(
+                sorted(live.items()), total, check.limit, now, check.window_ms, check.bucket_ms
+            )
+            states.append((has_room, max(0, check.limit - total), reset))
+        return admitted, states
+
+
+class Script:
+    def __init__(self, raw: redis.Redis) -> None:
+        self.raw = raw
+        self.sha = raw.script_load(clocked_script())
+
+    def hit(
+        self, checks: Sequence[LimitCheck], now: int
+    ) -> tuple[bool, list[tuple[bool, int, int]]]:
+        reply = self.raw.evalsha(self.sha, *script_args(checks), now)
+        result, store_now = parse_reply(reply, len(checks))
+        assert store_now == now
+        return result.admitted, [(s.allowed, s.remaining, s.reset_ms) for s in result.states]
+
+
+WINDOWS_MS = (60_000, 120_000, 3_600_000)  # long: the keys' real expiry never cuts in
+
+# One step: (identities' index, which windows, limits, enforce flags, time to move (ms)).
+steps = st.lists(
+    st.tuples(
+        st.integers(0, 2),
+        st.lists(st.sampled_from(WINDOWS_MS), min_size=1, max_size=3),
+        st.lists(st.integers(0, 12), min_size=3, max_size=3),
+        st.lists(st.booleans(), min_size=3, max_size=3),
+        st.one_of(
+            st.just(0),  # the same bucket
+            st.integers(1, 3_000),
+            st.integers(3_000, 70_000),  # part of a window leaves
+            st.integers(70_000, 4_000_000),  # whole windows pass
+        ),
+    ),
+    min_size=1,
+    max_size=80,
+)
+
+
+def _checks(
+    tag: str, windows: list[int], limits: list[int], enforce: list[bool]
+) -> list[LimitCheck]:
+    return [
+        LimitCheck(
+            f"rl:{{{tag}}}:{i}:{window}",
+            limit=limits[i],
+            window_ms=window,
+            bucket_ms=bucket_ms_for(window),
+            enforce=enforce[i] or i == 0,  # at least the rule's own limit is enforced
+        )
+        for i, window in enumerate(windows)
+    ]
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=steps)
+def test_the_script_agrees_with_the_arithmetic_and_the_memory_backend(
+    raw: redis.Redis, steps: list[tuple[int, list[int], list[int], list[bool], int]]
+) -> None:
+    script, model = Script(raw), Model()
+    now = 1_764_000_000_000 + 537  # a Unix time in ms, not on a bucket edge
+    memory = MemoryBackend(clock=lambda: now)
+    run = uuid.uuid4().hex
+    for who, windows, limits, enforce, step in steps:
+        now += step
+        checks = _checks(f"{run}:{who}", windows, limits, enforce)
+        expected = model.hit(checks, now)
+        assert script.hit(checks, now) == expected
+        result = memory.hit_now(checks)
+        assert (
+            result.admitted,
+            [(s.allowed, s.remaining, s.reset_ms) for s in result.states],
+        ) == expected
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    moves=st.lists(st.integers(-200_000, 20_000), min_size=1, max_size=50),
+    limit=st.integers(1, 8),
+)
+def test_a_store_clock_that_steps_back_is_counted_as_the_arithmetic_says(
+    raw: redis.Redis, moves: list[int], limit: int
+) -> None:
+    """After a failover the new master's clock may be behind: a bucket older than the
+    newest goes in its place, and nothing counted is lost or counted twice."""
+    script, model = Script(raw), Model()
+    now = 1_764_000_000_000
+    checks = [LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", limit, 60_000, bucket_ms_for(60_000))]
+    for move in moves:
+        now += move
+        assert script.hit(checks, now) == model.hit(checks, now)
+
+
+def test_a_call_that_drops_nothing_writes_in_place(
+    raw: redis.Redis, redis_server: RedisServer
+) -> None:
+    """The common case (the newest bucket counted again, or a new one after it) costs a
+    few bytes written, not the value rewritten: its cost does not grow with the buckets."""
+    script = Script(raw)
+    check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", 10_000, 60_000, 1_000)
+    now = 1_764_000_000_000
+    for _ in range(50):  # fifty buckets: the value holds fifty records
+        now += 1_000
+        script.hit([check], now)
+    before = redis_server.commandstats()
+    for _ in range(20):
+        now += 400  # the same bucket or the next one
+        assert script.hit([check], now)[0]
+    after = redis_server.commandstats()
+    assert after.get("set", 0) == before.get("set", 0), "no call rewrote the value"
+    assert after.get("setrange", 0) > before.get("setrange", 0)
+    assert raw.strlen(check.key) == 8 + 16 * 58  # the window's 58 buckets, none lost
+
+
+def test_a_value_of_another_layout_is_counted_from_scratch(raw: redis.Redis) -> None:
+    script = Script(raw)
+    check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", 2, 60_000, 1_000)
+    raw.set(check.key, b"not a counter")
+    now = 1_764_000_000_000
+    assert script.hit([check], now) == (True, [(True, 1, 61_000)])
+    assert script.hit([check], now) == (True, [(True, 0, 61_000)])
+    assert script.hit([check], now)[0] is False
