@@ -88,9 +88,10 @@ def keys_by_master(cluster: RedisClusterProcess, per_master: int) -> dict[int, l
     return keys
 
 
-# The sum of the counts, in the first 8 bytes of a counter's value (sliding_window.lua).
+# The sum of the counts: the second double of a counter's trailer (sliding_window.lua).
 COUNTED = (
-    "local v = redis.call('GET', KEYS[1]) if not v then return 0 end return struct.unpack('<d', v)"
+    "local v = redis.call('GET', KEYS[1]) if not v then return 0 end "
+    "return struct.unpack('<d', v, #v - 15)"
 )
 
 

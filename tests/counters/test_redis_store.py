@@ -77,9 +77,10 @@ async def test_keys_are_exactly_the_ones_passed_and_expire(store: Store) -> None
     await store.backend.hit([other])
     assert await stored_keys(store.raw) == set(passed)
     assert all(key.startswith("rl:{eu:") for key in await stored_keys(store.raw))
-    assert 0 < await store.raw.pttl(passed[0]) <= 1_100
-    assert 58_000 < await store.raw.pttl(passed[1]) <= 61_000
-    assert 0 < await store.raw.pttl(passed[2]) <= 5_100
+    # Two lives (window + bucket) ahead: the expiry moves about once a window.
+    assert 0 < await store.raw.pttl(passed[0]) <= 2_200
+    assert 118_000 < await store.raw.pttl(passed[1]) <= 122_000
+    assert 0 < await store.raw.pttl(passed[2]) <= 10_200
 
 
 async def test_memory_per_key_is_bounded_by_the_bucket_count(store: Store) -> None:
@@ -87,8 +88,9 @@ async def test_memory_per_key_is_bounded_by_the_bucket_count(store: Store) -> No
     check = LimitCheck(key, limit=10_000, window_ms=500, bucket_ms=100)
     for _ in range(40):  # ~1.2 s: many more buckets than the window holds
         await store.backend.hit([check])
-        records = (await store.raw.strlen(key) - 8) // 16  # an 8-byte header, 16 a bucket
-        assert records <= 500 // 100 + 2
+        # 16 bytes a bucket, a 24-byte trailer; at most 16 that left the window are kept.
+        records = (await store.raw.strlen(key) - 24) // 16
+        assert records <= 500 // 100 + 2 + 16
         await asyncio.sleep(0.03)
 
 

@@ -178,11 +178,12 @@ def test_a_store_clock_that_steps_back_is_counted_as_the_arithmetic_says(
         assert script.hit(checks, now) == model.hit(checks, now)
 
 
-def test_a_call_that_drops_nothing_writes_in_place(
+def test_a_counted_call_writes_a_few_bytes_in_place(
     raw: redis.Redis, redis_server: RedisServer
 ) -> None:
-    """The common case (the newest bucket counted again, or a new one after it) costs a
-    few bytes written, not the value rewritten: its cost does not grow with the buckets."""
+    """The common case (the newest bucket counted again, or a new one after it) is one
+    SETRANGE of a record and the trailer, not the value rewritten: its cost does not
+    grow with the buckets the window holds."""
     script = Script(raw)
     check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", 10_000, 60_000, 1_000)
     now = 1_764_000_000_000
@@ -195,8 +196,8 @@ def test_a_call_that_drops_nothing_writes_in_place(
         assert script.hit([check], now)[0]
     after = redis_server.commandstats()
     assert after.get("set", 0) == before.get("set", 0), "no call rewrote the value"
-    assert after.get("setrange", 0) > before.get("setrange", 0)
-    assert raw.strlen(check.key) == 8 + 16 * 58  # the window's 58 buckets, none lost
+    assert after.get("setrange", 0) - before.get("setrange", 0) == 20, "one write a call"
+    assert raw.strlen(check.key) == 16 * 58 + 24  # the window's 58 buckets, the trailer
 
 
 def test_a_value_of_another_layout_is_counted_from_scratch(raw: redis.Redis) -> None:
@@ -207,3 +208,18 @@ def test_a_value_of_another_layout_is_counted_from_scratch(raw: redis.Redis) -> 
     assert script.hit([check], now) == (True, [(True, 1, 61_000)])
     assert script.hit([check], now) == (True, [(True, 0, 61_000)])
     assert script.hit([check], now)[0] is False
+
+
+def test_memory_stays_bounded_as_the_window_moves(raw: redis.Redis) -> None:
+    """Records that left the window are skipped, then dropped when the string is
+    rewritten: however long an identity keeps calling, its value holds at most the
+    window's buckets and the few that left since the last rewrite."""
+    script = Script(raw)
+    check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:10s", 1_000_000, 10_000, 1_000)
+    now = 1_764_000_000_000
+    longest = 0
+    for _ in range(300):
+        now += 1_000  # a new bucket each call; one leaves the window each call
+        assert script.hit([check], now)[0]
+        longest = max(longest, (raw.strlen(check.key) - 24) // 16)
+    assert 10 <= longest <= 10 + 1 + 16  # the window's buckets, DEAD_MAX that left

@@ -2,27 +2,30 @@
 -- the request in all of them or in none (the same arithmetic as
 -- gateway/ratelimit/window.py and gateway/counters/memory.py).
 --
--- KEYS[i]  one string per limit: an 8-byte header, the sum of the counts, then one
---          16-byte record per counted bucket, oldest first: its index
---          (now_ms // bucket_ms) and its count (at least 1), as little-endian doubles
---          (struct '<dd'), exact for every value a limit can reach. All keys of one
---          call share a hash tag, so one Redis Cluster slot.
+-- KEYS[i]  one string per limit: 16-byte records, one per counted bucket, oldest first
+--          (its index, now_ms // bucket_ms, and its count, at least 1), then a 24-byte
+--          trailer: the byte offset of the first live record, the sum of the live
+--          counts, and when the key expires (ms, the store's clock). All numbers are
+--          little-endian doubles (struct '<d'), exact for every value a limit can reach.
+--          All keys of one call share a hash tag, so one Redis Cluster slot.
 -- ARGV     four values per key, in key order: limit, window_ms, bucket_ms, enforce (1|0).
 -- Returns  {admitted (1|0), now_ms, then per key: allowed (1|0), remaining, reset_ms}.
 --
 -- Why this layout (the previous one was a hash of buckets, read whole and sorted on
--- every call: 25 us of server CPU a call on a fresh window, 50-80 us once a window held
--- its ~60 buckets): a call reads each key once, skips the records that left the window,
--- and in the common case writes in place, the newest record and the header (SETRANGE)
--- or one record more (APPEND). Only a call that drops records rewrites the string,
--- which for a busy identity happens once a bucket. Keys of this layout end in ':2' (see
--- redis_backend.KEY_SUFFIX), so gateways of both versions can share one Redis during
--- an upgrade without reading each other's values.
+-- every call: 29 us of server CPU a call on a fresh window, 71 us once windows held
+-- their ~60 buckets; benchmarks/script_cost.py): a call reads each key once and writes
+-- at most a few bytes at its end, with one SETRANGE: the newest record counted once
+-- more, or a new record, each with the trailer after it. Records that left the window
+-- are skipped, not removed (the trailer says where the live ones start); the string is
+-- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
+-- only when a new bucket would outlive it, by two windows, so about once a window.
+-- A refused call writes nothing. Keys of this layout end in ':v2' (limiter.LAYOUT),
+-- so gateways of both versions can share one Redis during an upgrade.
 --
 -- The time is the store's own (TIME), never a gateway's, so gateways with skewed
--- clocks agree. Records that left the window are dropped by the next call that sees
--- them, and every key expires one window plus one bucket after its newest bucket began
--- (or after the last rewrite), so memory per identity is bounded by the bucket count.
+-- clocks agree. Every key expires at most two windows (plus two buckets) after the last
+-- call that counted in it, and holds at most DEAD_MAX records more than its window can
+-- hold, so memory per identity is bounded by the bucket count, whatever the limit.
 
 -- Scripts that read TIME and then write must replicate effects, not the script
 -- (the default from Redis 5 on; this call is a no-op there and kept for older servers).
@@ -32,53 +35,62 @@ end
 
 local pack, unpack = struct.pack, struct.unpack
 local floor, tonumber = math.floor, tonumber
-local HEAD, REC = 8, 16 -- bytes: the header, one record
+local REC, TAIL = 16, 24 -- bytes: one record, the trailer
+local DEAD_MAX = 16 -- records left the window kept before the string is rewritten
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 
--- The records of ``stored`` from byte ``from`` on, with ``bucket`` counted once more, in
--- bucket order. A bucket older than the newest (the store's clock stepped back, after
--- a failover) goes in its place.
-local function counted(stored, from, bucket)
-  local pos = #stored - REC + 1
+-- The live records of ``stored`` (bytes ``from`` to ``upto``), with ``bucket`` counted
+-- once more, in bucket order: a bucket older than the newest (the store's clock stepped
+-- back, after a failover) goes in its place.
+local function counted(stored, from, upto, bucket)
+  local pos = upto - REC + 1
   while pos >= from do
     local b, c = unpack('<dd', stored, pos)
     if b == bucket then
-      return stored:sub(from, pos - 1) .. pack('<dd', b, c + 1) .. stored:sub(pos + REC)
+      return stored:sub(from, pos - 1) .. pack('<dd', b, c + 1) .. stored:sub(pos + REC, upto)
     elseif b < bucket then
       break
     end
     pos = pos - REC
   end
-  return stored:sub(from, pos + REC - 1) .. pack('<dd', bucket, 1) .. stored:sub(pos + REC)
+  return stored:sub(from, pos + REC - 1) .. pack('<dd', bucket, 1) .. stored:sub(pos + REC, upto)
 end
 
 -- Milliseconds until the count allows one more request than now (window.ms_until_room),
--- from the records of ``stored`` at byte ``from`` on, oldest first.
-local function until_room(stored, from, total, limit, window, width)
+-- from the live records (bytes ``from`` to ``upto``), oldest first; ``newer``: a bucket
+-- counted after them that they do not hold yet (written in place), or nil.
+local function until_room(stored, from, upto, newer, total, limit, window, width)
   local need = total - limit + 1
   if need < 1 then
     need = 1
   end
-  local freed = 0
-  for pos = from, #stored - REC + 1, REC do
+  local freed, found = 0, nil
+  for pos = from, upto - REC + 1, REC do
     local b, c = unpack('<dd', stored, pos)
     freed = freed + c
     if freed >= need then
-      local r = (b + 1) * width + window - now
-      if r < 0 then
-        r = 0
-      end
-      return r
+      found = b
+      break
     end
   end
-  return 0
+  if found == nil then
+    if newer == nil then
+      return 0
+    end
+    found = newer -- with room left, ``need`` is 1: the new record frees it
+  end
+  local r = (found + 1) * width + window - now
+  if r < 0 then
+    r = 0
+  end
+  return r
 end
 
 local n = #KEYS
 local limits, windows, widths, enforced = {}, {}, {}, {}
-local stores, froms, totals = {}, {}, {}
+local stores, froms, totals, expiries = {}, {}, {}, {}
 local admitted = true
 
 for i = 1, n do
@@ -87,11 +99,13 @@ for i = 1, n do
   local window = tonumber(ARGV[arg + 2])
   local width = tonumber(ARGV[arg + 3])
   local stored = redis.call('GET', KEYS[i])
-  local total, from = 0, HEAD + 1
-  if stored and #stored >= HEAD and (#stored - HEAD) % REC == 0 then
-    total = unpack('<d', stored)
-    local oldest, len = floor((now - window) / width), #stored
-    while from < len do -- skip the records that left the window
+  local total, from, expires = 0, 1, 0
+  if stored and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
+    local first
+    first, total, expires = unpack('<ddd', stored, #stored - TAIL + 1)
+    from = first + 1
+    local oldest, upto = floor((now - window) / width), #stored - TAIL
+    while from < upto do -- skip the records that left the window
       local b, c = unpack('<dd', stored, from)
       if b >= oldest then
         break
@@ -99,15 +113,13 @@ for i = 1, n do
       total = total - c
       from = from + REC
     end
-  elseif stored then
-    stored = '' -- not this layout: counted from scratch, and rewritten
-    from = HEAD + 2
   else
-    stored = ''
+    -- No key, or not this layout (written anew below): nothing counted.
+    stored = stored and '' or false
   end
   limits[i], windows[i], widths[i] = limit, window, width
   enforced[i] = ARGV[arg + 4] == '1'
-  stores[i], froms[i], totals[i] = stored, from, total
+  stores[i], froms[i], totals[i], expiries[i] = stored, from, total, expires
   if enforced[i] and total >= limit then
     admitted = false
   end
@@ -117,46 +129,43 @@ local out = {admitted and 1 or 0, now}
 for i = 1, n do
   local key = KEYS[i]
   local limit, window, width = limits[i], windows[i], widths[i]
-  local stored, from, total = stores[i], froms[i], totals[i]
+  local stored, from, total, expires = stores[i], froms[i], totals[i], expiries[i]
+  local upto = stored and #stored - TAIL or 0 -- the last byte of the records
   local has_room = total < limit
-  local dropped = from > HEAD + 1 -- records left the window (or the value was foreign)
+  local newer = nil
   if admitted and has_room then
     local cur = floor(now / width)
-    local len = #stored
-    local written = false
     total = total + 1
-    if not dropped and len > HEAD then
-      -- In place: the newest record counted once more, or a new one after it; then the
-      -- header. A new bucket pushes the expiry on (one set while this bucket was
-      -- current already outlasts it). ``stored`` keeps the first record, all that
-      -- until_room reads with room left (every count is at least 1).
-      local last = len - REC + 1
-      local b, c = unpack('<dd', stored, last)
-      if b == cur then
-        redis.call('SETRANGE', key, last - 1, pack('<dd', b, c + 1))
-        redis.call('SETRANGE', key, 0, pack('<d', total))
+    local life = window + width
+    local written = false
+    if stored and stored ~= '' and (from - 1) / REC < DEAD_MAX then
+      -- In place, one write at the end: the newest record counted once more, or a new
+      -- one after it, then the trailer. A bucket that would outlive the key's expiry
+      -- pushes it on, two lives ahead (so about once a window, not once a bucket).
+      local live = from <= upto
+      local b, c
+      if live then
+        b, c = unpack('<dd', stored, upto - REC + 1)
+      end
+      if live and b == cur then
+        redis.call('SETRANGE', key, upto - REC, pack('<ddddd', b, c + 1, from - 1, total, expires))
         written = true
-      elseif b < cur then
-        redis.call('APPEND', key, pack('<dd', cur, 1))
-        redis.call('SETRANGE', key, 0, pack('<d', total))
-        redis.call('PEXPIRE', key, window + width)
+      elseif not live or b < cur then
+        if now + life > expires then
+          expires = now + 2 * life
+          redis.call('PEXPIRE', key, 2 * life)
+        end
+        redis.call('SETRANGE', key, upto, pack('<ddddd', cur, 1, from - 1, total, expires))
+        newer = cur
         written = true
       end
     end
     if not written then
-      stored = pack('<d', total) .. counted(stored, from, cur)
-      from = HEAD + 1
-      redis.call('SET', key, stored, 'PX', window + width)
-    end
-  elseif dropped then
-    if total > 0 then
-      stored = pack('<d', total) .. stored:sub(from)
-      from = HEAD + 1
-      -- Its newest bucket is still counted, so it began less than a window ago.
-      redis.call('SET', key, stored, 'PX', window + width)
-    else
-      redis.call('DEL', key)
-      stored = ''
+      -- Rewritten whole: a new key, records that left the window dropped, or a clock
+      -- that stepped back.
+      local records = counted(stored or '', from, upto, cur)
+      stored, from, upto, expires = records, 1, #records, now + 2 * life
+      redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', 2 * life)
     end
   end
   local remaining = limit - total
@@ -165,6 +174,6 @@ for i = 1, n do
   end
   out[#out + 1] = has_room and 1 or 0
   out[#out + 1] = remaining
-  out[#out + 1] = until_room(stored, from, total, limit, window, width)
+  out[#out + 1] = until_room(stored or '', from, upto, newer, total, limit, window, width)
 end
 return out
