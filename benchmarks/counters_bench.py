@@ -13,7 +13,7 @@ check admitted) through:
 
 Reports checks/s, ratio to ``direct``, round trips per check, EVALSHA calls and all
 Redis commands per check (``INFO commandstats`` counts the commands the script runs
-inside Redis too: TIME, HGETALL, HINCRBY and, once per new bucket, PEXPIRE), and call
+inside Redis too: TIME, then per limit GET and, when counted, SETRANGE), and call
 latency percentiles; ``local %`` is the share of answers the stack took locally
 (fallback after a 50 ms timeout) instead of from Redis. Bounded: about 35 s.
 
