@@ -16,7 +16,9 @@ script runs per call (``INFO commandstats``). Bounded: ``--seconds`` per script.
     .venv/bin/python benchmarks/script_cost.py --script before=72e7b48 \
         --script after=gateway/counters/lua/sliding_window.lua
 
-A ``--script`` is ``label=FILE`` or ``label=COMMIT`` (the script as it was at that commit).
+A ``--script`` is ``label=FILE`` or ``label=COMMIT`` (the script as it was at that commit);
+``label@N=...`` sends N requests in each script call (a script that takes several, as
+the gateway's pipelines to one server do), else one.
 The key names are the benchmark's own (``bench:{...}``), the same for every script.
 """
 
@@ -71,6 +73,13 @@ def cpu_seconds(pid: int) -> float:
 def run_script(
     client: redis.Redis, pid: int, label: str, text: str, args: argparse.Namespace
 ) -> list[dict[str, float]]:
+    # Scripts that take several requests a call lead each one's ARGV with its key count
+    # (``nargs``); earlier ones take one request, four values a key. "label@N": N
+    # requests a call.
+    counted_args = "local nargs = #ARGV" in text
+    per_call = int(label.partition("@")[2] or 1)
+    if per_call > 1 and not counted_args:
+        raise SystemExit(f"{label}: this script takes one request a call")
     client.flushall()
     client.config_resetstat()
     sha = client.script_load(text)
@@ -86,15 +95,20 @@ def run_script(
                 time.sleep(0.0005)
                 continue
             pipe = client.pipeline(transaction=False)
-            for _ in range(min(PIPELINE, due - sent)):
-                key = sent % args.keys
-                address = sent % args.addresses
-                pipe.evalsha(
-                    sha, 2,
-                    f"bench:{{k{key}}}:rule", f"bench:{{a{address}}}:ceiling",
-                    2000, 10_000, 167, 1, 36_000, 10_000, 167, 1,
-                )  # fmt: skip
-                sent += 1
+            todo = min(PIPELINE, due - sent)
+            while todo > 0:
+                # ``per_call`` requests in one call (a script that takes several), each
+                # a rule's key and its ceiling's
+                keys: list[str] = []
+                argv: list[int] = []
+                for _ in range(min(per_call, todo)):
+                    keys += [f"bench:{{k{sent % args.keys}}}:rule",
+                             f"bench:{{a{sent % args.addresses}}}:ceiling"]  # fmt: skip
+                    argv += [2] if counted_args else []
+                    argv += [2000, 10_000, 167, 1, 36_000, 10_000, 167, 1]
+                    sent += 1
+                    todo -= 1
+                pipe.evalsha(sha, len(keys), *keys, *argv)
             pipe.execute()
         calls = sent - calls0
         elapsed = time.monotonic() - round_start

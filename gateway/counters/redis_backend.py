@@ -33,6 +33,9 @@ from gateway.counters.resp import GivenUpError, RespClient, pack, reply_error
 SCRIPT_RESOURCE: Final = "sliding_window.lua"
 HEALTH_TIMEOUT_SECONDS: Final = 1.0
 MAX_CACHED_CALLS: Final = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
+# Requests in one script call: it holds the server about 10 us a request, so 64 bound
+# the time other clients wait behind one call to well under a millisecond.
+MAX_REQUESTS_PER_CALL: Final = 64
 
 RedisClient: TypeAlias = Redis | RedisCluster
 # What ``send_many`` hands back: one result or exception per entry, or why all failed.
@@ -78,9 +81,11 @@ def script_sha() -> str:
 
 
 def script_args(checks: Sequence[LimitCheck]) -> list[str | int]:
-    """``EVALSHA`` arguments after the SHA: key count, keys, then four values per key."""
+    """``EVALSHA`` arguments after the SHA for one request: key count, keys, then (its
+    ``ARGV``) the key count again and four values per key."""
     args: list[str | int] = [len(checks)]
     args.extend(check.key for check in checks)
+    args.append(len(checks))
     for check in checks:
         if check.window_ms <= 0 or check.bucket_ms <= 0 or check.limit < 0:
             raise ValueError("limit checks need window_ms > 0, bucket_ms > 0 and limit >= 0")
@@ -132,20 +137,80 @@ def _fill(
     return missing
 
 
+def _bulk(value: str | int) -> bytes:
+    """One RESP bulk string (as hiredis packs an argument: text as UTF-8)."""
+    data = value.encode() if isinstance(value, str) else b"%d" % value
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
 class _Call:
     """One request's EVALSHA: its arguments, validated, and once sent its bytes.
 
     The limiter hands the same checks object for an identity seen again (its own cache),
     so the call is kept per identity and its bytes are packed once: redis-py's packing
     was about half of the client's CPU per counter check in a pipeline of 50
-    (benchmarks/README.md, "Data plane", the Redis rows)."""
+    (benchmarks/README.md, "Data plane", the Redis rows). ``keys_part`` and
+    ``argv_part``: its keys and its ``ARGV`` values as RESP bulk strings, for a call
+    that carries several requests (``batched``)."""
 
-    __slots__ = ("args", "checks", "packed")
+    __slots__ = ("args", "argv_part", "checks", "keys_part", "packed")
 
     def __init__(self, checks: Sequence[LimitCheck], args: list[str | int]) -> None:
         self.checks = checks
         self.args = args
         self.packed: bytes | None = None
+        self.keys_part: bytes | None = None
+        self.argv_part = b""
+
+    def parts(self) -> bytes:
+        """Its keys' bulk strings (and ``argv_part`` filled in), packed once."""
+        keys = self.keys_part
+        if keys is None:
+            count = len(self.checks)
+            args = self.args
+            self.argv_part = b"".join([_bulk(a) for a in args[count + 1 :]])
+            keys = self.keys_part = b"".join([_bulk(a) for a in args[1 : count + 1]])
+        return keys
+
+
+def batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
+    """One EVALSHA carrying several requests' calls, in order (the script decides each as
+    if it came alone, after the ones before it)."""
+    keys = [call.parts() for call in calls]
+    key_count = 0
+    arg_count = 0
+    for call in calls:
+        count = len(call.checks)
+        key_count += count
+        arg_count += 1 + 4 * count
+    count_text = b"%d" % key_count
+    head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        3 + key_count + arg_count,
+        len(sha),
+        sha,
+        len(count_text),
+        count_text,
+    )
+    return b"".join([head, *keys, *[call.argv_part for call in calls]])
+
+
+def split_reply(reply: Any, calls: Sequence[_Call]) -> list[Any]:
+    """The reply of a ``batched`` call, cut into each request's own (as a call of its
+    own would have answered); an error reply, or a reply of the wrong length, is every
+    request's."""
+    if isinstance(reply, Exception):
+        return [reply] * len(calls)
+    if not isinstance(reply, list):
+        return [ResponseError("unexpected reply from the sliding-window script")] * len(calls)
+    parts: list[Any] = []
+    offset = 0
+    for call in calls:
+        end = offset + 2 + 3 * len(call.checks)
+        parts.append(reply[offset:end])
+        offset = end
+    if offset != len(reply):
+        return [ResponseError("unexpected reply from the sliding-window script")] * len(calls)
+    return parts
 
 
 class RedisBackend:
@@ -303,20 +368,40 @@ class RedisBackend:
             return False
         results: list[HitResult | Exception] = [HitResult(True, (), source="redis")] * len(batch)
         todo: list[int] = []
-        packed: list[bytes] = []
+        calls: list[_Call] = []
+        # One server (not a cluster, whose requests live in different slots): the
+        # requests go MAX_REQUESTS_PER_CALL to a script call, which costs Redis about
+        # half as much a request as a call each (benchmarks/script_cost.py).
+        together = not self._cluster
         sha = self._sha
         for index, checks in enumerate(batch):
             if not checks:
                 continue
             try:
                 call = self._call(checks)
-                if call.packed is None:  # a key that cannot be encoded fails here, alone
+                # A key that cannot be encoded fails here, alone.
+                if together:
+                    call.parts()
+                elif call.packed is None:
                     call.packed = pack(("EVALSHA", sha, *call.args))
             except ValueError as exc:
                 results[index] = exc
                 continue
-            packed.append(call.packed)
+            calls.append(call)
             todo.append(index)
+        if not todo:  # nothing to ask the store
+            asyncio.get_running_loop().call_soon(done, results)
+            return True
+        groups: list[list[_Call]] = []
+        packed: list[bytes] = []
+        if together:
+            sha_bytes = sha.encode()
+            for start in range(0, len(calls), MAX_REQUESTS_PER_CALL):
+                group = calls[start : start + MAX_REQUESTS_PER_CALL]
+                groups.append(group)
+                packed.append(batched(sha_bytes, group))
+        else:
+            packed = [call.packed for call in calls if call.packed is not None]
 
         def replied(replies: list[Any] | Exception) -> None:
             if isinstance(replies, Exception):
@@ -325,6 +410,11 @@ class RedisBackend:
                 else:
                     self._follow_up(self._again(batch, done))
                 return
+            if groups:
+                each: list[Any] = []
+                for group, reply in zip(groups, replies, strict=True):
+                    each.extend(split_reply(reply, group))
+                replies = each
             redirected: list[int] | None = [] if self._redirect is not None else None
             missing = _fill(batch, todo, replies, results, redirected)
             if missing or redirected:
@@ -332,9 +422,6 @@ class RedisBackend:
                 return
             done(results)
 
-        if not todo:  # nothing to ask the store
-            asyncio.get_running_loop().call_soon(done, results)
-            return True
         if not wire.send_now(b"".join(packed), len(packed), replied):
             return False
         self.round_trips += 1

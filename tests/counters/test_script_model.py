@@ -33,6 +33,7 @@ from tests.support.redis_servers import RedisServer
 CLOCK_LINES = (
     "local t = redis.call('TIME')\n"
     "local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)\n"
+    "local nargs = #ARGV\n"
 )
 
 
@@ -40,7 +41,7 @@ def clocked_script() -> str:
     """The shipped script, reading ``now`` (ms) from its last argument instead of TIME."""
     text = script_text()
     assert text.count(CLOCK_LINES) == 1, "the script's clock lines changed: update this test"
-    return text.replace(CLOCK_LINES, "local now = tonumber(ARGV[#ARGV])\n")
+    return text.replace(CLOCK_LINES, "local now = tonumber(ARGV[#ARGV])\nlocal nargs = #ARGV - 1\n")
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +224,75 @@ def test_memory_stays_bounded_as_the_window_moves(raw: redis.Redis) -> None:
         assert script.hit([check], now)[0]
         longest = max(longest, (raw.strlen(check.key) - 24) // 16)
     assert 10 <= longest <= 10 + 1 + 16  # the window's buckets, DEAD_MAX that left
+
+
+def _one_call(raw: redis.Redis, sha: str, requests: list[list[LimitCheck]], now: int) -> list:
+    """Several requests in one script call, as RedisBackend.send_many sends them."""
+    keys: list[str | int] = []
+    argv: list[str | int] = []
+    for checks in requests:
+        args = script_args(checks)
+        keys.extend(args[1 : len(checks) + 1])
+        argv.extend(args[len(checks) + 1 :])
+    reply = raw.evalsha(sha, len(keys), *keys, *argv, now)
+    answers, offset = [], 0
+    for checks in requests:
+        size = 2 + 3 * len(checks)
+        result, _ = parse_reply(reply[offset : offset + size], len(checks))
+        answers.append(
+            (result.admitted, [(s.allowed, s.remaining, s.reset_ms) for s in result.states])
+        )
+        offset += size
+    assert offset == len(reply)
+    return answers
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.integers(0, 70_000),  # time before this call
+            st.lists(  # its requests: which of four keys (one tag), and their limits
+                st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), min_size=1, max_size=3),
+                min_size=1,
+                max_size=12,
+            ),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_requests_in_one_call_are_decided_as_if_one_after_another(
+    raw: redis.Redis, rounds: list[tuple[int, list[list[tuple[int, int]]]]]
+) -> None:
+    """A key two requests of one call share sees the first one's count; each request
+    is all-or-nothing on its own; the answers are the model's, request by request."""
+    script, model = Script(raw), Model()
+    tag = uuid.uuid4().hex
+    now = 1_764_000_000_000 + 123
+    for step, requests in rounds:
+        now += step
+        batch = []
+        for limits in requests:
+            seen: dict[int, LimitCheck] = {}
+            for which, limit in limits:  # a key once per request
+                seen.setdefault(which, LimitCheck(f"rl:{{{tag}}}:{which}", limit, 60_000, 1_000))
+            batch.append(list(seen.values()))
+        expected = [model.hit(checks, now) for checks in batch]
+        assert _one_call(raw, script.sha, batch, now) == expected
+
+
+def test_a_value_of_another_type_fails_no_request_of_the_call(raw: redis.Redis) -> None:
+    script = Script(raw)
+    tag = uuid.uuid4().hex
+    hashed = LimitCheck(f"rl:{{{tag}}}:a", 5, 60_000, 1_000)
+    other = LimitCheck(f"rl:{{{tag}}}:b", 5, 60_000, 1_000)
+    raw.hset(hashed.key, "x", "1")  # an operator's hash where a counter goes
+    now = 1_764_000_000_000
+    assert _one_call(raw, script.sha, [[hashed], [other]], now) == [
+        (True, [(True, 4, 61_000)]),
+        (True, [(True, 4, 61_000)]),
+    ]
+    assert raw.type(hashed.key) == b"string"  # counted from scratch, in this layout

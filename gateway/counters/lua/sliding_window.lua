@@ -1,15 +1,24 @@
--- Sub-bucket sliding-window counters for one request: check every limit, then count
--- the request in all of them or in none (the same arithmetic as
--- gateway/ratelimit/window.py and gateway/counters/memory.py).
+-- Sub-bucket sliding-window counters for one or more requests, in order: for each,
+-- check every limit, then count the request in all of them or in none (the same
+-- arithmetic as gateway/ratelimit/window.py and gateway/counters/memory.py).
 --
--- KEYS[i]  one string per limit: 16-byte records, one per counted bucket, oldest first
---          (its index, now_ms // bucket_ms, and its count, at least 1), then a 24-byte
---          trailer: the byte offset of the first live record, the sum of the live
---          counts, and when the key expires (ms, the store's clock). All numbers are
---          little-endian doubles (struct '<d'), exact for every value a limit can reach.
---          All keys of one call share a hash tag, so one Redis Cluster slot.
--- ARGV     four values per key, in key order: limit, window_ms, bucket_ms, enforce (1|0).
--- Returns  {admitted (1|0), now_ms, then per key: allowed (1|0), remaining, reset_ms}.
+-- KEYS     the limits of every request, request after request; one string per limit:
+--          16-byte records, one per counted bucket, oldest first (its index,
+--          now_ms // bucket_ms, and its count, at least 1), then a 24-byte trailer: the
+--          byte offset of the first live record, the sum of the live counts, and when
+--          the key expires (ms, the store's clock). All numbers are little-endian
+--          doubles (struct '<d'), exact for every value a limit can reach. The keys of
+--          one request share a hash tag, so one Redis Cluster slot (a cluster's calls
+--          carry one request each).
+-- ARGV     per request: its number of keys n, then four values per key, in key order:
+--          limit, window_ms, bucket_ms, enforce (1|0).
+-- Returns  per request, one after the other: admitted (1|0), now_ms, then per key:
+--          allowed (1|0), remaining, reset_ms.
+--
+-- Why several requests a call: what any call costs Redis (the command, TIME, the Lua
+-- call and its reply) is about half of what one request's limits cost it; a gateway
+-- sends the requests of one pipeline in one call. Each request is decided as if it came
+-- alone, after the ones before it (a key two of them share sees the first one's count).
 --
 -- Why this layout (the previous one was a hash of buckets, read whole and sorted on
 -- every call: 29 us of server CPU a call on a fresh window, 71 us once windows held
@@ -40,6 +49,7 @@ local DEAD_MAX = 16 -- records left the window kept before the string is rewritt
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+local nargs = #ARGV
 
 -- The live records of ``stored`` (bytes ``from`` to ``upto``), with ``bucket`` counted
 -- once more, in bucket order: a bucket older than the newest (the store's clock stepped
@@ -88,92 +98,110 @@ local function until_room(stored, from, upto, newer, total, limit, window, width
   return r
 end
 
-local n = #KEYS
-local limits, windows, widths, enforced = {}, {}, {}, {}
-local stores, froms, totals, expiries = {}, {}, {}, {}
-local admitted = true
+-- One request: its ``n`` keys from KEYS[k0 + 1], their values from ARGV[a0 + 1]; its
+-- answer appended to ``out``.
+local function decide(k0, a0, n, out)
+  local limits, windows, widths, enforced = {}, {}, {}, {}
+  local stores, froms, totals, expiries = {}, {}, {}, {}
+  local admitted = true
 
-for i = 1, n do
-  local arg = (i - 1) * 4
-  local limit = tonumber(ARGV[arg + 1])
-  local window = tonumber(ARGV[arg + 2])
-  local width = tonumber(ARGV[arg + 3])
-  local stored = redis.call('GET', KEYS[i])
-  local total, from, expires = 0, 1, 0
-  if stored and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
-    local first
-    first, total, expires = unpack('<ddd', stored, #stored - TAIL + 1)
-    from = first + 1
-    local oldest, upto = floor((now - window) / width), #stored - TAIL
-    while from < upto do -- skip the records that left the window
-      local b, c = unpack('<dd', stored, from)
-      if b >= oldest then
-        break
-      end
-      total = total - c
-      from = from + REC
+  for i = 1, n do
+    local arg = a0 + (i - 1) * 4
+    local limit = tonumber(ARGV[arg + 1])
+    local window = tonumber(ARGV[arg + 2])
+    local width = tonumber(ARGV[arg + 3])
+    -- pcall: a value of another type at the key (an operator's) is not this layout
+    -- either, and must not fail the other requests of the call.
+    local stored = redis.pcall('GET', KEYS[k0 + i])
+    if type(stored) == 'table' then
+      stored = ''
     end
-  else
-    -- No key, or not this layout (written anew below): nothing counted.
-    stored = stored and '' or false
+    local total, from, expires = 0, 1, 0
+    if stored and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
+      local first
+      first, total, expires = unpack('<ddd', stored, #stored - TAIL + 1)
+      from = first + 1
+      local oldest, upto = floor((now - window) / width), #stored - TAIL
+      while from < upto do -- skip the records that left the window
+        local b, c = unpack('<dd', stored, from)
+        if b >= oldest then
+          break
+        end
+        total = total - c
+        from = from + REC
+      end
+    else
+      -- No key, or not this layout (written anew below): nothing counted.
+      stored = stored and '' or false
+    end
+    limits[i], windows[i], widths[i] = limit, window, width
+    enforced[i] = ARGV[arg + 4] == '1'
+    stores[i], froms[i], totals[i], expiries[i] = stored, from, total, expires
+    if enforced[i] and total >= limit then
+      admitted = false
+    end
   end
-  limits[i], windows[i], widths[i] = limit, window, width
-  enforced[i] = ARGV[arg + 4] == '1'
-  stores[i], froms[i], totals[i], expiries[i] = stored, from, total, expires
-  if enforced[i] and total >= limit then
-    admitted = false
+
+  out[#out + 1] = admitted and 1 or 0
+  out[#out + 1] = now
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local limit, window, width = limits[i], windows[i], widths[i]
+    local stored, from, total, expires = stores[i], froms[i], totals[i], expiries[i]
+    local upto = stored and #stored - TAIL or 0 -- the last byte of the records
+    local has_room = total < limit
+    local newer = nil
+    if admitted and has_room then
+      local cur = floor(now / width)
+      total = total + 1
+      local life = window + width
+      local written = false
+      if stored and stored ~= '' and (from - 1) / REC < DEAD_MAX then
+        -- In place, one write at the end: the newest record counted once more, or a new
+        -- one after it, then the trailer. A bucket that would outlive the key's expiry
+        -- pushes it on, two lives ahead (so about once a window, not once a bucket).
+        local live = from <= upto
+        local b, c
+        if live then
+          b, c = unpack('<dd', stored, upto - REC + 1)
+        end
+        if live and b == cur then
+          local tail = pack('<ddddd', b, c + 1, from - 1, total, expires)
+          redis.call('SETRANGE', key, upto - REC, tail)
+          written = true
+        elseif not live or b < cur then
+          if now + life > expires then
+            expires = now + 2 * life
+            redis.call('PEXPIRE', key, 2 * life)
+          end
+          redis.call('SETRANGE', key, upto, pack('<ddddd', cur, 1, from - 1, total, expires))
+          newer = cur
+          written = true
+        end
+      end
+      if not written then
+        -- Rewritten whole: a new key, records that left the window dropped, or a clock
+        -- that stepped back.
+        local records = counted(stored or '', from, upto, cur)
+        stored, from, upto, expires = records, 1, #records, now + 2 * life
+        redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', 2 * life)
+      end
+    end
+    local remaining = limit - total
+    if remaining < 0 then
+      remaining = 0
+    end
+    out[#out + 1] = has_room and 1 or 0
+    out[#out + 1] = remaining
+    out[#out + 1] = until_room(stored or '', from, upto, newer, total, limit, window, width)
   end
 end
 
-local out = {admitted and 1 or 0, now}
-for i = 1, n do
-  local key = KEYS[i]
-  local limit, window, width = limits[i], windows[i], widths[i]
-  local stored, from, total, expires = stores[i], froms[i], totals[i], expiries[i]
-  local upto = stored and #stored - TAIL or 0 -- the last byte of the records
-  local has_room = total < limit
-  local newer = nil
-  if admitted and has_room then
-    local cur = floor(now / width)
-    total = total + 1
-    local life = window + width
-    local written = false
-    if stored and stored ~= '' and (from - 1) / REC < DEAD_MAX then
-      -- In place, one write at the end: the newest record counted once more, or a new
-      -- one after it, then the trailer. A bucket that would outlive the key's expiry
-      -- pushes it on, two lives ahead (so about once a window, not once a bucket).
-      local live = from <= upto
-      local b, c
-      if live then
-        b, c = unpack('<dd', stored, upto - REC + 1)
-      end
-      if live and b == cur then
-        redis.call('SETRANGE', key, upto - REC, pack('<ddddd', b, c + 1, from - 1, total, expires))
-        written = true
-      elseif not live or b < cur then
-        if now + life > expires then
-          expires = now + 2 * life
-          redis.call('PEXPIRE', key, 2 * life)
-        end
-        redis.call('SETRANGE', key, upto, pack('<ddddd', cur, 1, from - 1, total, expires))
-        newer = cur
-        written = true
-      end
-    end
-    if not written then
-      -- Rewritten whole: a new key, records that left the window dropped, or a clock
-      -- that stepped back.
-      local records = counted(stored or '', from, upto, cur)
-      stored, from, upto, expires = records, 1, #records, now + 2 * life
-      redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', 2 * life)
-    end
-  end
-  local remaining = limit - total
-  if remaining < 0 then
-    remaining = 0
-  end
-  out[#out + 1] = has_room and 1 or 0
-  out[#out + 1] = remaining
-  out[#out + 1] = until_room(stored or '', from, upto, newer, total, limit, window, width)
+local out = {}
+local k0, a0 = 0, 0
+while a0 < nargs do
+  local n = tonumber(ARGV[a0 + 1])
+  decide(k0, a0 + 1, n, out)
+  k0, a0 = k0 + n, a0 + 1 + 4 * n
 end
 return out
