@@ -97,9 +97,13 @@ def parse_reply(reply: Any, count: int) -> tuple[HitResult, int]:
     """Turn the script's flat integer array into a result and the store's time (ms)."""
     if not isinstance(reply, list) or len(reply) != 2 + 3 * count:
         raise ResponseError("unexpected reply from the sliding-window script")
-    if count == 1:  # the common case, without a generator
+    if count == 1:  # the common cases (a rule; a rule and its ceiling), without a generator
         state = LimitState(bool(reply[2]), int(reply[3]), int(reply[4]))
         return HitResult(bool(reply[0]), (state,), source="redis"), int(reply[1])
+    if count == 2:
+        first = LimitState(bool(reply[2]), int(reply[3]), int(reply[4]))
+        second = LimitState(bool(reply[5]), int(reply[6]), int(reply[7]))
+        return HitResult(bool(reply[0]), (first, second), source="redis"), int(reply[1])
     states = tuple(
         LimitState(bool(reply[2 + 3 * i]), int(reply[3 + 3 * i]), int(reply[4 + 3 * i]))
         for i in range(count)
