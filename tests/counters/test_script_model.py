@@ -10,6 +10,7 @@ agree on every request: admitted or not, each limit's allowed, remaining and res
 
 from __future__ import annotations
 
+import struct
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -160,23 +161,78 @@ def test_the_script_agrees_with_the_arithmetic_and_the_memory_backend(
 
 
 @settings(
-    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    moves=st.lists(st.integers(-200_000, 20_000), min_size=1, max_size=50),
-    limit=st.integers(1, 8),
+    moves=st.lists(
+        st.tuples(st.integers(-200_000, 70_000), st.sampled_from(("a", "b", "ab"))),
+        min_size=1,
+        max_size=50,
+    ),
+    limits=st.tuples(st.integers(1, 8), st.integers(1, 8)),
 )
 def test_a_store_clock_that_steps_back_is_counted_as_the_arithmetic_says(
-    raw: redis.Redis, moves: list[int], limit: int
+    raw: redis.Redis, moves: list[tuple[int, str]], limits: tuple[int, int]
 ) -> None:
     """After a failover the new master's clock may be behind: a bucket older than the
-    newest goes in its place, and nothing counted is lost or counted twice."""
+    newest goes in its place, and nothing counted is lost or counted twice, nor is a
+    bucket that left the window counted again (a refused request records what left)."""
     script, model = Script(raw), Model()
+    tag = uuid.uuid4().hex
+    checks = {
+        name: LimitCheck(f"rl:{{{tag}}}:{name}", limit, 60_000, bucket_ms_for(60_000))
+        for name, limit in zip("ab", limits, strict=True)
+    }
     now = 1_764_000_000_000
-    checks = [LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", limit, 60_000, bucket_ms_for(60_000))]
-    for move in moves:
+    for move, which in moves:
         now += move
-        assert script.hit(checks, now) == model.hit(checks, now)
+        request = [checks[name] for name in which]
+        assert script.hit(request, now) == model.hit(request, now)
+
+
+def test_a_refused_request_records_what_left_the_window(raw: redis.Redis) -> None:
+    """The case that found it: B's bucket leaves while A refuses the request; then the
+    clock steps back and B must not count that bucket again."""
+    script, model = Script(raw), Model()
+    tag = uuid.uuid4().hex
+    a = LimitCheck(f"rl:{{{tag}}}:a", 1, 60_000, 1_000)
+    b = LimitCheck(f"rl:{{{tag}}}:b", 2, 60_000, 1_000)
+    start = 1_764_000_000_000
+    for at, request in ((0, [b]), (30_000, [a]), (30_000, [b]), (61_500, [a, b]), (40_000, [b])):
+        assert script.hit(request, start + at) == model.hit(request, start + at)
+
+
+def test_a_rewrite_after_the_clock_stepped_back_keeps_the_newer_buckets_alive(
+    raw: redis.Redis,
+) -> None:
+    script = Script(raw)
+    check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", 5, 60_000, 1_000)
+    start = 1_764_000_000_000
+    script.hit([check], start + 200_000)  # counted at T+200 s
+    script.hit([check], start + 50_000)  # the clock stepped back 150 s: rewritten
+    # The T+200 s bucket is counted until T+261 s: the key must outlive that (in the
+    # store's clock, 211 s after the second call).
+    assert raw.pttl(check.key) > 211_000
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"x" * 24,  # a huge total
+        struct.pack("<ddd", 0, float("nan"), 0),
+        struct.pack("<ddd", 8, 1, 0) + b"y" * 16,  # first not on a record
+        struct.pack("<ddd", 0, -3, 0),
+    ],
+)
+def test_a_value_that_only_looks_like_a_counter_is_counted_from_scratch(
+    raw: redis.Redis, value: bytes
+) -> None:
+    script = Script(raw)
+    check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:60s", 2, 60_000, 1_000)
+    raw.set(check.key, value)
+    now = 1_764_000_000_000
+    assert script.hit([check], now) == (True, [(True, 1, 61_000)])
+    assert raw.pttl(check.key) > 0
 
 
 def test_a_counted_call_writes_a_few_bytes_in_place(

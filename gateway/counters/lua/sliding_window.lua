@@ -9,7 +9,7 @@
 --          the key expires (ms, the store's clock). All numbers are little-endian
 --          doubles (struct '<d'), exact for every value a limit can reach. The keys of
 --          one request share a hash tag, so one Redis Cluster slot (a cluster's calls
---          carry one request each).
+--          carry one request each), and are distinct (the limiter never repeats one).
 -- ARGV     per request: its number of keys n, then four values per key, in key order:
 --          limit, window_ms, bucket_ms, enforce (1|0).
 -- Returns  per request, one after the other: admitted (1|0), now_ms, then per key:
@@ -28,7 +28,8 @@
 -- are skipped, not removed (the trailer says where the live ones start); the string is
 -- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
 -- only when a new bucket would outlive it, by two windows, so about once a window.
--- A refused call writes nothing. Keys of this layout end in ':v2' (limiter.LAYOUT),
+-- A refused call writes nothing, or when records left the window since the last
+-- write, the trailer's first two numbers. Keys of this layout end in ':v2' (limiter.LAYOUT),
 -- so gateways of both versions can share one Redis during an upgrade.
 --
 -- The time is the store's own (TIME), never a gateway's, so gateways with skewed
@@ -45,6 +46,7 @@ end
 local pack, unpack = struct.pack, struct.unpack
 local floor, tonumber = math.floor, tonumber
 local REC, TAIL = 16, 24 -- bytes: one record, the trailer
+local EXACT = 9007199254740992 -- 2^53: doubles are exact integers below it
 local DEAD_MAX = 16 -- records left the window kept before the string is rewritten
 
 local t = redis.call('TIME')
@@ -102,7 +104,7 @@ end
 -- answer appended to ``out``.
 local function decide(k0, a0, n, out)
   local limits, windows, widths, enforced = {}, {}, {}, {}
-  local stores, froms, totals, expiries = {}, {}, {}, {}
+  local stores, froms, totals, expiries, skipped = {}, {}, {}, {}, {}
   local admitted = true
 
   for i = 1, n do
@@ -117,11 +119,22 @@ local function decide(k0, a0, n, out)
       stored = ''
     end
     local total, from, expires = 0, 1, 0
+    local first, upto = 0, 0
     if stored and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
-      local first
-      first, total, expires = unpack('<ddd', stored, #stored - TAIL + 1)
+      upto = #stored - TAIL
+      first, total, expires = unpack('<ddd', stored, upto + 1)
+      -- A value of this length that is not a counter (someone else's) is not trusted:
+      -- the trailer must point at a record and hold sane numbers (NaN fails these).
+      if not (first >= 0 and first <= upto and first % REC == 0
+          and total >= 0 and total < EXACT and expires >= 0 and expires < EXACT) then
+        stored, first, total, expires = '', 0, 0, 0
+      end
+    elseif stored then
+      stored = '' -- not this layout: counted from scratch (written anew below)
+    end
+    if stored and stored ~= '' then
       from = first + 1
-      local oldest, upto = floor((now - window) / width), #stored - TAIL
+      local oldest = floor((now - window) / width)
       while from < upto do -- skip the records that left the window
         local b, c = unpack('<dd', stored, from)
         if b >= oldest then
@@ -130,13 +143,11 @@ local function decide(k0, a0, n, out)
         total = total - c
         from = from + REC
       end
-    else
-      -- No key, or not this layout (written anew below): nothing counted.
-      stored = stored and '' or false
     end
     limits[i], windows[i], widths[i] = limit, window, width
     enforced[i] = ARGV[arg + 4] == '1'
     stores[i], froms[i], totals[i], expiries[i] = stored, from, total, expires
+    skipped[i] = stored and stored ~= '' and from > first + 1
     if enforced[i] and total >= limit then
       admitted = false
     end
@@ -181,11 +192,19 @@ local function decide(k0, a0, n, out)
       end
       if not written then
         -- Rewritten whole: a new key, records that left the window dropped, or a clock
-        -- that stepped back.
+        -- that stepped back (then records newer than ``now`` may hold the expiry
+        -- further out: it never moves in).
         local records = counted(stored or '', from, upto, cur)
-        stored, from, upto, expires = records, 1, #records, now + 2 * life
-        redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', 2 * life)
+        if expires < now + 2 * life then
+          expires = now + 2 * life
+        end
+        stored, from, upto = records, 1, #records
+        redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', expires - now)
       end
+    elseif skipped[i] then
+      -- Not counted, but records left the window: the trailer says so (16 bytes), so a
+      -- store clock that later steps back does not count them again.
+      redis.call('SETRANGE', key, upto, pack('<dd', from - 1, total))
     end
     local remaining = limit - total
     if remaining < 0 then
