@@ -153,40 +153,40 @@ class _Call:
     The limiter hands the same checks object for an identity seen again (its own cache),
     so the call is kept per identity and its bytes are packed once: redis-py's packing
     was about half of the client's CPU per counter check in a pipeline of 50
-    (benchmarks/README.md, "Data plane", the Redis rows). ``keys_part`` and
-    ``argv_part``: its keys and its ``ARGV`` values as RESP bulk strings, for a call
-    that carries several requests (``batched``)."""
+    (benchmarks/README.md, "Data plane", the Redis rows). ``parts``: its keys and its
+    ``ARGV`` values as RESP bulk strings, for a call that carries several requests
+    (``batched``)."""
 
-    __slots__ = ("args", "argv_part", "checks", "keys_part", "packed")
+    __slots__ = ("_parts", "args", "checks", "packed")
 
     def __init__(self, checks: Sequence[LimitCheck], args: list[str | int]) -> None:
         self.checks = checks
         self.args = args
         self.packed: bytes | None = None
-        self.keys_part: bytes | None = None
-        self.argv_part = b""
+        self._parts: tuple[bytes, bytes] | None = None
 
-    def parts(self) -> bytes:
-        """Its keys' bulk strings (and ``argv_part`` filled in), packed once."""
-        keys = self.keys_part
-        if keys is None:
+    def parts(self) -> tuple[bytes, bytes]:
+        """Its keys' and its ``ARGV`` values' bulk strings, packed once (a key that
+        cannot be encoded raises ``ValueError`` here)."""
+        parts = self._parts
+        if parts is None:
             count = len(self.checks)
             args = self.args
-            self.argv_part = b"".join([_bulk(a) for a in args[count + 1 :]])
-            keys = self.keys_part = b"".join([_bulk(a) for a in args[1 : count + 1]])
-        return keys
+            parts = self._parts = (
+                b"".join([_bulk(a) for a in args[1 : count + 1]]),
+                b"".join([_bulk(a) for a in args[count + 1 :]]),
+            )
+        return parts
 
 
 def batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
     """One EVALSHA carrying several requests' calls, in order (the script decides each as
     if it came alone, after the ones before it)."""
-    keys = [call.parts() for call in calls]
+    parts = [call.parts() for call in calls]
     key_count = 0
-    arg_count = 0
     for call in calls:
-        count = len(call.checks)
-        key_count += count
-        arg_count += 1 + 4 * count
+        key_count += len(call.checks)
+    arg_count = key_count * 4 + len(calls)  # each request: its key count, four a key
     count_text = b"%d" % key_count
     head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
         3 + key_count + arg_count,
@@ -195,7 +195,7 @@ def batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
         len(count_text),
         count_text,
     )
-    return b"".join([head, *keys, *[call.argv_part for call in calls]])
+    return b"".join([head, *[keys for keys, _ in parts], *[argv for _, argv in parts]])
 
 
 def split_reply(reply: Any, calls: Sequence[_Call]) -> list[Any]:

@@ -83,6 +83,32 @@ async def test_a_burst_of_submits_leaves_in_one_pipeline(
     await coalescing.close()
 
 
+async def test_a_bad_request_fails_alone_in_a_call_it_shares(store: RedisBackend) -> None:
+    """Requests go several to a script call: one that cannot be sent (a check out of
+    range, a key that cannot be encoded) fails alone, and the others of its call are
+    answered as if each had been sent by itself."""
+    shared = LimitCheck(new_key(), limit=2, window_ms=60_000, bucket_ms=1_000)
+    bad_range = LimitCheck(new_key(), limit=1, window_ms=0, bucket_ms=100)
+    bad_key = LimitCheck(new_key() + "\udc80", limit=1, window_ms=60_000, bucket_ms=1_000)
+    await store.load_script()  # the lean connection is open: send_many sends at once
+    got: list[list[HitResult | Exception] | Exception] = []
+    batch = [[shared], [bad_range], [shared], [bad_key], [shared]]
+    assert store.send_many(batch, got.append)
+    for _ in range(200):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    [results] = got
+    assert not isinstance(results, Exception)
+    assert isinstance(results[1], ValueError) and isinstance(results[3], ValueError)
+    answers = [r for r in results if isinstance(r, HitResult)]
+    assert [(r.admitted, r.states[0].remaining) for r in answers] == [
+        (True, 1),
+        (True, 0),
+        (False, 0),
+    ]
+
+
 async def test_submit_refuses_by_callback_when_closed_or_overloaded(store: RedisBackend) -> None:
     check = LimitCheck(new_key(), limit=5, window_ms=60_000, bucket_ms=1_000)
     crowded = CoalescingBackend(store, max_pending=1)

@@ -29,8 +29,8 @@
 -- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
 -- only when a new bucket would outlive it, by two windows, so about once a window.
 -- A refused call writes nothing, or when records left the window since the last
--- write, the trailer's first two numbers. Keys of this layout end in ':v2' (limiter.LAYOUT),
--- so gateways of both versions can share one Redis during an upgrade.
+-- write, the trailer's first two numbers. Keys of this layout end in ':v2'
+-- (limiter.LAYOUT), so gateways of both versions can share one Redis during an upgrade.
 --
 -- The time is the store's own (TIME), never a gateway's, so gateways with skewed
 -- clocks agree. Every key expires at most two windows (plus two buckets) after the last
@@ -104,7 +104,7 @@ end
 -- answer appended to ``out``.
 local function decide(k0, a0, n, out)
   local limits, windows, widths, enforced = {}, {}, {}, {}
-  local stores, froms, totals, expiries, skipped = {}, {}, {}, {}, {}
+  local stores, froms, uptos, totals, expiries, skipped = {}, {}, {}, {}, {}, {}
   local admitted = true
 
   for i = 1, n do
@@ -113,26 +113,24 @@ local function decide(k0, a0, n, out)
     local window = tonumber(ARGV[arg + 2])
     local width = tonumber(ARGV[arg + 3])
     -- pcall: a value of another type at the key (an operator's) is not this layout
-    -- either, and must not fail the other requests of the call.
+    -- either, and must not fail the other requests of the call. No key, or a value
+    -- not of this layout: '' (nothing counted; written anew when counted).
     local stored = redis.pcall('GET', KEYS[k0 + i])
-    if type(stored) == 'table' then
-      stored = ''
-    end
     local total, from, expires = 0, 1, 0
     local first, upto = 0, 0
-    if stored and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
+    if type(stored) == 'string' and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
       upto = #stored - TAIL
       first, total, expires = unpack('<ddd', stored, upto + 1)
       -- A value of this length that is not a counter (someone else's) is not trusted:
       -- the trailer must point at a record and hold sane numbers (NaN fails these).
       if not (first >= 0 and first <= upto and first % REC == 0
           and total >= 0 and total < EXACT and expires >= 0 and expires < EXACT) then
-        stored, first, total, expires = '', 0, 0, 0
+        stored, first, upto, total, expires = '', 0, 0, 0, 0
       end
-    elseif stored then
-      stored = '' -- not this layout: counted from scratch (written anew below)
+    else
+      stored = ''
     end
-    if stored and stored ~= '' then
+    if stored ~= '' then
       from = first + 1
       local oldest = floor((now - window) / width)
       while from < upto do -- skip the records that left the window
@@ -146,8 +144,8 @@ local function decide(k0, a0, n, out)
     end
     limits[i], windows[i], widths[i] = limit, window, width
     enforced[i] = ARGV[arg + 4] == '1'
-    stores[i], froms[i], totals[i], expiries[i] = stored, from, total, expires
-    skipped[i] = stored and stored ~= '' and from > first + 1
+    stores[i], froms[i], uptos[i], totals[i], expiries[i] = stored, from, upto, total, expires
+    skipped[i] = from > first + 1
     if enforced[i] and total >= limit then
       admitted = false
     end
@@ -158,8 +156,8 @@ local function decide(k0, a0, n, out)
   for i = 1, n do
     local key = KEYS[k0 + i]
     local limit, window, width = limits[i], windows[i], widths[i]
-    local stored, from, total, expires = stores[i], froms[i], totals[i], expiries[i]
-    local upto = stored and #stored - TAIL or 0 -- the last byte of the records
+    local stored, from, upto = stores[i], froms[i], uptos[i] -- upto: the records' last byte
+    local total, expires = totals[i], expiries[i]
     local has_room = total < limit
     local newer = nil
     if admitted and has_room then
@@ -167,7 +165,7 @@ local function decide(k0, a0, n, out)
       total = total + 1
       local life = window + width
       local written = false
-      if stored and stored ~= '' and (from - 1) / REC < DEAD_MAX then
+      if stored ~= '' and (from - 1) / REC < DEAD_MAX then
         -- In place, one write at the end: the newest record counted once more, or a new
         -- one after it, then the trailer. A bucket that would outlive the key's expiry
         -- pushes it on, two lives ahead (so about once a window, not once a bucket).
@@ -194,7 +192,7 @@ local function decide(k0, a0, n, out)
         -- Rewritten whole: a new key, records that left the window dropped, or a clock
         -- that stepped back (then records newer than ``now`` may hold the expiry
         -- further out: it never moves in).
-        local records = counted(stored or '', from, upto, cur)
+        local records = counted(stored, from, upto, cur)
         if expires < now + 2 * life then
           expires = now + 2 * life
         end
@@ -212,7 +210,7 @@ local function decide(k0, a0, n, out)
     end
     out[#out + 1] = has_room and 1 or 0
     out[#out + 1] = remaining
-    out[#out + 1] = until_room(stored or '', from, upto, newer, total, limit, window, width)
+    out[#out + 1] = until_room(stored, from, upto, newer, total, limit, window, width)
   end
 end
 
