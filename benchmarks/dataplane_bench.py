@@ -379,6 +379,7 @@ class Result:
     errors: int = 0
     cpu_us_per_request: float | None = None
     load_cpu_us_per_request: float | None = None  # wrk + nginx + redis-server
+    kernel_share: float | None = None  # of cpu_us_per_request, the kernel's (stime)
     other_cpu_pct: float | None = None  # CPU of processes not started here, % of a core
     core_busy: dict[str, float] = field(default_factory=dict)
     vs_envoy: float | None = None
@@ -514,12 +515,19 @@ def descendants(pid: int) -> list[int]:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of pid's process tree (all threads), in seconds."""
-    total = 0
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of pid's process tree (all threads), in seconds: the process's own
+    work and the kernel's on its behalf (system calls, the loopback TCP stack)."""
+    user = system = 0
     for member in descendants(pid):
         stat = read_stat(member)
         if stat is not None:
-            total += int(stat[11]) + int(stat[12])  # utime, stime: fields 14 and 15
-    return total / CLK_TCK
+            user += int(stat[11])  # utime: field 14
+            system += int(stat[12])  # stime: field 15
+    return user / CLK_TCK, system / CLK_TCK
 
 
 def core_times() -> dict[str, tuple[int, int, int]]:
@@ -1035,14 +1043,14 @@ class Bench:
                 result.notes.append(f"{total} warm-up requests")
             helpers = [p.pid for p in (self.nginx, self.redis, *self.cluster) if p is not None]
             profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
-            cpu0, cores0 = cpu_seconds(proc.pid), core_times()
+            split0, cores0 = cpu_split(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
             out = self.load.run(
                 url, self.args.seconds, connections, prefix, row.keys, xff=xff, spread=spread
             )
             if profiler is not None:
                 self.finish_profile(profiler, tag)
-            cpu1, cores1 = cpu_seconds(proc.pid), core_times()
+            split1, cores1 = cpu_split(proc.pid), core_times()
             helpers1, wall1 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
             if not out["requests"]:
                 raise RuntimeError(
@@ -1062,8 +1070,11 @@ class Bench:
         result.non2xx, result.errors = out["non2xx"], out["errors"]
         if row.kind == "stream" and out["seconds"]:
             result.mb_per_s = out["bytes"] / out["seconds"] / 1e6
+        cpu0, cpu1 = sum(split0), sum(split1)
         if out["requests"]:
             result.cpu_us_per_request = (cpu1 - cpu0) * 1e6 / out["requests"]
+        if cpu1 > cpu0:
+            result.kernel_share = (split1[1] - split0[1]) / (cpu1 - cpu0)
         ours = (cpu1 - cpu0) + (helpers1 - helpers0) + out["cpu_seconds"]
         if out["requests"]:
             result.load_cpu_us_per_request = (
@@ -1107,7 +1118,10 @@ class Bench:
                    "--", "sleep", str(self.args.seconds)]  # fmt: skip
         else:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            cmd = [spy, "record", "--pid", str(proc.pid), "--nonblocking", "--rate", "500",
+            # --native shows the compiled modules and C (mypyc, uvloop, llhttp, the system
+            # calls) but pauses the process for each sample: proportions, not the rate.
+            how = ["--native"] if self.args.profiler == "py-spy-native" else ["--nonblocking"]
+            cmd = [spy, "record", "--pid", str(proc.pid), *how, "--rate", "500",
                    "--format", "raw", "--duration", str(self.args.seconds),
                    "--output", str(directory / f"{tag}.txt")]  # fmt: skip
         return self.procs.start(f"profiler-{tag}", cmd, "1")
@@ -1240,13 +1254,14 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def markdown(results: list[Result]) -> str:
     lines = [
-        "| row | req/s | p50 ms | p99 ms | vs Envoy | vs bare 429 | CPU µs/req | MB/s "
-        "| core 0 / 1 busy | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| row | req/s | p50 ms | p99 ms | vs Envoy | vs bare 429 | CPU µs/req | of it kernel "
+        "| MB/s | core 0 / 1 busy | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         if r.error:
-            lines.append(f"| {r.title} | failed | | | | | | | | {r.error.splitlines()[0][:120]} |")
+            why = r.error.splitlines()[0][:120]
+            lines.append(f"| {r.title} | failed | | | | | | | | | {why} |")
             continue
         busy = (
             f"{r.core_busy.get('cpu0', 0):.0f} % / {r.core_busy.get('cpu1', 0):.0f} %"
@@ -1256,7 +1271,9 @@ def markdown(results: list[Result]) -> str:
         lines.append(
             f"| {r.title} | {fmt(r.rps, ',.0f')} | {fmt(r.p50_ms, '.2f')} "
             f"| {fmt(r.p99_ms, '.2f')} | {fmt(r.vs_envoy, '.2f')} | {fmt(r.vs_bare_429, '.2f')} "
-            f"| {fmt(r.cpu_us_per_request, ',.0f')} | {fmt(r.mb_per_s, ',.0f')} | {busy} "
+            f"| {fmt(r.cpu_us_per_request, ',.0f')} "
+            f"| {fmt(None if r.kernel_share is None else r.kernel_share * 100, '.0f', ' %')} "
+            f"| {fmt(r.mb_per_s, ',.0f')} | {busy} "
             f"| {'; '.join(r.notes)} |"
         )
     return "\n".join(lines)
@@ -1381,10 +1398,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--profiler",
-        choices=("py-spy", "perf"),
+        choices=("py-spy", "py-spy-native", "perf"),
         default="py-spy",
         help="with --profile: py-spy (interpreted Python frames only: compiled functions "
-        "are not seen, their time goes to the nearest interpreted caller or to none) or "
+        "are not seen, their time goes to the nearest interpreted caller or to none), "
+        "py-spy-native (C and compiled frames too, system calls included; it pauses the "
+        "gateway for each sample, so read proportions, not the row's rate) or "
         "perf (C symbols, compiled modules included, interpreted Python only as the "
         "interpreter's own functions)",
     )

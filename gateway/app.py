@@ -66,6 +66,21 @@ log = logging.getLogger("gateway")
 STORE_PREFIXES = ("/store",)
 # Container allocations (net) between young collections; CPython's default is 700.
 GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_collector() -> None:
+    """The cyclic collector as a started gateway runs it (and the instruction benchmark,
+    ``benchmarks/dataplane_instructions.py``, measures it)."""
+    # What start-up built lives as long as the process: out of the collector's reach,
+    # full collections stay short (they otherwise showed in the p99).
+    gc.freeze()
+    # And fewer collections: the per-identity caches (checks, EVALSHA bytes, deny cache)
+    # are long-lived containers each full collection walks again; at the default 700
+    # allocations per young collection those came every few seconds under load and set
+    # the Redis row's p99 (8.0 -> 3.4 ms; benchmarks/README.md, "Collector").
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 CONTROL_PLANE_PREFIXES = (
     "/v1/integrations",
     "/v2/deployments",
@@ -695,15 +710,7 @@ async def serve(
             log.info("gateway listening on %s", address)
         if proxy.tls is not None:
             certificates.append(proxy.tls)
-        # What start-up built lives as long as the process: out of the collector's
-        # reach, full collections stay short (they otherwise showed in the p99).
-        gc.freeze()
-        # And fewer collections: the per-identity caches (checks, EVALSHA bytes, deny
-        # cache) are long-lived containers each full collection walks again; at the
-        # default 700 allocations per young collection those came every few seconds
-        # under load and set the Redis row's p99 (8.0 -> 3.4 ms; benchmarks/README.md,
-        # "Collector").
-        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+        tune_collector()
         gateway = proxy.gateway
         assert gateway is not None
         recent = gateway.access_log.recent_limited
