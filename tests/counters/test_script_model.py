@@ -352,3 +352,39 @@ def test_a_value_of_another_type_fails_no_request_of_the_call(raw: redis.Redis) 
         (True, [(True, 4, 61_000)]),
     ]
     assert raw.type(hashed.key) == b"string"  # counted from scratch, in this layout
+
+
+def test_a_call_reads_its_keys_with_one_mget(raw: redis.Redis, redis_server: RedisServer) -> None:
+    """Every key of a call is read by one MGET, not a command a key (each cost the server
+    about as much as the rest of a request's work: benchmarks/script_cost.py); only a key
+    an earlier request of the call wrote is read again, with GET."""
+    script = Script(raw)
+    tag = uuid.uuid4().hex
+    shared = LimitCheck(f"rl:{{{tag}}}:ceiling", 100, 60_000, 1_000)
+    batch = [[LimitCheck(f"rl:{{{tag}}}:{i}", 5, 60_000, 1_000), shared] for i in range(10)]
+    before = redis_server.commandstats()
+    answers = _one_call(raw, script.sha, batch, 1_764_000_000_000)
+    after = redis_server.commandstats()
+    assert [states[1][1] for _, states in answers] == list(range(99, 89, -1))
+    assert after.get("mget", 0) - before.get("mget", 0) == 1
+    # The ceiling, shared by all ten, is read again by the nine after the first.
+    assert after.get("get", 0) - before.get("get", 0) == 9
+
+
+def test_a_call_of_more_keys_than_one_mget_takes_reads_them_one_by_one(
+    raw: redis.Redis, redis_server: RedisServer
+) -> None:
+    """Past MGET_MAX keys (Lua's stack bounds how many one MGET takes) each key is read
+    with GET, and the answers are the model's all the same."""
+    script, model = Script(raw), Model()
+    tag = uuid.uuid4().hex
+    now = 1_764_000_000_000
+    batch = [
+        [LimitCheck(f"rl:{{{tag}}}:{i % 700}", 2, 60_000, 1_000)] for i in range(1_400)
+    ]  # 1,400 keys, each of 700 twice: the second sees the first's count
+    expected = [model.hit(checks, now) for checks in batch]
+    before = redis_server.commandstats()
+    assert _one_call(raw, script.sha, batch, now) == expected
+    after = redis_server.commandstats()
+    assert after.get("mget", 0) == before.get("mget", 0)
+    assert after.get("get", 0) - before.get("get", 0) == 1_400

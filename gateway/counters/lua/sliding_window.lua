@@ -22,8 +22,8 @@
 --
 -- Why this layout (the previous one was a hash of buckets, read whole and sorted on
 -- every call: 29 us of server CPU a call on a fresh window, 71 us once windows held
--- their ~60 buckets; benchmarks/script_cost.py): a call reads each key once and writes
--- at most a few bytes at its end, with one SETRANGE: the newest record counted once
+-- their ~60 buckets; benchmarks/script_cost.py): a call reads all its keys with one
+-- MGET and writes at most a few bytes at each one's end, with one SETRANGE: the newest record counted once
 -- more, or a new record, each with the trailer after it. Records that left the window
 -- are skipped, not removed (the trailer says where the live ones start); the string is
 -- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
@@ -43,6 +43,7 @@ if redis.replicate_commands then
   redis.replicate_commands()
 end
 
+local spread = unpack -- Lua's own, before ``unpack`` names struct's below
 local pack, unpack = struct.pack, struct.unpack
 local floor, tonumber = math.floor, tonumber
 local REC, TAIL = 16, 24 -- bytes: one record, the trailer
@@ -52,6 +53,17 @@ local DEAD_MAX = 16 -- records left the window kept before the string is rewritt
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 local nargs = #ARGV
+
+-- Every key's value, read with one MGET (a command per key cost the server about as much
+-- as the rest of a request's work); a key written by an earlier request of this call is
+-- read again with GET, as it now is. MGET answers false for a key holding another type
+-- (an operator's): nothing counted, as for no key, and written anew with SET if counted.
+local MGET_MAX = 1000 -- keys read at once at most (Lua's stack bounds ``spread``)
+local values = {}
+if #KEYS <= MGET_MAX then
+  values = redis.call('MGET', spread(KEYS))
+end
+local written = {}
 
 -- The live records of ``stored`` (bytes ``from`` to ``upto``), with ``bucket`` counted
 -- once more, in bucket order: a bucket older than the newest (the store's clock stepped
@@ -102,9 +114,11 @@ end
 
 -- One request: its ``n`` keys from KEYS[k0 + 1], their values from ARGV[a0 + 1]; its
 -- answer appended to ``out``.
+-- Per key of the request being decided (entries 1 to n), reused from request to request.
+local limits, windows, widths, enforced = {}, {}, {}, {}
+local stores, froms, uptos, totals, expiries, skipped = {}, {}, {}, {}, {}, {}
+
 local function decide(k0, a0, n, out)
-  local limits, windows, widths, enforced = {}, {}, {}, {}
-  local stores, froms, uptos, totals, expiries, skipped = {}, {}, {}, {}, {}, {}
   local admitted = true
 
   for i = 1, n do
@@ -115,7 +129,13 @@ local function decide(k0, a0, n, out)
     -- pcall: a value of another type at the key (an operator's) is not this layout
     -- either, and must not fail the other requests of the call. No key, or a value
     -- not of this layout: '' (nothing counted; written anew when counted).
-    local stored = redis.pcall('GET', KEYS[k0 + i])
+    local key = KEYS[k0 + i]
+    local stored
+    if written[key] or #KEYS > MGET_MAX then
+      stored = redis.pcall('GET', key)
+    else
+      stored = values[k0 + i]
+    end
     local total, from, expires = 0, 1, 0
     local first, upto = 0, 0
     if type(stored) == 'string' and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
@@ -161,6 +181,7 @@ local function decide(k0, a0, n, out)
     local has_room = total < limit
     local newer = nil
     if admitted and has_room then
+      written[key] = true -- counted: in place or rewritten, below
       local cur = floor(now / width)
       total = total + 1
       local life = window + width
@@ -202,6 +223,7 @@ local function decide(k0, a0, n, out)
     elseif skipped[i] then
       -- Not counted, but records left the window: the trailer says so (16 bytes), so a
       -- store clock that later steps back does not count them again.
+      written[key] = true
       redis.call('SETRANGE', key, upto, pack('<dd', from - 1, total))
     end
     local remaining = limit - total
