@@ -36,6 +36,7 @@ HOT_MODULES = (
     "gateway.counters.resilient",
     "gateway.counters.coalesce",
     "gateway.counters.redis_backend",
+    "gateway.counters.cluster",
     "gateway.counters.resp",
     "gateway.proxy.plane",
     "gateway.metrics",

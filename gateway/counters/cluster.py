@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 from typing import Final
 
 from redis.asyncio.cluster import RedisCluster
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from gateway.counters.base import (
     CounterBackend,
@@ -86,6 +86,7 @@ LATE_SEND_SECONDS: Final = 10.0
 # hard bounds with the default timeouts), so none is in flight on it any more.
 RETIRE_REFRESHES: Final = 3
 RETIRE_SECONDS: Final = 10.0
+CLUSTER_SLOTS: Final = 16384  # Redis Cluster's key space (redis.crc.REDIS_CLUSTER_HASH_SLOTS)
 
 _BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 
@@ -166,6 +167,20 @@ class _NodeEvents:
         self._breakers.events.deny_cache_hit()
 
 
+def slot_of(key: str) -> int:
+    """The Redis Cluster slot of ``key`` (CRC16 of its hash tag, or of the whole key
+    without one), as ``redis.crc.key_slot`` computes it from the key's UTF-8 bytes; here
+    compiled (gateway.native), where that one runs as Python code for every call.
+    tests/counters/test_cluster_slots.py checks the two agree."""
+    data = key.encode()
+    start = data.find(b"{")
+    if start >= 0:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    return crc_hqx(data, 0) % CLUSTER_SLOTS
+
+
 def _address(node: str) -> tuple[str, int] | None:
     """``host:port`` (as redis-py names nodes and Redis names them in redirections) as a
     pair; None for an endpoint a redirection leaves unknown (``?:port``, ``:port``)."""
@@ -226,6 +241,9 @@ class PerNodeBackend:
         self.tried_again = 0
         self.refreshes = 0
         self.retired = 0
+        # Kept per instance (tests shorten it): a module constant is inlined where this
+        # module is compiled (gateway.native).
+        self.retire_seconds = RETIRE_SECONDS
 
     @property
     def name(self) -> str:
@@ -247,7 +265,7 @@ class PerNodeBackend:
         return self._stores
 
     def node_for(self, key: str) -> str:
-        return self.node_for_slot(key_slot(key.encode()))
+        return self.node_for_slot(slot_of(key))
 
     def node_for_slot(self, slot: int) -> str:
         nodes = self._client.nodes_manager.slots_cache.get(slot)
@@ -512,7 +530,7 @@ class PerNodeBackend:
             return
         slots = client.nodes_manager.slots_cache
         masters = {nodes[0].name for nodes in slots.values() if nodes}
-        if len(slots) < REDIS_CLUSTER_HASH_SLOTS:
+        if len(slots) < CLUSTER_SLOTS:
             masters.add("")  # a slot without a master: its calls go to "" (redis-py)
         departed = frozenset(node for node in self._stacks if node not in masters)
         self._retire(departed)
@@ -530,7 +548,7 @@ class PerNodeBackend:
         for node in departed:
             first, seen = since.get(node, (now, 0))
             seen += 1
-            if seen < RETIRE_REFRESHES or now - first < RETIRE_SECONDS:
+            if seen < RETIRE_REFRESHES or now - first < self.retire_seconds:
                 since[node] = (first, seen)
                 continue
             del since[node]
@@ -551,7 +569,7 @@ class PerNodeBackend:
     def _check_retiring_later(self) -> None:
         if self._departed_since and self._retire_timer is None and not self._closed:
             loop = asyncio.get_running_loop()
-            self._retire_timer = loop.call_later(RETIRE_SECONDS, self._retire_check)
+            self._retire_timer = loop.call_later(self.retire_seconds, self._retire_check)
 
     def _retire_check(self) -> None:
         # Not held back by REFRESH_INTERVAL_SECONDS: the chain of checks would end.

@@ -68,7 +68,9 @@ class DataPlane:
         self._refused_logged = 0.0
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._addresses: dict[Upstream, tuple[str, int, bool, str]] = {}
+        # By base URL, all an address comes from: a str hashes in C, while Upstream's
+        # dataclass __hash__ ran as Python code on every request.
+        self._addresses: dict[str, tuple[str, int, bool, str]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         shortest = min(
             limits.header_timeout, limits.client_idle_timeout, limits.body_read_timeout,
@@ -130,9 +132,9 @@ class DataPlane:
             log.error("request task failed", exc_info=task.exception())
 
     def address(self, upstream: Upstream) -> tuple[str, int, bool, str]:
-        found = self._addresses.get(upstream)
+        found = self._addresses.get(upstream.base_url)
         if found is None:
-            found = self._addresses[upstream] = upstream.address()
+            found = self._addresses[upstream.base_url] = upstream.address()
         return found
 
     def take_upload(self, client: str) -> int:

@@ -530,17 +530,17 @@ async def test_calls_after_close_are_refused_and_make_nothing(
 
 
 async def test_stacks_of_masters_that_serve_no_slot_are_closed(
-    own_cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
+    own_cluster: RedisClusterProcess,
 ) -> None:
     """Two failovers in a row, each to a new replica: the stack of the master that left
     is closed (its connection too) a few refreshes later, so only masters' stacks stay."""
-    monkeypatch.setattr(cluster_module, "RETIRE_SECONDS", 0.3)
     master = own_cluster.servers[0]
     slots = owners(own_cluster)
     keys = [k for k in (new_key() for _ in range(200)) if slots[key_slot(k.encode())] is master][:3]
     events = RecordingEvents()
     backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0, events=events)
     nodes = nodes_of(backend)
+    nodes.retire_seconds = 0.3
     try:
         await nodes.refresh_slot_map()
         calls = 1
