@@ -3,7 +3,8 @@
 Besides what happened (rule, decision, status), a line carries every identity component a
 rule could use, so ``gateway rules simulate`` can replay it through another table: the
 keyed hashes (first 12 hex, as ``identity`` shows them) of the request's ``api_key``,
-``user_ip`` and ``ip`` identities, the client address (an IPv6 client as its prefix), the
+``user_ip`` and ``ip`` identities (and ``client_cert``, when the TLS port verified a client
+certificate), the client address (an IPv6 client as its prefix), the
 region, the method, the normalised path, and ``start_us``, when the request began (epoch
 microseconds). The hashes are taken from the request's
 ``RequestIdentity`` when the line is formatted: the ones rule matching computed are
@@ -47,6 +48,7 @@ _time: Final = time.time
 _IP: Final = IdentityKind.IP
 _API_KEY: Final = IdentityKind.API_KEY
 _USER_IP: Final = IdentityKind.USER_IP
+_CLIENT_CERT: Final = IdentityKind.CLIENT_CERT
 
 MAX_BATCH: Final = 256
 FLUSH_SECONDS: Final = 0.05  # the longest a line waits in the buffer
@@ -84,6 +86,8 @@ class AccessRecord:
     # (both kept to a plain alphabet where they are read).
     consumer: str | None = None
     tier: str | None = None
+    # The client_cert identity's hash, 12 hex: only with a verified client certificate.
+    cert: str | None = None
     # Where ``emit`` takes the hashes from (never written itself).
     identities: RequestIdentity | None = None
 
@@ -110,6 +114,7 @@ class AccessRecord:
         start_us: int | None = None,
         consumer: str | None = None,
         tier: str | None = None,
+        cert: str | None = None,
         identities: RequestIdentity | None = None,
     ) -> None:
         self.method = method
@@ -131,6 +136,7 @@ class AccessRecord:
         self.start_us = start_us
         self.consumer = consumer
         self.tier = tier
+        self.cert = cert
         self.identities = identities
 
 
@@ -214,7 +220,8 @@ def json_line(r: AccessRecord) -> str:
         f'"ip":{"null" if r.ip is None else _q(r.ip)},'
         f'"start_us":{"null" if r.start_us is None else str(r.start_us)},'
         f'"consumer":{"null" if r.consumer is None else _q(r.consumer)},'
-        f'"tier":{"null" if r.tier is None else _q(r.tier)}}}'
+        f'"tier":{"null" if r.tier is None else _q(r.tier)},'
+        f'"cert":{"null" if r.cert is None else _q(r.cert)}}}'
     )
 
 
@@ -305,9 +312,10 @@ def plain_line(r: AccessRecord) -> str:
         if r.consumer is None and r.tier is None
         else f" consumer={_optional(r.consumer)} tier={_optional(r.tier)}"
     )
+    cert = "" if r.cert is None else f" cert={r.cert}"  # a verified client certificate's
     return (
         f"{head}{r.identity or '-'} upstream={upstream or '-'} dur_ms={tenths(r.duration_ms)} "
-        f"upstream_ms={upstream_ms} rid={rid or '-'}{when}{ids}{verified}"
+        f"upstream_ms={upstream_ms} rid={rid or '-'}{when}{ids}{verified}{cert}"
     )
 
 
@@ -353,6 +361,8 @@ def _quoted_line(r: AccessRecord) -> str:
         )
     if r.consumer is not None or r.tier is not None:
         line = f"{line} consumer={_optional(r.consumer)} tier={_optional(r.tier)}"
+    if r.cert is not None:
+        line = f"{line} cert={_field(r.cert)}"
     return line
 
 
@@ -419,6 +429,9 @@ class AccessLogger:
             record.key = key and key[:12]
             record.user = user and user[:12]
             record.ip = ip or None
+            if ids.client_cert is not None:  # (the rule matching computed it if it used it)
+                cert = ids.key_for(_CLIENT_CERT)
+                record.cert = cert and cert[:12]
             record.start_us = int(now * 1e6 - record.duration_ms * 1000)
         lines.append(self._format(record))
         if len(lines) >= self.max_batch:

@@ -54,18 +54,20 @@ _V = r'((?>"[^"\\]*+(?:\\.[^"\\]*+)*+"|[^ "][^ ]*+|))'
 # The path, before the request's closing quote: written as it is, it may hold quotes.
 _P = r'((?>"[^"\\]*+(?:\\.[^"\\]*+)*+")|[^ "][^ ]*|)'
 # client "METHOD path" status, then the fields in the order plain_line writes them
-# (time since 2026-11-23, the identity components since the replay exists).
+# (time since 2026-11-23, the identity components since the replay exists, a client
+# certificate's hash since 2026-11-26).
 _PLAIN_HEAD = re.compile(rf'{_V} "{_V} {_P}" (-?[0-9]+) region=')
 _PLAIN = re.compile(
     rf'{_V} "{_V} {_P}" (-?[0-9]+) region={_V} rule={_V} decision={_V} id={_V} '
     rf"upstream={_V} dur_ms={_V} upstream_ms={_V} rid={_V}(?: time={_V})?"
     rf"(?: key={_V} user={_V} ip={_V} start_us={_V})?"
     rf"(?: consumer={_V} tier={_V})?"
+    rf"(?: cert={_V})?"
 )
 PLAIN_FIELDS = (
     "client", "method", "path", "status", "region", "rule", "decision", "id", "upstream",
     "dur_ms", "upstream_ms", "rid", "time", "key", "user", "ip", "start_us", "consumer",
-    "tier",
+    "tier", "cert",
 )  # fmt: skip
 # Fields where a bare "-" stands for none.
 _OPTIONAL = frozenset({"rule", "decision", "id", "upstream", "upstream_ms", "rid", "key",
@@ -85,6 +87,7 @@ class Request(NamedTuple):
     decision: str | None  # what the gateway logged: allowed, limited, exempt, ...
     request_id: str | None
     tier: str | None = None  # a verified identity's tier: it picks a rule's tier limits
+    cert: str | None = None  # client_cert identity hash (a verified client certificate)
 
 
 @dataclass
@@ -193,6 +196,11 @@ def _from_json(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Re
         tier = None
     elif (tier := _token(tier, strings, tokens)) is None:
         return MALFORMED
+    cert = get("cert")
+    if cert is None or cert == "":
+        cert = None
+    elif (cert := _token(cert, strings, tokens)) is None:
+        return MALFORMED
     # One setdefault per repeated string: a million requests share a few thousand.
     intern = strings.setdefault
     return Request(
@@ -206,6 +214,7 @@ def _from_json(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Re
         decision,
         request_id if type(request_id) is str else None,
         tier,
+        cert,
     )
 
 
@@ -267,7 +276,7 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
     if not line.isprintable():  # never written by a gateway: what it cannot print, it quotes
         return MALFORMED
     (_, method, path, _, region, _, decision, _, _, _, _, rid, _, key, user, ip,
-     start_text, _, tier) = match.groups()  # fmt: skip
+     start_text, _, tier, cert) = match.groups()  # fmt: skip
     if ip is None or start_text is None:
         return NO_COMPONENTS
     if ip == "-":
@@ -304,6 +313,8 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
         tier = None
     elif (tier := _token(_value(tier), s, t)) is None:
         return MALFORMED
+    if cert is not None and (cert := _token(_value(cert), s, t)) is None:
+        return MALFORMED
     return Request(
         start,
         s.setdefault(method, method),
@@ -315,6 +326,7 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
         decision,
         request_id,
         tier,
+        cert,
     )
 
 

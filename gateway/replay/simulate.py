@@ -95,7 +95,7 @@ class Replayer:
         """Decide ``request`` at its recorded time; the decision as the log writes it."""
         self.now_ms = request.start_us // 1000  # the counters' clock ticks in whole ms
         ids = {IdentityKind.API_KEY: request.key, IdentityKind.USER_IP: request.user,
-               IdentityKind.IP: request.ip}  # fmt: skip
+               IdentityKind.IP: request.ip, IdentityKind.CLIENT_CERT: request.cert}  # fmt: skip
         result = self.result
         selection = select(
             result.table, request.region, request.method, request.path, ids.get, request.tier

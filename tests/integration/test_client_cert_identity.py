@@ -6,12 +6,16 @@ client certificates made in the test."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import aiohttp
 
+from gateway.policy.loader import load_rules_from_texts
 from gateway.proxy.plane import DataPlane
 from gateway.proxy.upstream_pool import UpstreamPool
+from gateway.replay.records import Request, parse_line
+from gateway.replay.simulate import replay
 from gateway.tls_setup import tls_listener
 from tests.integration.test_tls_gateway import pair_config
 from tests.support.gateway import running_app, running_gateway
@@ -29,7 +33,11 @@ rules:
 """
 
 
-def test_client_cert_rules_count_per_verified_subject(tmp_path: Path) -> None:
+def test_client_cert_rules_count_per_verified_subject(tmp_path: Path, caplog) -> None:
+    """And a replay of the gateway's own access log through the same rules decides every
+    request as the gateway did: the lines carry each certificate's hash."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
     async def scenario() -> None:
         pki, clients = Pki(), Pki()
         cert, key = write_pair(tmp_path / "pair", pki.issue("gateway.test"))
@@ -40,7 +48,9 @@ def test_client_cert_rules_count_per_verified_subject(tmp_path: Path) -> None:
         config.write_text(pair_config(cert, key, f"  client_ca: {ca}\n  client_auth: optional\n"))
         async with (
             running_app(create_upstream_app()) as upstream,
-            running_gateway(upstream, rules=[str(rules)], config_file=str(config)) as gw,
+            running_gateway(
+                upstream, rules=[str(rules)], config_file=str(config), access_log="plain"
+            ) as gw,
         ):
             listener = tls_listener(gw.settings, gw.metrics)
             assert listener is not None and gw.proxy.plane is not None
@@ -67,8 +77,24 @@ def test_client_cert_rules_count_per_verified_subject(tmp_path: Path) -> None:
             assert await statuses(client_context(pki), 3) == [(200, '"per-address"')] * 3
             await plane.stop(5)
             await listener.close()
+            gw.gateway.access_log.flush()
 
     asyncio.run(scenario())
+    lines = [
+        line
+        for record in caplog.records
+        if record.name == "gateway.access"
+        for line in record.getMessage().splitlines()
+    ]
+    requests = [r for r in (parse_line(line, {}) for line in lines) if isinstance(r, Request)]
+    assert len(requests) == 7
+    assert len({r.cert for r in requests}) == 3  # service-a's, service-b's, and none
+    assert all("service-" not in line for line in lines)  # hashes, never the subject
+    (result,) = replay(sorted(requests, key=lambda r: r.start_us), [
+        load_rules_from_texts([("rules.yaml", RULES)])
+    ])  # fmt: skip
+    assert result.compared == 7 and result.agreed == 7
+    assert result.rules["per-service"].limited == 1
 
 
 async def test_on_the_plain_port_a_client_cert_rule_never_matches(tmp_path, upstream):

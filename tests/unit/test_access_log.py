@@ -28,7 +28,7 @@ from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
 FIELDS = [
     "method", "path", "status", "region", "client", "rule", "decision", "identity",
     "upstream", "duration_ms", "upstream_ms", "request_id", "time", "key", "user", "ip",
-    "start_us", "consumer", "tier",
+    "start_us", "consumer", "tier", "cert",
 ]  # fmt: skip
 
 

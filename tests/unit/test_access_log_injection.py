@@ -140,7 +140,7 @@ CLIENT_TEXT = st.lists(
 ).map("".join)
 
 
-def _record(client, method, path, rid, with_time, with_ids) -> AccessRecord:
+def _record(client, method, path, rid, with_time, with_ids, with_cert=False) -> AccessRecord:
     return AccessRecord(
         method=method, path=path, status=429, region="us", client=client, rule="q",
         decision="limited", identity="api_key:0123456789ab", duration_ms=1.5,
@@ -148,6 +148,7 @@ def _record(client, method, path, rid, with_time, with_ids) -> AccessRecord:
         key="aaaaaaaaaaaa" if with_ids else None, user=None,
         ip="cccccccccccc" if with_ids else None,
         start_us=1795428000000500 if with_ids else None,
+        cert="dddddddddddd" if with_cert else None,
     )  # fmt: skip
 
 
@@ -165,16 +166,18 @@ def _one_line(line: str) -> None:
     rid=st.none() | CLIENT_TEXT,
     with_time=st.booleans(),
     with_ids=st.booleans(),
+    with_cert=st.booleans(),
 )
 @example(client="1.2.3.4", method="GET", path="/", rid=FORGED_RID, with_time=True,
-         with_ids=False)  # fmt: skip
-@example(client="", method="", path="", rid="", with_time=False, with_ids=True)
-@example(client='"', method="-", path='"/a b\\"', rid='"x"', with_time=True, with_ids=True)
+         with_ids=False, with_cert=False)  # fmt: skip
+@example(client="", method="", path="", rid="", with_time=False, with_ids=True, with_cert=False)
+@example(client='"', method="-", path='"/a b\\"', rid='"x"', with_time=True, with_ids=True,
+         with_cert=True)  # fmt: skip
 @fuzz(1500)
 def test_any_client_text_round_trips_in_one_line_in_both_formats(
-    client, method, path, rid, with_time, with_ids
+    client, method, path, rid, with_time, with_ids, with_cert
 ):
-    r = _record(client, method, path, rid, with_time, with_ids)
+    r = _record(client, method, path, rid, with_time, with_ids, with_cert)
 
     line = plain_line(r)
     _one_line(line)
@@ -190,6 +193,8 @@ def test_any_client_text_round_trips_in_one_line_in_both_formats(
     if with_ids:
         expected.update(key="aaaaaaaaaaaa", user=None, ip="cccccccccccc",
                         start_us="1795428000000500")  # fmt: skip
+    if with_cert:
+        expected["cert"] = "dddddddddddd"
     assert fields == expected, line  # exactly these fields, each value as it was
     assert list(fields) == [name for name in PLAIN_FIELDS if name in expected]
 
@@ -203,8 +208,10 @@ def test_any_client_text_round_trips_in_one_line_in_both_formats(
     for written in (line, as_json):
         found = parse_line(written, {})
         if with_ids:
+            cert = "dddddddddddd" if with_cert else None
             assert found == Request(1795428000000500, method, path, "us", "aaaaaaaaaaaa",
-                                    None, "cccccccccccc", "limited", rid), written  # fmt: skip
+                                    None, "cccccccccccc", "limited", rid, None,
+                                    cert), written  # fmt: skip
         else:
             assert isinstance(found, str)  # not replayed, whatever the client wrote
 

@@ -86,7 +86,7 @@ rules:
 LOOSER = RULES.replace("2/10", "3/10")
 
 
-def _line(n: int, key: str, start_ms: int, path: str = "/q") -> str:
+def _line(n: int, key: str | None, start_ms: int, path: str = "/q") -> str:
     return json.dumps({
         "method": "GET", "path": path, "status": 200, "region": "us", "client": "10.0.0.1",
         "decision": None, "key": key, "user": None, "ip": "cccccccccccc",
@@ -209,3 +209,79 @@ def access_caplog(caplog):
 
     with caplog.at_level(logging.INFO, logger="gateway.access"):
         yield lambda: [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+
+
+@pytest.mark.parametrize("path", ["/runs/query", "/a b"])  # as it is, and quoted
+def test_a_client_certificates_hash_is_logged_and_read_back_in_both_formats(
+    access_caplog, path
+):
+    """A request over a verified client certificate logs the certificate's identity hash
+    (never the subject), so a replay can count it as a client_cert rule would."""
+    from gateway.policy.model import IdentityKind
+    from gateway.proxy.access_log import AccessLogger, AccessRecord
+    from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
+
+    subject = "CN=billing-service,O=Example"
+    hasher = IdentityHasher(b"k" * 32)
+    ids = RequestIdentity(hasher, "10.0.0.1", None, None, client_cert=subject)
+    found, lines = [], []
+    for mode in ("json", "plain"):
+        record = AccessRecord(method="GET", path=path, status=200, region="us",
+                              client="10.0.0.1", rule="svc", decision="allowed",
+                              identity="client_cert:0", duration_ms=1.0,
+                              identities=ids)  # fmt: skip
+        logger = AccessLogger(mode)
+        logger.emit(record)
+        logger.flush()
+        lines.append(access_caplog()[-1])
+        found.append(parse_line(lines[-1], {}))
+    from_json, from_plain = found
+    want = hasher.digest(IdentityKind.CLIENT_CERT, subject)[:12]
+    assert isinstance(from_json, Request) and from_json.cert == want
+    assert from_plain == from_json._replace(start_us=from_plain.start_us)
+    assert all(subject not in line and "billing" not in line for line in lines)
+    # without a certificate the plain line has no cert field, and reads back as none
+    record = AccessRecord(method="GET", path=path, status=200, region="us", client="10.0.0.1",
+                          identities=RequestIdentity(hasher, "10.0.0.1", "sk-1", None))  # fmt: skip
+    logger = AccessLogger("plain")
+    logger.emit(record)
+    logger.flush()
+    assert " cert=" not in access_caplog()[-1]
+    plain = parse_line(access_caplog()[-1], {})
+    assert isinstance(plain, Request) and plain.cert is None
+
+
+CERT_RULES = """
+rules:
+  - id: svc
+    identity: client_cert
+    limits: {default: 2/10}
+  - id: ip
+    identity: ip
+    limits: {default: 100/60}
+"""
+
+
+def test_a_client_cert_rule_is_replayed_per_certificate(tmp_path):
+    """Requests with a certificate's hash count per certificate under a client_cert rule;
+    requests without one go on to the next rule, as the gateway does."""
+    log = tmp_path / "access.log"
+    t = 1_795_428_000_000
+    lines = []
+    for n in range(6):  # three each from two certificates, in the same second
+        entry = json.loads(_line(n, None, t + n))
+        entry["cert"] = "aaaaaaaaaaaa" if n % 2 else "bbbbbbbbbbbb"
+        lines.append(json.dumps(entry))
+    lines.append(_line(6, None, t + 7))  # no certificate: the ip rule
+    log.write_text("\n".join(lines) + "\n")
+    reading = read_logs([log])
+    assert [r.cert for r in reading.requests] == [
+        "bbbbbbbbbbbb", "aaaaaaaaaaaa", "bbbbbbbbbbbb", "aaaaaaaaaaaa", "bbbbbbbbbbbb",
+        "aaaaaaaaaaaa", None,
+    ]  # fmt: skip
+    (result,) = replay(reading.requests, [_table(CERT_RULES)])
+    svc = result.rules["svc"]
+    assert (svc.matched, svc.limited) == (6, 2)  # each certificate's third request
+    assert set(svc.identities) == {"client_cert:aaaaaaaaaaaa", "client_cert:bbbbbbbbbbbb"}
+    assert result.rules["ip"].matched == 1
+    assert bytes(result.limited_flags) == bytes([0, 0, 0, 0, 1, 1, 0])
