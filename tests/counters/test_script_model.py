@@ -388,3 +388,21 @@ def test_a_call_of_more_keys_than_one_mget_takes_reads_them_one_by_one(
     after = redis_server.commandstats()
     assert after.get("mget", 0) == before.get("mget", 0)
     assert after.get("get", 0) - before.get("get", 0) == 1_400
+
+
+def test_a_request_with_no_keys_is_admitted_and_reads_nothing(
+    raw: redis.Redis, redis_server: RedisServer
+) -> None:
+    """A request of no limits is admitted, alone or beside others (the gateway sends none,
+    but the script's contract allows it): no MGET of nothing, which Redis refuses."""
+    script = Script(raw)
+    now = 1_764_000_000_000
+    assert raw.evalsha(script.sha, 0, 0, now) == [1, now]
+    check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:a", 1, 60_000, 1_000)
+    before = redis_server.commandstats()
+    assert _one_call(raw, script.sha, [[], [check], []], now) == [
+        (True, []),
+        (True, [(True, 0, 61_000)]),
+        (True, []),
+    ]
+    assert redis_server.commandstats().get("mget", 0) - before.get("mget", 0) == 1

@@ -22,9 +22,9 @@
 --
 -- Why this layout (the previous one was a hash of buckets, read whole and sorted on
 -- every call: 29 us of server CPU a call on a fresh window, 71 us once windows held
--- their ~60 buckets; benchmarks/script_cost.py): a call reads all its keys with one
--- MGET and writes at most a few bytes at each one's end, with one SETRANGE: the newest record counted once
--- more, or a new record, each with the trailer after it. Records that left the window
+-- their ~60 buckets; benchmarks/script_cost.py): a call reads its keys with one MGET
+-- and writes at most a few bytes at each one's end, with one SETRANGE: the newest
+-- record counted once more, or a new record, each with the trailer after it. Records that left the window
 -- are skipped, not removed (the trailer says where the live ones start); the string is
 -- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
 -- only when a new bucket would outlive it, by two windows, so about once a window.
@@ -54,16 +54,28 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 local nargs = #ARGV
 
--- Every key's value, read with one MGET (a command per key cost the server about as much
--- as the rest of a request's work); a key written by an earlier request of this call is
--- read again with GET, as it now is. MGET answers false for a key holding another type
--- (an operator's): nothing counted, as for no key, and written anew with SET if counted.
+-- The value of each distinct key of the call, by key, read with one MGET (a command a
+-- key cost the server about as much as the rest of a request's work). A key an earlier
+-- request of this call wrote is dropped from it and read again with GET, as it now is;
+-- past MGET_MAX keys every key is read with GET. MGET answers false for no key and for
+-- a key holding another type (an operator's): nothing counted, and written anew with
+-- SET if counted, as for no key.
 local MGET_MAX = 1000 -- keys read at once at most (Lua's stack bounds ``spread``)
 local values = {}
-if #KEYS <= MGET_MAX then
-  values = redis.call('MGET', spread(KEYS))
+if #KEYS > 0 and #KEYS <= MGET_MAX then
+  local distinct, seen = {}, {}
+  for i = 1, #KEYS do
+    local key = KEYS[i]
+    if not seen[key] then
+      seen[key] = true
+      distinct[#distinct + 1] = key
+    end
+  end
+  local read = redis.call('MGET', spread(distinct))
+  for i = 1, #distinct do
+    values[distinct[i]] = read[i]
+  end
 end
-local written = {}
 
 -- The live records of ``stored`` (bytes ``from`` to ``upto``), with ``bucket`` counted
 -- once more, in bucket order: a bucket older than the newest (the store's clock stepped
@@ -126,15 +138,13 @@ local function decide(k0, a0, n, out)
     local limit = tonumber(ARGV[arg + 1])
     local window = tonumber(ARGV[arg + 2])
     local width = tonumber(ARGV[arg + 3])
-    -- pcall: a value of another type at the key (an operator's) is not this layout
-    -- either, and must not fail the other requests of the call. No key, or a value
-    -- not of this layout: '' (nothing counted; written anew when counted).
+    -- Read above (false: no key, or another type), or now: pcall, so a value of another
+    -- type (an operator's) does not fail the other requests of the call. No key, or a
+    -- value not of this layout: '' (nothing counted; written anew when counted).
     local key = KEYS[k0 + i]
-    local stored
-    if written[key] or #KEYS > MGET_MAX then
+    local stored = values[key]
+    if stored == nil then
       stored = redis.pcall('GET', key)
-    else
-      stored = values[k0 + i]
     end
     local total, from, expires = 0, 1, 0
     local first, upto = 0, 0
@@ -181,11 +191,11 @@ local function decide(k0, a0, n, out)
     local has_room = total < limit
     local newer = nil
     if admitted and has_room then
-      written[key] = true -- counted: in place or rewritten, below
+      values[key] = nil -- counted: in place or rewritten, below (read again if needed)
       local cur = floor(now / width)
       total = total + 1
       local life = window + width
-      local written = false
+      local done = false
       if stored ~= '' and (from - 1) / REC < DEAD_MAX then
         -- In place, one write at the end: the newest record counted once more, or a new
         -- one after it, then the trailer. A bucket that would outlive the key's expiry
@@ -198,7 +208,7 @@ local function decide(k0, a0, n, out)
         if live and b == cur then
           local tail = pack('<ddddd', b, c + 1, from - 1, total, expires)
           redis.call('SETRANGE', key, upto - REC, tail)
-          written = true
+          done = true
         elseif not live or b < cur then
           if now + life > expires then
             expires = now + 2 * life
@@ -206,10 +216,10 @@ local function decide(k0, a0, n, out)
           end
           redis.call('SETRANGE', key, upto, pack('<ddddd', cur, 1, from - 1, total, expires))
           newer = cur
-          written = true
+          done = true
         end
       end
-      if not written then
+      if not done then
         -- Rewritten whole: a new key, records that left the window dropped, or a clock
         -- that stepped back (then records newer than ``now`` may hold the expiry
         -- further out: it never moves in).
@@ -223,7 +233,7 @@ local function decide(k0, a0, n, out)
     elseif skipped[i] then
       -- Not counted, but records left the window: the trailer says so (16 bytes), so a
       -- store clock that later steps back does not count them again.
-      written[key] = true
+      values[key] = nil
       redis.call('SETRANGE', key, upto, pack('<dd', from - 1, total))
     end
     local remaining = limit - total
