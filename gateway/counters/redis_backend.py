@@ -141,10 +141,11 @@ def _fill(
     return missing
 
 
-def _bulk(value: str | int) -> bytes:
-    """One RESP bulk string (as hiredis packs an argument: text as UTF-8)."""
-    data = value.encode() if isinstance(value, str) else b"%d" % value
-    return b"$%d\r\n%s\r\n" % (len(data), data)
+def _bulks(values: Sequence[str | int]) -> bytes:
+    """The values as RESP bulk strings, one after another: a command's arguments packed
+    by hiredis (``pack``), without the array header before them."""
+    packed = pack(tuple(values))
+    return packed[packed.index(b"\n") + 1 :]
 
 
 class _Call:
@@ -172,10 +173,7 @@ class _Call:
         if parts is None:
             count = len(self.checks)
             args = self.args
-            parts = self._parts = (
-                b"".join([_bulk(a) for a in args[1 : count + 1]]),
-                b"".join([_bulk(a) for a in args[count + 1 :]]),
-            )
+            parts = self._parts = (_bulks(args[1 : count + 1]), _bulks(args[count + 1 :]))
         return parts
 
 
