@@ -156,13 +156,14 @@ class _Call:
     was about half of the client's CPU per counter check in a pipeline of 50
     (benchmarks/README.md, "Data plane", the Redis rows). ``parts``: its keys and its
     ``ARGV`` values as RESP bulk strings, for a call that carries several requests
-    (``batched``)."""
+    (``batched``); ``slot``: on a cluster, the slot of its keys (one hash tag)."""
 
-    __slots__ = ("_parts", "args", "checks", "packed")
+    __slots__ = ("_parts", "args", "checks", "packed", "slot")
 
-    def __init__(self, checks: Sequence[LimitCheck], args: list[str | int]) -> None:
+    def __init__(self, checks: Sequence[LimitCheck], args: list[str | int], slot: int) -> None:
         self.checks = checks
         self.args = args
+        self.slot = slot  # its keys' Redis Cluster slot (0 on a single server)
         self.packed: bytes | None = None
         self._parts: tuple[bytes, bytes] | None = None
 
@@ -194,6 +195,22 @@ def batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
         count_text,
     )
     return b"".join([head, *[keys for keys, _ in parts], *[argv for _, argv in parts]])
+
+
+def _by_slot(todo: list[int], calls: list[_Call]) -> tuple[list[int], list[_Call]]:
+    """The calls (and their requests' places, ``todo``) grouped by slot, each group in
+    the order of its first request and in order within it."""
+    runs: dict[int, list[int]] = {}
+    for k, call in enumerate(calls):
+        run = runs.get(call.slot)
+        if run is None:
+            runs[call.slot] = [k]
+        else:
+            run.append(k)
+    if len(runs) == 1:
+        return todo, calls
+    order = [k for run in runs.values() for k in run]
+    return [todo[k] for k in order], [calls[k] for k in order]
 
 
 def split_reply(reply: Any, calls: Sequence[_Call]) -> list[Any]:
@@ -371,21 +388,12 @@ class RedisBackend:
         results: list[HitResult | Exception] = [HitResult(True, (), source="redis")] * len(batch)
         todo: list[int] = []
         calls: list[_Call] = []
-        # One server (not a cluster, whose requests live in different slots): the
-        # requests go MAX_REQUESTS_PER_CALL to a script call, which costs Redis about
-        # half as much a request as a call each (benchmarks/script_cost.py).
-        together = not self._cluster
-        sha = self._sha
         for index, checks in enumerate(batch):
             if not checks:
                 continue
             try:
                 call = self._call(checks)
-                # A key that cannot be encoded fails here, alone.
-                if together:
-                    call.parts()
-                elif call.packed is None:
-                    call.packed = pack(("EVALSHA", sha, *call.args))
+                call.parts()  # a key that cannot be encoded fails here, alone
             except ValueError as exc:
                 results[index] = exc
                 continue
@@ -394,16 +402,29 @@ class RedisBackend:
         if not todo:  # nothing to ask the store
             asyncio.get_running_loop().call_soon(done, results)
             return True
+        if self._cluster:
+            # A cluster master runs a call's keys of one slot only: the requests are
+            # grouped by slot first, in order within each (one client's requests share
+            # its identity's slot, so a burst of them is still one call). Requests of
+            # different slots share no key, so their order between them is free.
+            todo, calls = _by_slot(todo, calls)
+        # The requests go MAX_REQUESTS_PER_CALL to a script call, which costs Redis about
+        # half as much a request as a call each (benchmarks/script_cost.py).
         groups: list[list[_Call]] = []
         packed: list[bytes] = []
-        if together:
-            sha_bytes = sha.encode()
-            for start in range(0, len(calls), MAX_REQUESTS_PER_CALL):
-                group = calls[start : start + MAX_REQUESTS_PER_CALL]
-                groups.append(group)
-                packed.append(batched(sha_bytes, group))
-        else:
-            packed = [call.packed for call in calls if call.packed is not None]
+        sha_bytes = self._sha.encode()
+        start, count = 0, len(calls)
+        while start < count:
+            end = min(start + MAX_REQUESTS_PER_CALL, count)
+            slot = calls[start].slot
+            for k in range(start + 1, end):
+                if calls[k].slot != slot:
+                    end = k
+                    break
+            group = calls[start:end]
+            groups.append(group)
+            packed.append(batched(sha_bytes, group))
+            start = end
 
         def replied(replies: list[Any] | Exception) -> None:
             if isinstance(replies, Exception):
@@ -412,11 +433,10 @@ class RedisBackend:
                 else:
                     self._follow_up(self._again(batch, done))
                 return
-            if groups:
-                each: list[Any] = []
-                for group, reply in zip(groups, replies, strict=True):
-                    each.extend(split_reply(reply, group))
-                replies = each
+            each: list[Any] = []
+            for group, reply in zip(groups, replies, strict=True):
+                each.extend(split_reply(reply, group))
+            replies = each
             redirected: list[int] | None = [] if self._redirect is not None else None
             missing = _fill(batch, todo, replies, results, redirected)
             if missing or redirected:
@@ -589,17 +609,16 @@ class RedisBackend:
         found = self._calls.get(key)
         if found is not None and found.checks is checks:
             return found
-        call = _Call(checks, self._args(checks))
+        slot = key_slot(key.encode()) if self._cluster else 0
+        call = _Call(checks, self._args(checks, slot), slot)
         if len(self._calls) >= MAX_CACHED_CALLS:
             self._calls.clear()
         self._calls[key] = call
         return call
 
-    def _args(self, checks: Sequence[LimitCheck]) -> list[str | int]:
-        if self._cluster and len(checks) > 1:
-            slot = key_slot(checks[0].key.encode())
-            if any(key_slot(c.key.encode()) != slot for c in checks[1:]):
-                raise ValueError("the keys of one call must share a Redis Cluster hash tag")
+    def _args(self, checks: Sequence[LimitCheck], slot: int) -> list[str | int]:
+        if self._cluster and any(key_slot(c.key.encode()) != slot for c in checks[1:]):
+            raise ValueError("the keys of one call must share a Redis Cluster hash tag")
         return script_args(checks)
 
     async def healthy(self) -> bool:

@@ -212,6 +212,47 @@ async def test_concurrent_calls_across_masters_are_counted_exactly(
         await backend.close()
 
 
+async def test_requests_of_one_slot_share_a_script_call(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    """Requests that arrive together and share a slot (one client's, one identity) go to
+    their master in one script call, in order; requests of other slots on the same
+    master go in calls of their own (a master refuses a call across slots). Every one
+    is counted exactly once all the same."""
+    backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        master = redis_cluster.servers[0]
+        slots = owners(redis_cluster)
+        tags: list[list[str]] = []  # two identities (two slots) this master serves
+        while len(tags) < 2:
+            keys = keys_sharing_tag(2)
+            slot = key_slot(keys[0].encode())
+            if slots[slot] is master and all(key_slot(k[0].encode()) != slot for k in tags):
+                tags.append(keys)
+        master.cli("SCRIPT", "LOAD", script_text())  # no NOSCRIPT retries to count
+        by_submit = ViaSubmit(backend)
+        warm = new_key()  # the lean connection opened (the first call connects, alone)
+        while slots[key_slot(warm.encode())] is not master:
+            warm = new_key()
+        await by_submit.hit([check(warm)])
+        master.cli("CONFIG", "RESETSTAT")
+        times = 30
+        calls = [[check(key) for key in tags[i % 2]] for i in range(2 * times)]  # interleaved
+        results = await asyncio.gather(*(by_submit.hit(checks) for checks in calls))
+        for which in range(2):
+            mine = [r for i, r in enumerate(results) if i % 2 == which]
+            for k, key in enumerate(tags[which]):
+                counts = sorted(LIMIT - r.states[k].remaining for r in mine)
+                assert counts == list(range(1, times + 1)), key
+                assert counted(master, key) == times
+        # Far fewer script calls than requests, and at least one a slot.
+        assert 2 <= int(master.commandstats().get("evalsha", 0)) <= 2 * times / 5
+    finally:
+        await backend.close()
+
+
 async def test_ask_then_moved_while_a_slot_migrates(own_cluster: RedisClusterProcess) -> None:
     backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
     nodes = nodes_of(backend)
