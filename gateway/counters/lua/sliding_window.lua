@@ -9,7 +9,7 @@
 --          the key expires (ms, the store's clock). All numbers are little-endian
 --          doubles (struct '<d'), exact for every value a limit can reach. The keys of
 --          one request share a hash tag, so one Redis Cluster slot (a cluster's calls
---          carry one request each), and are distinct (the limiter never repeats one).
+--          carry the requests of one slot), and are distinct (the limiter never repeats one).
 -- ARGV     per request: its number of keys n, then four values per key, in key order:
 --          limit, window_ms, bucket_ms, enforce (1|0).
 -- Returns  per request, one after the other: admitted (1|0), now_ms, then per key:
@@ -24,19 +24,12 @@
 -- every call: 29 us of server CPU a call on a fresh window, 71 us once windows held
 -- their ~60 buckets; benchmarks/script_cost.py): a call reads its keys with one MGET
 -- and writes at most a few bytes at each one's end, with one SETRANGE: the newest
--- record counted once more, or a new record, each with the trailer after it. Records
--- that left the window are skipped, not removed (the trailer says where the live ones
--- start); the string is rewritten without them once they are as many as DEAD_MAX. The
--- expiry is pushed on only when a new bucket would outlive it, by two windows, so about
--- once a window. A refused request writes nothing, or when records left the window
--- since the last write, the trailer's first two numbers.
---
--- The requests of one call change each key in this script's own copy of its value;
--- the store is written once a key, after the last request (one SETRANGE from the first
--- byte any of them changed, or one SET when one rewrote it whole, and one PEXPIRE when
--- the expiry moved): a command a key a request cost the server about as much as the
--- rest of that request's work (benchmarks/script_cost.py). Nothing runs between a
--- script's commands, so no reader can tell the difference. Keys of this layout end in ':v2'
+-- record counted once more, or a new record, each with the trailer after it. Records that left the window
+-- are skipped, not removed (the trailer says where the live ones start); the string is
+-- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
+-- only when a new bucket would outlive it, by two windows, so about once a window.
+-- A refused call writes nothing, or when records left the window since the last
+-- write, the trailer's first two numbers. Keys of this layout end in ':v2'
 -- (limiter.LAYOUT), so gateways of both versions can share one Redis during an upgrade.
 --
 -- The time is the store's own (TIME), never a gateway's, so gateways with skewed
@@ -61,31 +54,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 local nargs = #ARGV
 
--- The value of each distinct key of the call, by key, read with one MGET, then as the
--- requests so far changed it (written back after the last one: ``flush``); past
--- MGET_MAX keys each key is read with GET when a request first needs it. MGET answers
--- false for no key and for a key holding another type (an operator's): nothing
--- counted, and written anew with SET if counted, as for no key.
+-- The value of each distinct key of the call, by key, read with one MGET (a command a
+-- key cost the server about as much as the rest of a request's work). A key an earlier
+-- request of this call wrote is dropped from it and read again with GET, as it now is;
+-- past MGET_MAX keys every key is read with GET. MGET answers false for no key and for
+-- a key holding another type (an operator's): nothing counted, and written anew with
+-- SET if counted, as for no key.
 local MGET_MAX = 1000 -- keys read at once at most (Lua's stack bounds ``spread``)
 local values = {}
--- Per key changed by this call: the first byte (0-based) to write back, or 'whole'
--- for a value rewritten whole; whether its expiry moved; the keys in the order first
--- changed (so the writes are the same on every replay of the script).
-local dirty, moved, changed = {}, {}, {}
-
-local function keep(key, value, from_byte, expiry_moved)
-  local was = dirty[key]
-  if was == nil then
-    changed[#changed + 1] = key
-    dirty[key] = from_byte
-  elseif was ~= 'whole' and (from_byte == 'whole' or from_byte < was) then
-    dirty[key] = from_byte
-  end
-  if expiry_moved then
-    moved[key] = true
-  end
-  values[key] = value
-end
 if #KEYS > 0 and #KEYS <= MGET_MAX then
   local distinct, seen = {}, {}
   for i = 1, #KEYS do
@@ -169,10 +145,6 @@ local function decide(k0, a0, n, out)
     local stored = values[key]
     if stored == nil then
       stored = redis.pcall('GET', key)
-      if type(stored) ~= 'string' then
-        stored = false
-      end
-      values[key] = stored
     end
     local total, from, expires = 0, 1, 0
     local first, upto = 0, 0
@@ -219,6 +191,7 @@ local function decide(k0, a0, n, out)
     local has_room = total < limit
     local newer = nil
     if admitted and has_room then
+      values[key] = nil -- counted: in place or rewritten, below (read again if needed)
       local cur = floor(now / width)
       total = total + 1
       local life = window + width
@@ -234,15 +207,14 @@ local function decide(k0, a0, n, out)
         end
         if live and b == cur then
           local tail = pack('<ddddd', b, c + 1, from - 1, total, expires)
-          keep(key, stored:sub(1, upto - REC) .. tail, upto - REC, false)
+          redis.call('SETRANGE', key, upto - REC, tail)
           done = true
         elseif not live or b < cur then
-          local pushed = now + life > expires
-          if pushed then
+          if now + life > expires then
             expires = now + 2 * life
+            redis.call('PEXPIRE', key, 2 * life)
           end
-          local tail = pack('<ddddd', cur, 1, from - 1, total, expires)
-          keep(key, stored:sub(1, upto) .. tail, upto, pushed)
+          redis.call('SETRANGE', key, upto, pack('<ddddd', cur, 1, from - 1, total, expires))
           newer = cur
           done = true
         end
@@ -256,13 +228,13 @@ local function decide(k0, a0, n, out)
           expires = now + 2 * life
         end
         stored, from, upto = records, 1, #records
-        keep(key, records .. pack('<ddd', 0, total, expires), 'whole', true)
+        redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', expires - now)
       end
     elseif skipped[i] then
       -- Not counted, but records left the window: the trailer says so (16 bytes), so a
       -- store clock that later steps back does not count them again.
-      keep(key, stored:sub(1, upto) .. pack('<dd', from - 1, total) .. stored:sub(upto + 17),
-        upto, false)
+      values[key] = nil
+      redis.call('SETRANGE', key, upto, pack('<dd', from - 1, total))
     end
     local remaining = limit - total
     if remaining < 0 then
@@ -274,24 +246,6 @@ local function decide(k0, a0, n, out)
   end
 end
 
--- The keys this call changed, written back: from the first byte changed on (SETRANGE
--- extends the string by the records appended), or whole with its expiry (SET PX); an
--- expiry that moved, from the trailer (the latest request's).
-local function flush()
-  for _, key in ipairs(changed) do
-    local value, from_byte = values[key], dirty[key]
-    local expires = unpack('<d', value, #value - 7)
-    if from_byte == 'whole' then
-      redis.call('SET', key, value, 'PX', expires - now)
-    else
-      redis.call('SETRANGE', key, from_byte, value:sub(from_byte + 1))
-      if moved[key] then
-        redis.call('PEXPIRE', key, expires - now)
-      end
-    end
-  end
-end
-
 local out = {}
 local k0, a0 = 0, 0
 while a0 < nargs do
@@ -299,5 +253,4 @@ while a0 < nargs do
   decide(k0, a0 + 1, n, out)
   k0, a0 = k0 + n, a0 + 1 + 4 * n
 end
-flush()
 return out
