@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.script_instructions import LIMITS, PACKED, packed_limits  # noqa: E402
 from tests.support.redis_servers import free_port  # noqa: E402
 
 SCRIPT = "gateway/counters/lua/sliding_window.lua"
@@ -79,6 +80,7 @@ def run_script(
     # (``nargs``); earlier ones take one request, four values a key. "label@N": N
     # requests a call.
     counted_args = "local nargs = #ARGV" in text
+    packed = packed_limits(text)  # one string of doubles a request (since issue 27)
     per_call = int(label.partition("@")[2] or 1)
     if per_call > 1 and not counted_args:
         raise SystemExit(f"{label}: this script takes one request a call")
@@ -102,12 +104,15 @@ def run_script(
                 # ``per_call`` requests in one call (a script that takes several), each
                 # a rule's key and its ceiling's
                 keys: list[str] = []
-                argv: list[int] = []
+                argv: list[int | bytes] = []
                 for _ in range(min(per_call, todo)):
                     keys += [f"bench:{{k{sent % args.keys}}}:rule",
                              f"bench:{{a{sent % args.addresses}}}:ceiling"]  # fmt: skip
-                    argv += [2] if counted_args else []
-                    argv += [2000, 10_000, 167, 1, 36_000, 10_000, 167, 1]
+                    if packed:
+                        argv.append(PACKED)
+                    else:
+                        argv += [2] if counted_args else []
+                        argv += LIMITS
                     sent += 1
                     todo -= 1
                 pipe.evalsha(sha, len(keys), *keys, *argv)

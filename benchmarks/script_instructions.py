@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.script_cost import load_script  # noqa: E402
 from tests.support.redis_servers import free_port  # noqa: E402
 
 CLOCK_LINES = (
@@ -58,8 +58,25 @@ def clocked(text: str) -> str:
     return text.replace("local nargs = #ARGV\n", "local nargs = #ARGV - 1\n")
 
 
+# One request's limits (a rule's, its ceiling's): four values a key, and ``PACKED`` as
+# the script takes them since issue 27's fifth step (one string of doubles a request).
+LIMITS = [2000, 10_000, 167, 1, 36_000, 10_000, 167, 1]
+PACKED = struct.pack("<8d", *LIMITS)
+
+
+def packed_limits(text: str) -> bool:
+    """Whether the script reads a request's limits as one packed string."""
+    return "unpack('<dddd'" in text
+
+
 def traffic(
-    client: redis.Redis, sha: str, per_call: int, first: int, count: int, args: argparse.Namespace
+    client: redis.Redis,
+    sha: str,
+    per_call: int,
+    first: int,
+    count: int,
+    args: argparse.Namespace,
+    packed: bool,
 ) -> None:
     """Requests ``first`` to ``first + count``, ``per_call`` to a call, in pipelines."""
     sent = first
@@ -69,14 +86,14 @@ def traffic(
         todo = min(PIPELINE, end - sent)
         while todo > 0:
             keys: list[str] = []
-            argv: list[int] = []
+            argv: list[int | bytes] = []
             now = START_MS + sent * 1000 // args.rate
             lead = sent
             for _ in range(min(per_call, todo)):
                 which = lead if args.shared else sent
                 keys += [f"bench:{{k{which % args.keys}}}:rule",
                          f"bench:{{a{which % args.addresses}}}:ceiling"]  # fmt: skip
-                argv += [2, 2000, 10_000, 167, 1, 36_000, 10_000, 167, 1]
+                argv += [PACKED] if packed else [2, *LIMITS]
                 sent += 1
                 todo -= 1
             pipe.evalsha(sha, len(keys), *keys, *argv, now)
@@ -111,15 +128,20 @@ def measure(label: str, text: str, args: argparse.Namespace, work: Path) -> int:
                 time.sleep(0.1)
         sha = client.script_load(clocked(text))
         filled = int(args.window * args.rate)
-        traffic(client, sha, per_call, 0, filled, args)  # the windows filled
+        packed = packed_limits(text)
+        traffic(client, sha, per_call, 0, filled, args, packed)  # the windows filled
         control(proc.pid, "--instr=on")
-        traffic(client, sha, per_call, filled, args.measured, args)
+        traffic(client, sha, per_call, filled, args.measured, args, packed)
         client.shutdown(nosave=True)
     except redis.ConnectionError:
         pass  # the shutdown's
     finally:
         client.close()
-        proc.wait(120)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:  # a run that failed before its shutdown
+            proc.kill()
+            proc.wait(10)
     found = re.search(r"^(?:summary|totals): (\d+)", out.read_text(), re.M)
     if found is None:
         raise SystemExit(f"{label}: no totals in {out}")
@@ -141,6 +163,8 @@ def main() -> None:
         "--keep", type=Path, help="keep callgrind's files here (for callgrind_annotate)"
     )
     args = parser.parse_args()
+    from benchmarks.script_cost import load_script  # (it imports this module)
+
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind not found (Debian: apt-get install valgrind)")
     specs = args.script or ["HEAD=HEAD", f"tree={ROOT / 'gateway/counters/lua/sliding_window.lua'}"]

@@ -397,7 +397,7 @@ def test_a_request_with_no_keys_is_admitted_and_reads_nothing(
     but the script's contract allows it): no MGET of nothing, which Redis refuses."""
     script = Script(raw)
     now = 1_764_000_000_000
-    assert raw.evalsha(script.sha, 0, 0, now) == [1, now]
+    assert raw.evalsha(script.sha, 0, b"", now) == [1, now]
     check = LimitCheck(f"rl:{{{uuid.uuid4().hex}}}:a", 1, 60_000, 1_000)
     before = redis_server.commandstats()
     assert _one_call(raw, script.sha, [[], [check], []], now) == [
@@ -406,3 +406,24 @@ def test_a_request_with_no_keys_is_admitted_and_reads_nothing(
         (True, []),
     ]
     assert redis_server.commandstats().get("mget", 0) - before.get("mget", 0) == 1
+
+
+@pytest.mark.parametrize(
+    ("keys", "argv", "error"),
+    [
+        (1, [b"\0" * 31], "is not 32 bytes a key"),  # a limits string cut short
+        (1, [b"\0" * 64], "is not 32 bytes a key"),  # limits for more keys than sent
+        (2, [b"\0" * 32], "2 keys, limits for 1"),  # a key without limits
+    ],
+)
+def test_limits_that_do_not_fit_the_keys_are_an_error_and_count_nothing(
+    raw: redis.Redis, keys: int, argv: list[bytes], error: str
+) -> None:
+    """The script checks the shape of its arguments before it writes anything: a caller
+    that sends limits of the wrong size gets an error reply, not a count."""
+    script = Script(raw)
+    tag = uuid.uuid4().hex
+    names = [f"rl:{{{tag}}}:{i}" for i in range(keys)]
+    with pytest.raises(redis.ResponseError, match=error):
+        raw.evalsha(script.sha, keys, *names, *argv, 1_764_000_000_000)
+    assert raw.exists(*names) == 0

@@ -9,9 +9,13 @@
 --          the key expires (ms, the store's clock). All numbers are little-endian
 --          doubles (struct '<d'), exact for every value a limit can reach. The keys of
 --          one request share a hash tag, so one Redis Cluster slot (a cluster's calls
---          carry the requests of one slot), and are distinct (the limiter never repeats one).
--- ARGV     per request: its number of keys n, then four values per key, in key order:
---          limit, window_ms, bucket_ms, enforce (1|0).
+--          carry the requests of one slot), and are distinct (the limiter never
+--          repeats one).
+-- ARGV     per request one string: per key, in key order, four little-endian doubles
+--          (32 bytes): limit, window_ms, bucket_ms, enforce (1|0). Binary, not four
+--          decimal strings: a number read with struct costs Redis a fraction of one
+--          parsed by tonumber (strtod), and one string a request fewer to make
+--          (benchmarks/script_instructions.py).
 -- Returns  per request, one after the other: admitted (1|0), now_ms, then per key:
 --          allowed (1|0), remaining, reset_ms.
 --
@@ -45,7 +49,9 @@ end
 
 local spread = unpack -- Lua's own, before ``unpack`` names struct's below
 local pack, unpack = struct.pack, struct.unpack
-local floor, tonumber = math.floor, tonumber
+-- (Numbers passed to commands go as format('%d'): Lua's own number-to-string is the
+-- float conversion '%.14g', several times dearer.)
+local floor, tonumber, format = math.floor, tonumber, string.format
 local REC, TAIL = 16, 24 -- bytes: one record, the trailer
 local EXACT = 9007199254740992 -- 2^53: doubles are exact integers below it
 local DEAD_MAX = 16 -- records left the window kept before the string is rewritten
@@ -124,20 +130,17 @@ local function until_room(stored, from, upto, newer, total, limit, window, width
   return r
 end
 
--- One request: its ``n`` keys from KEYS[k0 + 1], their values from ARGV[a0 + 1]; its
--- answer appended to ``out``.
+-- One request: its ``n`` keys from KEYS[k0 + 1], their limits packed in ``limits_of``;
+-- its answer appended to ``out``.
 -- Per key of the request being decided (entries 1 to n), reused from request to request.
 local limits, windows, widths, enforced = {}, {}, {}, {}
 local stores, froms, uptos, totals, expiries, skipped = {}, {}, {}, {}, {}, {}
 
-local function decide(k0, a0, n, out)
+local function decide(k0, limits_of, n, out)
   local admitted = true
 
   for i = 1, n do
-    local arg = a0 + (i - 1) * 4
-    local limit = tonumber(ARGV[arg + 1])
-    local window = tonumber(ARGV[arg + 2])
-    local width = tonumber(ARGV[arg + 3])
+    local limit, window, width, enforce = unpack('<dddd', limits_of, i * 32 - 31)
     -- Read above (false: no key, or another type), or now: pcall, so a value of another
     -- type (an operator's) does not fail the other requests of the call. No key, or a
     -- value not of this layout: '' (nothing counted; written anew when counted).
@@ -173,7 +176,7 @@ local function decide(k0, a0, n, out)
       end
     end
     limits[i], windows[i], widths[i] = limit, window, width
-    enforced[i] = ARGV[arg + 4] == '1'
+    enforced[i] = enforce == 1
     stores[i], froms[i], uptos[i], totals[i], expiries[i] = stored, from, upto, total, expires
     skipped[i] = from > first + 1
     if enforced[i] and total >= limit then
@@ -207,14 +210,15 @@ local function decide(k0, a0, n, out)
         end
         if live and b == cur then
           local tail = pack('<ddddd', b, c + 1, from - 1, total, expires)
-          redis.call('SETRANGE', key, upto - REC, tail)
+          redis.call('SETRANGE', key, format('%d', upto - REC), tail)
           done = true
         elseif not live or b < cur then
           if now + life > expires then
             expires = now + 2 * life
-            redis.call('PEXPIRE', key, 2 * life)
+            redis.call('PEXPIRE', key, format('%d', 2 * life))
           end
-          redis.call('SETRANGE', key, upto, pack('<ddddd', cur, 1, from - 1, total, expires))
+          local tail = pack('<ddddd', cur, 1, from - 1, total, expires)
+          redis.call('SETRANGE', key, format('%d', upto), tail)
           newer = cur
           done = true
         end
@@ -228,13 +232,14 @@ local function decide(k0, a0, n, out)
           expires = now + 2 * life
         end
         stored, from, upto = records, 1, #records
-        redis.call('SET', key, records .. pack('<ddd', 0, total, expires), 'PX', expires - now)
+        local value = records .. pack('<ddd', 0, total, expires)
+        redis.call('SET', key, value, 'PX', format('%d', expires - now))
       end
     elseif skipped[i] then
       -- Not counted, but records left the window: the trailer says so (16 bytes), so a
       -- store clock that later steps back does not count them again.
       values[key] = nil
-      redis.call('SETRANGE', key, upto, pack('<dd', from - 1, total))
+      redis.call('SETRANGE', key, format('%d', upto), pack('<dd', from - 1, total))
     end
     local remaining = limit - total
     if remaining < 0 then
@@ -247,10 +252,17 @@ local function decide(k0, a0, n, out)
 end
 
 local out = {}
-local k0, a0 = 0, 0
-while a0 < nargs do
-  local n = tonumber(ARGV[a0 + 1])
-  decide(k0, a0 + 1, n, out)
-  k0, a0 = k0 + n, a0 + 1 + 4 * n
+local k0 = 0
+for r = 1, nargs do
+  local limits_of = ARGV[r]
+  local n = #limits_of / 32
+  if n % 1 ~= 0 or k0 + n > #KEYS then
+    return redis.error_reply('sliding_window: ARGV ' .. r .. ' is not 32 bytes a key')
+  end
+  decide(k0, limits_of, n, out)
+  k0 = k0 + n
+end
+if k0 ~= #KEYS then
+  return redis.error_reply('sliding_window: ' .. #KEYS .. ' keys, limits for ' .. k0)
 end
 return out
