@@ -213,8 +213,8 @@ def _by_slot(todo: list[int], calls: list[_Call]) -> tuple[list[int], list[_Call
             runs[call.slot] = [k]
         else:
             run.append(k)
-    if len(runs) == 1:
-        return todo, calls
+    if len(runs) == 1 or len(runs) == len(calls):
+        return todo, calls  # one slot, or each call its own: already in order
     order = [k for run in runs.values() for k in run]
     return [todo[k] for k in order], [calls[k] for k in order]
 
@@ -416,9 +416,13 @@ class RedisBackend:
             todo, calls = _by_slot(todo, calls)
         # The requests go MAX_REQUESTS_PER_CALL to a script call, which costs Redis about
         # half as much a request as a call each (benchmarks/script_cost.py).
+        # A request alone in its call (its slot's only one, or a quiet moment) goes as
+        # its own EVALSHA, packed once per identity, and its reply is its own.
         groups: list[list[_Call]] = []
         packed: list[bytes] = []
-        sha_bytes = self._sha.encode()
+        sha = self._sha
+        sha_bytes = sha.encode()
+        singles = True  # every call carries one request
         start, count = 0, len(calls)
         while start < count:
             end = min(start + MAX_REQUESTS_PER_CALL, count)
@@ -429,7 +433,15 @@ class RedisBackend:
                     break
             group = calls[start:end]
             groups.append(group)
-            packed.append(batched(sha_bytes, group))
+            if end - start == 1:
+                call = group[0]
+                one = call.packed
+                if one is None:
+                    one = call.packed = pack(("EVALSHA", sha, *call.args))
+                packed.append(one)
+            else:
+                singles = False
+                packed.append(batched(sha_bytes, group))
             start = end
 
         def replied(replies: list[Any] | Exception) -> None:
@@ -439,10 +451,14 @@ class RedisBackend:
                 else:
                     self._follow_up(self._again(batch, done))
                 return
-            each: list[Any] = []
-            for group, reply in zip(groups, replies, strict=True):
-                each.extend(split_reply(reply, group))
-            replies = each
+            if not singles:
+                each: list[Any] = []
+                for group, reply in zip(groups, replies, strict=True):
+                    if len(group) == 1:
+                        each.append(reply)
+                    else:
+                        each.extend(split_reply(reply, group))
+                replies = each
             redirected: list[int] | None = [] if self._redirect is not None else None
             missing = _fill(batch, todo, replies, results, redirected)
             if missing or redirected:

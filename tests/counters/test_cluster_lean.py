@@ -225,8 +225,8 @@ async def test_requests_of_one_slot_share_a_script_call(
         await nodes.refresh_slot_map()
         master = redis_cluster.servers[0]
         slots = owners(redis_cluster)
-        tags: list[list[str]] = []  # two identities (two slots) this master serves
-        while len(tags) < 2:
+        tags: list[list[str]] = []  # three identities (three slots) this master serves
+        while len(tags) < 3:
             keys = keys_sharing_tag(2)
             slot = key_slot(keys[0].encode())
             if slots[slot] is master and all(key_slot(k[0].encode()) != slot for k in tags):
@@ -240,7 +240,11 @@ async def test_requests_of_one_slot_share_a_script_call(
         master.cli("CONFIG", "RESETSTAT")
         times = 30
         calls = [[check(key) for key in tags[i % 2]] for i in range(2 * times)]  # interleaved
+        calls.insert(times, [check(key) for key in tags[2]])  # a request alone in its slot
         results = await asyncio.gather(*(by_submit.hit(checks) for checks in calls))
+        alone = results.pop(times)
+        assert [LIMIT - state.remaining for state in alone.states] == [1, 1]
+        assert all(counted(master, key) == 1 for key in tags[2])
         for which in range(2):
             mine = [r for i, r in enumerate(results) if i % 2 == which]
             for k, key in enumerate(tags[which]):
@@ -248,7 +252,7 @@ async def test_requests_of_one_slot_share_a_script_call(
                 assert counts == list(range(1, times + 1)), key
                 assert counted(master, key) == times
         # Far fewer script calls than requests, and at least one a slot.
-        assert 2 <= int(master.commandstats().get("evalsha", 0)) <= 2 * times / 5
+        assert 3 <= int(master.commandstats().get("evalsha", 0)) <= 2 * times / 5
     finally:
         await backend.close()
 
