@@ -76,9 +76,10 @@ def cpu_seconds(pid: int) -> float:
 def run_script(
     client: redis.Redis, pid: int, label: str, text: str, args: argparse.Namespace
 ) -> list[dict[str, float]]:
-    # Scripts that take several requests a call lead each one's ARGV with its key count
-    # (``nargs``); earlier ones take one request, four values a key. "label@N": N
-    # requests a call.
+    # Three generations of the script's ARGV: today's, one string of packed doubles a
+    # request (``packed``); before it, each request's key count then four decimal values
+    # a key (``counted_args``); the first, one request a call, four values a key.
+    # "label@N": N requests a call.
     counted_args = "local nargs = #ARGV" in text
     packed = packed_limits(text)  # one string of doubles a request (since issue 27)
     per_call = int(label.partition("@")[2] or 1)
