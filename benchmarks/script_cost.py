@@ -42,7 +42,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.script_instructions import LIMITS, PACKED, packed_limits  # noqa: E402
+from benchmarks.script_instructions import (  # noqa: E402
+    LIMITS,
+    PACKED,
+    add_load_options,
+    packed_limits,
+)
 from tests.support.redis_servers import free_port  # noqa: E402
 
 SCRIPT = "gateway/counters/lua/sliding_window.lua"
@@ -151,10 +156,7 @@ def run_script(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--script", action="append", default=[], help="label=FILE or label=COMMIT")
-    parser.add_argument("--rate", type=int, default=8000, help="calls a second (default 8000)")
-    parser.add_argument("--keys", type=int, default=10_000, help="rule keys (default 10000)")
-    parser.add_argument("--addresses", type=int, default=50, help="ceiling keys (default 50)")
+    add_load_options(parser, "calls a second (default 8000)")
     parser.add_argument("--seconds", type=float, default=20.0, help="per script (default 20)")
     parser.add_argument("--window", type=float, default=10.0, help="the limits' window, s")
     args = parser.parse_args()

@@ -64,6 +64,14 @@ LIMITS = [2000, 10_000, 167, 1, 36_000, 10_000, 167, 1]
 PACKED = struct.pack("<8d", *LIMITS)
 
 
+def add_load_options(parser: argparse.ArgumentParser, rate_help: str) -> None:
+    """The options both script benchmarks share: which scripts, and the load's shape."""
+    parser.add_argument("--script", action="append", default=[], help="label[@N]=FILE|COMMIT")
+    parser.add_argument("--rate", type=int, default=8000, help=rate_help)
+    parser.add_argument("--keys", type=int, default=10_000, help="rule keys (default 10000)")
+    parser.add_argument("--addresses", type=int, default=50, help="ceiling keys (default 50)")
+
+
 def packed_limits(text: str) -> bool:
     """Whether the script reads a request's limits as one packed string."""
     return "unpack('<dddd'" in text
@@ -150,10 +158,7 @@ def measure(label: str, text: str, args: argparse.Namespace, work: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--script", action="append", default=[], help="label[@N]=FILE|COMMIT")
-    parser.add_argument("--rate", type=int, default=8000, help="requests a simulated second")
-    parser.add_argument("--keys", type=int, default=10_000, help="rule keys (default 10000)")
-    parser.add_argument("--addresses", type=int, default=50, help="ceiling keys (default 50)")
+    add_load_options(parser, "requests a simulated second (default 8000)")
     parser.add_argument("--window", type=float, default=10.0, help="simulated seconds first")
     parser.add_argument("--measured", type=int, default=4000, help="requests counted")
     parser.add_argument(

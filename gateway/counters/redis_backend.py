@@ -183,6 +183,13 @@ class _Call:
             parts = self._parts = (_bulks(args[1 : count + 1]), _bulks(args[count + 1 :]))
         return parts
 
+    def evalsha(self, sha: str) -> bytes:
+        """Its own ``EVALSHA`` (a request alone in its script call), packed once."""
+        packed = self.packed
+        if packed is None:
+            packed = self.packed = pack(("EVALSHA", sha, *self.args))
+        return packed
+
 
 def batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
     """One EVALSHA carrying several requests' calls, in order (the script decides each as
@@ -434,11 +441,7 @@ class RedisBackend:
             group = calls[start:end]
             groups.append(group)
             if end - start == 1:
-                call = group[0]
-                one = call.packed
-                if one is None:
-                    one = call.packed = pack(("EVALSHA", sha, *call.args))
-                packed.append(one)
+                packed.append(group[0].evalsha(sha))
             else:
                 singles = False
                 packed.append(batched(sha_bytes, group))
@@ -547,12 +550,9 @@ class RedisBackend:
         sha = self._sha
         wire_bytes: list[bytes] = []
         for call in commands:
-            packed = call.packed
-            if packed is None:
-                packed = call.packed = pack(("EVALSHA", sha, *call.args))
             if asking:
                 wire_bytes.append(ASKING)
-            wire_bytes.append(packed)
+            wire_bytes.append(call.evalsha(sha))
         replies = await wire.call(b"".join(wire_bytes), len(wire_bytes))
         if asking:
             replies = replies[1::2]

@@ -455,3 +455,31 @@ def test_limits_that_do_not_fit_the_keys_are_an_error_and_count_nothing(
     with pytest.raises(redis.ResponseError, match=error):
         raw.evalsha(script.sha, keys, *names, *argv, 1_764_000_000_000)
     assert raw.exists(*names) == 0
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    keys=st.integers(0, 6),
+    sizes=st.lists(st.integers(0, 200), min_size=0, max_size=4),  # bytes of each ARGV
+)
+def test_the_script_answers_only_limits_that_fit_its_keys(
+    raw: redis.Redis, keys: int, sizes: list[int]
+) -> None:
+    """Whatever the sizes of the limits strings and the number of keys: the call is
+    decided only when every string is 32 bytes a key and they add up to the keys;
+    otherwise it is an error reply and nothing is written."""
+    script = Script(raw)
+    tag = uuid.uuid4().hex
+    names = [f"rl:{{{tag}}}:{i}" for i in range(keys)]
+    argv = [(LIMITS_OF_ONE * 7)[:size] for size in sizes]
+    fits = all(size % 32 == 0 for size in sizes) and sum(sizes) // 32 == keys
+    if fits:
+        reply = raw.evalsha(script.sha, keys, *names, *argv, 1_764_000_000_000)
+        assert len(reply) == 2 * len(sizes) + 3 * keys
+        assert raw.exists(*names) == keys if keys else True
+    else:
+        with pytest.raises(redis.ResponseError, match="sliding_window: "):
+            raw.evalsha(script.sha, keys, *names, *argv, 1_764_000_000_000)
+        assert keys == 0 or raw.exists(*names) == 0

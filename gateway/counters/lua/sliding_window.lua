@@ -26,12 +26,13 @@
 --
 -- Why this layout (the previous one was a hash of buckets, read whole and sorted on
 -- every call: 29 us of server CPU a call on a fresh window, 71 us once windows held
--- their ~60 buckets; benchmarks/script_cost.py): a call reads its keys with one MGET
--- and writes at most a few bytes at each one's end, with one SETRANGE: the newest
--- record counted once more, or a new record, each with the trailer after it. Records that left the window
--- are skipped, not removed (the trailer says where the live ones start); the string is
--- rewritten without them once they are as many as DEAD_MAX. The expiry is pushed on
--- only when a new bucket would outlive it, by two windows, so about once a window.
+-- their ~60 buckets; benchmarks/script_cost.py): a call reads its keys (below) and
+-- writes at most a few bytes at each one's end, with one SETRANGE: the newest record
+-- counted once more, or a new record, each with the trailer after it. Records that
+-- left the window are skipped, not removed (the trailer says where the live ones
+-- start); the string is rewritten without them once they are as many as DEAD_MAX. The
+-- expiry is pushed on only when a new bucket would outlive it, by two windows, so
+-- about once a window.
 -- A refused call writes nothing, or when records left the window since the last
 -- write, the trailer's first two numbers. Keys of this layout end in ':v2'
 -- (limiter.LAYOUT), so gateways of both versions can share one Redis during an upgrade.
