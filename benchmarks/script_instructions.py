@@ -40,6 +40,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
+from gateway.counters.redis_backend import (  # noqa: E402
+    CROSS_SLOT_MARKER,
+    CROSS_SLOT_RESOURCE,
+    CROSS_SLOT_SHEBANG,
+)
 from tests.support.redis_servers import free_port  # noqa: E402
 
 CLOCK_LINES = (
@@ -51,17 +56,29 @@ START_MS = 1_764_000_000_000
 
 
 def clocked(text: str) -> str:
-    """The script with ``now`` taken from its last argument."""
+    """The script with ``now`` taken from its last argument (either form)."""
     if text.count(CLOCK_LINES) != 1:
         raise SystemExit("the script's clock lines changed: update CLOCK_LINES")
     text = text.replace(CLOCK_LINES, "local now = tonumber(ARGV[#ARGV])\n")
+    if text.startswith(CROSS_SLOT_SHEBANG):  # its prelude reads ARGV, the rest its limits
+        return text.replace("local last = #ARGV\n", "local last = #ARGV - 1\n")
     return text.replace("local nargs = #ARGV\n", "local nargs = #ARGV - 1\n")
+
+
+def cross_slot(text: str) -> str:
+    """``text``'s cross-slot form, made as the gateway makes its own (``x`` labels)."""
+    if text.count(CROSS_SLOT_MARKER) != 1:
+        raise SystemExit("this script has no cross-slot form (no marker line)")
+    prelude = (ROOT / "gateway/counters/lua" / CROSS_SLOT_RESOURCE).read_text()
+    return CROSS_SLOT_SHEBANG + text.replace(CROSS_SLOT_MARKER, prelude)
 
 
 # One request's limits (a rule's, its ceiling's): four values a key, and ``PACKED`` as
 # the script takes them since issue 27's fifth step (one string of doubles a request).
 LIMITS = [2000, 10_000, 167, 1, 36_000, 10_000, 167, 1]
 PACKED = struct.pack("<8d", *LIMITS)
+# --cluster: a Redis Cluster's calls, the rule's and the ceiling's apart (other slots).
+PACKED_APART = [struct.pack("<4d", *LIMITS[:4]), struct.pack("<4d", *LIMITS[4:])]
 
 
 def add_load_options(parser: argparse.ArgumentParser, rate_help: str) -> None:
@@ -85,26 +102,42 @@ def traffic(
     count: int,
     args: argparse.Namespace,
     packed: bool,
+    cross: bool = False,
 ) -> None:
-    """Requests ``first`` to ``first + count``, ``per_call`` to a call, in pipelines."""
+    """Requests ``first`` to ``first + count``, ``per_call`` to a call, in pipelines.
+    With ``args.cluster`` each request is two of the script's, the rule's key and the
+    ceiling's (a cluster's calls); ``cross`` sends the cross-slot form's layout."""
     sent = first
     end = first + count
     while sent < end:
         pipe = client.pipeline(transaction=False)
         todo = min(PIPELINE, end - sent)
         while todo > 0:
-            keys: list[str] = []
-            argv: list[int | bytes] = []
+            requests: list[tuple[list[str], list[int | bytes]]] = []
             now = START_MS + sent * 1000 // args.rate
             lead = sent
             for _ in range(min(per_call, todo)):
                 which = lead if args.shared else sent
-                keys += [f"bench:{{k{which % args.keys}}}:rule",
-                         f"bench:{{a{which % args.addresses}}}:ceiling"]  # fmt: skip
-                argv += [PACKED] if packed else [2, *LIMITS]
+                rule = f"bench:{{k{which % args.keys}}}:rule"
+                ceiling = f"bench:{{a{which % args.addresses}}}:ceiling"
+                if args.cluster:
+                    requests.append(([rule], [PACKED_APART[0]]))
+                    requests.append(([ceiling], [PACKED_APART[1]]))
+                else:
+                    requests.append(([rule, ceiling], [PACKED] if packed else [2, *LIMITS]))
                 sent += 1
                 todo -= 1
-            pipe.evalsha(sha, len(keys), *keys, *argv, now)
+            for start in range(0, len(requests), per_call):
+                part = requests[start : start + per_call]
+                if cross:
+                    rest = [key for keys, _ in part[1:] for key in keys]
+                    limits = [limit for _, argv in part for limit in argv]
+                    head = part[0][0]
+                    pipe.evalsha(sha, len(head), *head, len(part), *limits, *rest, now)
+                else:
+                    keys = [key for keys, _ in part for key in keys]
+                    argv = [value for _, values in part for value in values]
+                    pipe.evalsha(sha, len(keys), *keys, *argv, now)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, Exception):
                 raise SystemExit(f"the script failed: {reply}")
@@ -116,14 +149,20 @@ def control(pid: int, *options: str) -> None:
 
 def measure(label: str, text: str, args: argparse.Namespace, work: Path) -> int:
     """Instructions inside EVALSHA over the measured requests."""
-    per_call = int(label.partition("@")[2] or 1)
+    calls = label.partition("@")[2]
+    cross = calls.endswith("x")  # the cross-slot form
+    per_call = int(calls.rstrip("x") or 1)
+    if cross:
+        text = cross_slot(text)
     port = free_port()
     out = work / f"callgrind.{label.replace('@', '-')}.out"
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
          "--toggle-collect=evalShaCommand", f"--callgrind-out-file={out}",
          shutil.which("redis-server") or "redis-server", "--port", str(port),
-         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work)],
+         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work),
+         *(["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+           if args.cluster else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=600)
@@ -134,12 +173,16 @@ def measure(label: str, text: str, args: argparse.Namespace, work: Path) -> int:
                 break
             except redis.ConnectionError:
                 time.sleep(0.1)
+        if args.cluster:  # one master that serves every slot
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            while client.execute_command("CLUSTER", "INFO").find(b"cluster_state:ok") < 0:
+                time.sleep(0.1)
         sha = client.script_load(clocked(text))
         filled = int(args.window * args.rate)
         packed = packed_limits(text)
-        traffic(client, sha, per_call, 0, filled, args, packed)  # the windows filled
+        traffic(client, sha, per_call, 0, filled, args, packed, cross)  # the windows filled
         control(proc.pid, "--instr=on")
-        traffic(client, sha, per_call, filled, args.measured, args, packed)
+        traffic(client, sha, per_call, filled, args.measured, args, packed, cross)
         client.shutdown(nosave=True)
     except redis.ConnectionError:
         pass  # the shutdown's
@@ -163,6 +206,13 @@ def main() -> None:
     parser.add_argument("--measured", type=int, default=4000, help="requests counted")
     parser.add_argument(
         "--shared", action="store_true", help="the requests of a call share their keys"
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a Redis Cluster's calls: each request is two script requests (the rule's key, "
+        "the ceiling's: other slots), on a server in cluster mode that serves every slot; "
+        "label@Nx sends N of them a call in the cross-slot form",
     )
     parser.add_argument(
         "--keep", type=Path, help="keep callgrind's files here (for callgrind_annotate)"

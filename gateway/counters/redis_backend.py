@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import struct
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import lru_cache
@@ -31,7 +32,13 @@ from redis.exceptions import NoScriptError, ResponseError
 from gateway.counters.base import HitResult, LimitCheck, LimitState
 from gateway.counters.resp import GivenUpError, RespClient, pack, reply_error
 
+log = logging.getLogger("gateway.counters")
+
 SCRIPT_RESOURCE: Final = "sliding_window.lua"
+# Its cross-slot form: this file in place of the script's marker line, the flag first.
+CROSS_SLOT_RESOURCE: Final = "cross_slot_prelude.lua"
+CROSS_SLOT_MARKER: Final = "local KEYS, ARGV, read = KEYS, ARGV, nil\n"
+CROSS_SLOT_SHEBANG: Final = "#!lua flags=allow-cross-slot-keys\n"
 HEALTH_TIMEOUT_SECONDS: Final = 1.0
 MAX_CACHED_CALLS: Final = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
 # Requests in one script call: it holds the server about 10 us a request, so 64 bound
@@ -78,7 +85,27 @@ def script_text() -> str:
 @lru_cache(maxsize=1)
 def script_sha() -> str:
     """SHA1 of the script, as ``EVALSHA`` expects it."""
-    return hashlib.sha1(script_text().encode("utf-8"), usedforsecurity=False).hexdigest()
+    return _sha(script_text())
+
+
+@lru_cache(maxsize=1)
+def cross_slot_text() -> str:
+    """The script's cross-slot form (``lua/cross_slot_prelude.lua``): the requests of
+    several slots one Redis Cluster master serves, in one call (Redis 7.0 and later)."""
+    text = script_text()
+    if text.count(CROSS_SLOT_MARKER) != 1:
+        raise RuntimeError(f"{SCRIPT_RESOURCE} lost its line {CROSS_SLOT_MARKER.strip()!r}")
+    prelude = (files("gateway.counters") / "lua" / CROSS_SLOT_RESOURCE).read_text("utf-8")
+    return CROSS_SLOT_SHEBANG + text.replace(CROSS_SLOT_MARKER, prelude)
+
+
+@lru_cache(maxsize=1)
+def cross_slot_sha() -> str:
+    return _sha(cross_slot_text())
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
 def script_args(checks: Sequence[LimitCheck]) -> list[str | int | bytes]:
@@ -199,15 +226,47 @@ def batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
     for call in calls:
         key_count += len(call.checks)
     arg_count = len(calls)  # each request: its limits, one string
+    return b"".join(
+        [
+            _evalsha_head(sha, key_count, 2 + key_count + arg_count),
+            *[keys for keys, _ in parts],
+            *[argv for _, argv in parts],
+        ]
+    )
+
+
+def cross_batched(sha: bytes, calls: Sequence[_Call]) -> bytes:
+    """``batched`` in the script's cross-slot form (``cross_slot_text``): requests of
+    several slots of one cluster master. The first request's keys are the call's
+    declared keys; the others' follow the limits in ``ARGV``."""
+    parts = [call.parts() for call in calls]
+    declared = len(calls[0].checks)
+    rest = 0
+    for call in calls[1:]:
+        rest += len(call.checks)
+    count_text = b"%d" % len(calls)
+    return b"".join(
+        [
+            _evalsha_head(sha, declared, 2 + declared + 1 + len(calls) + rest),
+            parts[0][0],
+            b"$%d\r\n%s\r\n" % (len(count_text), count_text),
+            *[argv for _, argv in parts],
+            *[keys for keys, _ in parts[1:]],
+        ]
+    )
+
+
+def _evalsha_head(sha: bytes, key_count: int, args: int) -> bytes:
+    """An EVALSHA's array header, its name, the SHA and the key count (``args``: the
+    arguments after the command's name)."""
     count_text = b"%d" % key_count
-    head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-        3 + key_count + arg_count,
+    return b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        1 + args,
         len(sha),
         sha,
         len(count_text),
         count_text,
     )
-    return b"".join([head, *[keys for keys, _ in parts], *[argv for _, argv in parts]])
 
 
 def _by_slot(todo: list[int], calls: list[_Call]) -> tuple[list[int], list[_Call]]:
@@ -224,6 +283,19 @@ def _by_slot(todo: list[int], calls: list[_Call]) -> tuple[list[int], list[_Call
         return todo, calls  # one slot, or each call its own: already in order
     order = [k for run in runs.values() for k in run]
     return [todo[k] for k in order], [calls[k] for k in order]
+
+
+def _check_sha(sha: Any, expected: str) -> None:
+    if isinstance(sha, bytes):
+        sha = sha.decode("ascii")
+    if sha != expected:
+        raise ResponseError("the server computed another SHA for the script")
+
+
+def _failed_whole(reply: Any) -> bool:
+    """Whether a cross-slot call's reply is an error that is not about its script
+    (``NOSCRIPT``: loaded and sent again as for any call): the call counted nothing."""
+    return isinstance(reply, ResponseError) and not str(reply).startswith("NOSCRIPT")
 
 
 def split_reply(reply: Any, calls: Sequence[_Call]) -> list[Any]:
@@ -276,10 +348,18 @@ class RedisBackend:
         self._cluster = cluster or self._redis_cluster
         self._redirect = redirect
         self._sha = script_sha()
+        # A lean cluster master's calls carry requests of several slots (the script's
+        # cross-slot form) until the server refuses that form (before Redis 7.0).
+        self._cross_slot = self._cluster and self._wire is not None
+        self._cross_sha_bytes = cross_slot_sha().encode()
         self._calls: dict[str, _Call] = {}  # first key of the checks -> their call
         self._tasks: set[asyncio.Task[None]] = set()  # the rare awaited follow-ups of send_many
         # Round trips started (single calls, pipelines, script loads); for benchmarks.
         self.round_trips = 0
+        # Script calls sent in the cross-slot form, and those that failed as a whole
+        # (their requests sent again on their own); for tests and benchmarks.
+        self.cross_slot_calls = 0
+        self.cross_slot_failed = 0
         self.script_loads = 0
 
     @property
@@ -415,17 +495,21 @@ class RedisBackend:
         if not todo:  # nothing to ask the store
             asyncio.get_running_loop().call_soon(done, results)
             return True
-        if self._cluster:
+        cross = self._cross_slot
+        if self._cluster and not cross:
             # A cluster master runs a call's keys of one slot only: the requests are
             # grouped by slot first, in order within each (one client's requests share
             # its identity's slot, so a burst of them is still one call). Requests of
             # different slots share no key, so their order between them is free.
             todo, calls = _by_slot(todo, calls)
         # The requests go MAX_REQUESTS_PER_CALL to a script call, which costs Redis about
-        # half as much a request as a call each (benchmarks/script_cost.py).
+        # half as much a request as a call each (benchmarks/script_cost.py); on a
+        # cluster master of Redis 7, requests of several slots go in one call too, in the
+        # script's cross-slot form (``mixed``).
         # A request alone in its call (its slot's only one, or a quiet moment) goes as
         # its own EVALSHA, packed once per identity, and its reply is its own.
         groups: list[list[_Call]] = []
+        mixed: list[bool] = []
         packed: list[bytes] = []
         sha = self._sha
         sha_bytes = sha.encode()
@@ -434,17 +518,26 @@ class RedisBackend:
         while start < count:
             end = min(start + MAX_REQUESTS_PER_CALL, count)
             slot = calls[start].slot
+            several = False
             for k in range(start + 1, end):
                 if calls[k].slot != slot:
-                    end = k
+                    if cross:
+                        several = True
+                    else:
+                        end = k
                     break
             group = calls[start:end]
             groups.append(group)
+            mixed.append(several)
             if end - start == 1:
                 packed.append(group[0].evalsha(sha))
             else:
                 singles = False
-                packed.append(batched(sha_bytes, group))
+                if several:
+                    self.cross_slot_calls += 1
+                    packed.append(cross_batched(self._cross_sha_bytes, group))
+                else:
+                    packed.append(batched(sha_bytes, group))
             start = end
 
         def replied(replies: list[Any] | Exception) -> None:
@@ -454,18 +547,31 @@ class RedisBackend:
                 else:
                     self._follow_up(self._again(batch, done))
                 return
+            apart: list[int] = []
             if not singles:
                 each: list[Any] = []
-                for group, reply in zip(groups, replies, strict=True):
+                for group, several, reply in zip(groups, mixed, replies, strict=True):
                     if len(group) == 1:
                         each.append(reply)
-                    else:
-                        each.extend(split_reply(reply, group))
+                        continue
+                    if several and _failed_whole(reply):
+                        # Nothing was counted (a key of a slot this master no longer
+                        # serves, the first request's slot redirected, ...): each of its
+                        # requests goes again on its own, and follows its own
+                        # redirection.
+                        self.cross_slot_failed += 1
+                        apart.extend(todo[len(each) + k] for k in range(len(group)))
+                    each.extend(split_reply(reply, group))
                 replies = each
             redirected: list[int] | None = [] if self._redirect is not None else None
             missing = _fill(batch, todo, replies, results, redirected)
-            if missing or redirected:
-                self._follow_up(self._complete(batch, missing, redirected or [], results, done))
+            if apart and redirected:
+                again = set(apart)
+                redirected = [index for index in redirected if index not in again]
+            if missing or redirected or apart:
+                self._follow_up(
+                    self._complete(batch, missing, redirected or [], results, done, apart)
+                )
                 return
             done(results)
 
@@ -501,12 +607,18 @@ class RedisBackend:
         redirected: list[int],
         results: list[HitResult | Exception],
         done: BatchSettled,
+        apart: Sequence[int] = (),
     ) -> None:
         """The rest of a round trip ``send_many`` wrote: the calls whose script the
-        server lost (loaded, then sent again) and the calls a cluster master redirected
-        (followed)."""
+        server lost (loaded, then sent again), the calls a cluster master redirected
+        (followed) and the requests of a cross-slot call that failed as a whole
+        (``apart``: each sent again on its own, its redirections followed)."""
         outcome: list[HitResult | Exception] | Exception = results
         try:
+            if apart:
+                again = await self._hit_many([batch[i] for i in apart], False, True)
+                for index, result in zip(apart, again, strict=True):
+                    results[index] = result
             if missing:
                 await self.load_script()
                 again = await self._hit_many([batch[i] for i in missing], False, False)
@@ -610,7 +722,8 @@ class RedisBackend:
 
     async def load_script(self) -> None:
         """Load the script (on this backend's server; on every primary through redis-py's
-        cluster client); normally done on demand."""
+        cluster client); normally done on demand. A lean cluster master gets the
+        cross-slot form too, unless it refuses it (then its calls keep to one slot)."""
         self.round_trips += 1
         self.script_loads += 1
         sha: Any
@@ -619,10 +732,21 @@ class RedisBackend:
         else:
             redis: Any = self._client
             sha = await redis.script_load(script_text())
-        if isinstance(sha, bytes):
-            sha = sha.decode("ascii")
-        if sha != self._sha:
-            raise ResponseError("the server computed another SHA for the script")
+        _check_sha(sha, self._sha)
+        if self._cross_slot and self._wire is not None:
+            self.round_trips += 1
+            try:
+                sha = await self._wire.command("SCRIPT", "LOAD", cross_slot_text())
+            except ResponseError as exc:  # a server before 7.0: no script flags
+                self._cross_slot = False
+                log.info(
+                    "%s: one script call per slot (the server refused the cross-slot "
+                    "form: %s)",
+                    self._name,
+                    exc,
+                )
+                return
+            _check_sha(sha, self._cross_sha_bytes.decode())
 
     def _call(self, checks: Sequence[LimitCheck]) -> _Call:
         """The call for these checks: kept while the limiter hands the same checks

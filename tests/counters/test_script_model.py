@@ -22,7 +22,12 @@ from hypothesis import strategies as st
 
 from gateway.counters.base import LimitCheck
 from gateway.counters.memory import MemoryBackend
-from gateway.counters.redis_backend import parse_reply, script_args, script_text
+from gateway.counters.redis_backend import (
+    cross_slot_text,
+    parse_reply,
+    script_args,
+    script_text,
+)
 from gateway.ratelimit.window import (
     bucket_ms_for,
     current_bucket,
@@ -291,6 +296,11 @@ def _one_call(raw: redis.Redis, sha: str, requests: list[list[LimitCheck]], now:
         keys.extend(args[1 : len(checks) + 1])
         argv.extend(args[len(checks) + 1 :])
     reply = raw.evalsha(sha, len(keys), *keys, *argv, now)
+    return _answers(reply, requests)
+
+
+def _answers(reply: list, requests: list[list[LimitCheck]]) -> list:
+    """A call's reply cut into each request's (admitted, states), in order."""
     answers, offset = [], 0
     for checks in requests:
         size = 2 + 3 * len(checks)
@@ -338,6 +348,91 @@ def test_requests_in_one_call_are_decided_as_if_one_after_another(
             batch.append(list(seen.values()))
         expected = [model.hit(checks, now) for checks in batch]
         assert _one_call(raw, script.sha, batch, now) == expected
+
+
+def clocked_cross_slot_script() -> str:
+    """The cross-slot form as the gateway sends it, reading ``now`` as clocked_script."""
+    text = cross_slot_text()
+    assert text.count(CLOCK_LINES) == 1 and text.count("local last = #ARGV\n") == 1
+    text = text.replace(CLOCK_LINES, "local now = tonumber(ARGV[#ARGV])\nlocal nargs = 0\n")
+    return text.replace("local last = #ARGV\n", "local last = #ARGV - 1\n")
+
+
+def _cross_call(raw: redis.Redis, sha: str, requests: list[list[LimitCheck]], now: int) -> list:
+    """``_one_call`` in the cross-slot layout: the first request's keys declared, then
+    the number of requests, their limits and the other requests' keys."""
+    first = script_args(requests[0])
+    limits: list[str | int | bytes] = []
+    rest: list[str | int | bytes] = []
+    for index, checks in enumerate(requests):
+        args = script_args(checks)
+        limits.extend(args[len(checks) + 1 :])
+        if index:
+            rest.extend(args[1 : len(checks) + 1])
+    declared = first[1 : len(requests[0]) + 1]
+    reply = raw.evalsha(sha, len(declared), *declared, len(requests), *limits, *rest, now)
+    return _answers(reply, requests)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.integers(0, 70_000),  # time before this call
+            st.lists(  # its requests: one of three tags, which of three keys of it, limits
+                st.tuples(
+                    st.integers(0, 2),
+                    st.lists(
+                        st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=3
+                    ),
+                ),
+                min_size=1,
+                max_size=12,
+            ),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_the_cross_slot_form_decides_as_the_script_does(
+    raw: redis.Redis, rounds: list[tuple[int, list[tuple[int, list[tuple[int, int]]]]]]
+) -> None:
+    """Requests of several hash tags (slots) in one call of the cross-slot form: each
+    request all-or-nothing, decided after the ones before it, the model's answers."""
+    sha = raw.script_load(clocked_cross_slot_script())
+    model = Model()
+    run = uuid.uuid4().hex
+    now = 1_764_000_000_000 + 321
+    for step, requests in rounds:
+        now += step
+        batch = []
+        for tag, limits in requests:
+            seen: dict[int, LimitCheck] = {}
+            for which, limit in limits:  # a key once per request, one tag a request
+                key = f"rl:{{{run}{tag}}}:{which}"
+                seen.setdefault(which, LimitCheck(key, limit, 60_000, 1_000))
+            batch.append(list(seen.values()))
+        expected = [model.hit(checks, now) for checks in batch]
+        assert _cross_call(raw, sha, batch, now) == expected
+
+
+@pytest.mark.parametrize(
+    "count", [b"0", b"-1", b"1.5", b"x", b"3"], ids=["zero", "negative", "fraction", "text", "more"]
+)
+def test_a_cross_slot_call_with_a_bad_count_is_an_error_and_counts_nothing(
+    raw: redis.Redis, count: bytes
+) -> None:
+    """ARGV 1 must be the number of requests, and their limits must follow: else an
+    error reply and no key written."""
+    sha = raw.script_load(clocked_cross_slot_script())
+    tag = uuid.uuid4().hex
+    first, second = (LimitCheck(f"rl:{{{tag}{n}}}:0", 5, 60_000, 1_000) for n in range(2))
+    limits = [script_args([c])[2] for c in (first, second)]
+    with pytest.raises(redis.ResponseError, match="sliding_window"):
+        raw.evalsha(sha, 1, first.key, count, *limits, second.key, 1_764_000_000_000)
+    assert raw.exists(first.key, second.key) == 0
 
 
 def test_a_value_of_another_type_fails_no_request_of_the_call(raw: redis.Redis) -> None:

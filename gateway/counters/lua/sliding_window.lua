@@ -60,6 +60,10 @@ local DEAD_MAX = 16 -- records left the window kept before the string is rewritt
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 local nargs = #ARGV
+-- KEYS and ARGV as the rest reads them. The cross-slot form (cross_slot_text() in
+-- gateway/counters/redis_backend.py) replaces the next line with cross_slot_prelude.lua,
+-- which builds them (and nargs) from its own layout and reads every key first (``read``).
+local KEYS, ARGV, read = KEYS, ARGV, nil
 
 -- The limits must fit the keys, checked before anything is counted or written: a
 -- string of 32 bytes a key per request, as many keys in all as KEYS holds.
@@ -86,8 +90,8 @@ end
 -- nothing counted, and written anew with SET if counted, as for no key.
 local MGET_MIN = 16 -- keys
 local MGET_MAX = 1000 -- keys read at once at most (Lua's stack bounds ``spread``)
-local values = {}
-if #KEYS > MGET_MIN and #KEYS <= MGET_MAX then
+local values = read or {}
+if read == nil and #KEYS > MGET_MIN and #KEYS <= MGET_MAX then
   local distinct, seen = {}, {}
   for i = 1, #KEYS do
     local key = KEYS[i]
