@@ -86,6 +86,7 @@ LATE_SEND_SECONDS: Final = 10.0
 # hard bounds with the default timeouts), so none is in flight on it any more.
 RETIRE_REFRESHES: Final = 3
 RETIRE_SECONDS: Final = 10.0
+MAX_CACHED_SLOTS: Final = 50_000  # keys whose slot node_for keeps (then it starts over)
 CLUSTER_SLOTS: Final = 16384  # Redis Cluster's key space (redis.crc.REDIS_CLUSTER_HASH_SLOTS)
 
 _BREAKER_RANK = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
@@ -220,6 +221,7 @@ class PerNodeBackend:
         self._node_client = node_client
         self._breakers = _NodeBreakers(events, self._store_failed)
         self._stacks: dict[str, CounterBackend] = {}
+        self._slots: dict[str, int] = {}  # key -> its slot (node_for)
         self._stores: dict[str, RedisBackend] = {}
         self._submits: dict[str, Callable[[Sequence[LimitCheck], HitSettled], bool] | None] = {}
         self._events: dict[str, _NodeEvents] = {}
@@ -244,6 +246,7 @@ class PerNodeBackend:
         # Kept per instance (tests shorten it): a module constant is inlined where this
         # module is compiled (gateway.native).
         self.retire_seconds = RETIRE_SECONDS
+        self.max_cached_slots = MAX_CACHED_SLOTS
 
     @property
     def name(self) -> str:
@@ -264,8 +267,22 @@ class PerNodeBackend:
         """The store at the bottom of each stack, by the same names."""
         return self._stores
 
+    @property
+    def cached_slots(self) -> int:
+        """How many keys' slots ``node_for`` keeps now (at most ``max_cached_slots``)."""
+        return len(self._slots)
+
     def node_for(self, key: str) -> str:
-        return self.node_for_slot(slot_of(key))
+        # The slot of a key never changes: kept per key (computing it was 3,700 of the
+        # ~200,000 instructions a proxied request costs the gateway, twice a request:
+        # benchmarks/dataplane_instructions.py --kinds cluster), bounded as the other
+        # per-identity caches are.
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= self.max_cached_slots:
+                self._slots.clear()
+            slot = self._slots[key] = slot_of(key)
+        return self.node_for_slot(slot)
 
     def node_for_slot(self, slot: int) -> str:
         nodes = self._client.nodes_manager.slots_cache.get(slot)

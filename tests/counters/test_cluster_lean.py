@@ -701,3 +701,24 @@ async def test_an_ask_without_a_usable_address_is_the_answer(
             assert counted(owner, key) == 0
         finally:
             await backend.close()
+
+
+async def test_a_keys_master_is_its_slots_own_whatever_the_cache_holds(
+    redis_cluster: RedisClusterProcess,
+) -> None:
+    """``node_for`` keeps each key's slot (a pure function of the key), bounded: the
+    master it names is always the one the cluster says serves that slot, for keys seen
+    again and after the cache started over."""
+    backend = open_counter_backend(redis_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    nodes.max_cached_slots = 64
+    try:
+        await nodes.refresh_slot_map()
+        slots = owners(redis_cluster)
+        keys = [new_key() for _ in range(200)]
+        for _ in range(2):  # new, then seen again (or dropped when the cache started over)
+            for key in keys:
+                assert nodes.node_for(key) == name(slots[key_slot(key.encode())])
+                assert 1 <= nodes.cached_slots <= 64
+    finally:
+        await backend.close()
