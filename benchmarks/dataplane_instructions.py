@@ -369,6 +369,11 @@ async def drive(kind: str, count: int, variant: Variant) -> dict[str, float]:
             flags["rate_limit_headers"] = variant.rate_headers
         if kind in STORES:
             flags["redis_url"] = os.environ[f"INSTRUCTIONS_{kind.upper()}_URL"]
+            # Callgrind runs the gateway ~50 times slower than it runs: with the default
+            # 50 ms budget some round trips time out, the breaker opens and requests are
+            # counted by the local fallback instead (a cheaper path, taken more or less
+            # often from run to run). The store's answers are what is measured here.
+            flags["redis_timeout_ms"] = 60_000.0
         config = Path(tmp) / "gateway.yaml"
         settings = load_settings(
             flags, env={}, config_file=str(config) if config.exists() else None
@@ -377,6 +382,13 @@ async def drive(kind: str, count: int, variant: Variant) -> dict[str, float]:
         source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
         proxy = Proxy(settings, Upstreams({}), metrics, source, b"instructions-bench-secret-0123")
         await proxy.start("127.0.0.1", 0)
+        if kind in STORES and proxy.readiness is not None:
+            # The readiness checks PING the store every second of wall time: under
+            # callgrind a run takes ~50 times as long, so they would add from run to run
+            # a varying share of what a served gateway spends on them (a redis-py
+            # cluster PING: ~0.3 ms of CPU a second; up to 100,000 instructions a
+            # measured request here).
+            await proxy.readiness.stop()
         if kind == "cluster":
             await slot_maps_known(proxy)
         collector_as_served()
@@ -442,24 +454,42 @@ async def drive(kind: str, count: int, variant: Variant) -> dict[str, float]:
                 if variant.table == "shipped" and last.startswith(b"HTTP/1.1 429"):
                     hint = " (the shipped per-address ceiling, 36000/10: fewer --requests)"
                 raise SystemExit(f"{kind}: {answered} of {count} answered, last {last!r}{hint}")
+            fallbacks = store_failures(metrics)
+            if kind in STORES and fallbacks:
+                raise SystemExit(f"{kind}: the store failed during the run: {fallbacks}")
             return {"cpu_s": cpu, "answered": answered}
         finally:
             await proxy.stop(1)
 
 
+def store_failures(metrics: Any) -> dict[str, float]:
+    """The counter store's errors and fallback decisions so far, by metric (none: every
+    request was counted by the store)."""
+    found: dict[str, float] = {}
+    for family in (metrics.counter_errors, metrics.fallback_decisions):
+        for sample in family.export().samples:
+            if sample.name.endswith("_total") and sample.value:
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found
+
+
 async def slot_maps_known(proxy: Any) -> None:
     """Every Redis Cluster region's slot map read before the first request, as a served
-    gateway has it after its first moments: else the first calls go through redis-py
-    (the slot map not known yet) and the stack they made is retired later by timers
-    that refresh the map, which under callgrind's slowness fall inside the measured
-    requests (about 70,000 instructions a request of redis-py's own work)."""
+    gateway has it after its first moments. Else, under callgrind's slowness, one-time
+    work lands inside the measured requests or not, from run to run: the first calls go
+    through redis-py (the slot map not known yet) and timers that refresh the map
+    retire the stack they made (about 70,000 instructions a request)."""
     limiter = proxy.plane.gateway.limiter
+    found = 0
     for region in proxy.settings.region_table():
         backend = limiter.backend(region.name)
         while not hasattr(backend, "refresh_slot_map") and hasattr(backend, "inner"):
             backend = backend.inner
         if hasattr(backend, "refresh_slot_map"):
             await backend.refresh_slot_map()
+            found += 1
+    if not found:
+        raise SystemExit("cluster: no Redis Cluster backend found")
 
 
 def collector_as_served() -> None:
