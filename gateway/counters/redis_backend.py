@@ -54,10 +54,20 @@ Redirect: TypeAlias = Callable[
     [list[Sequence[LimitCheck]], list[Exception]], Awaitable[list[HitResult | Exception]]
 ]
 
+# What SCRIPT LOAD answers for the cross-slot form on a server without script flags
+# (before Redis 7.0: the "#!" line does not compile) or without this flag.
+NO_SCRIPT_FLAGS: Final = ("compil", "shebang", "flag")
+# A script that touches keys of two slots without the flag allow-cross-slot-keys.
+CROSS_SLOT_REFUSED: Final = "do not hash to the same slot"
+
 # Error replies that mean "not counted here, send it again" (a cluster redirection, or a
 # multi-key call during a slot migration).
 REDIRECTIONS: Final = ("MOVED ", "ASK ", "TRYAGAIN")
 ASKING: Final = pack(("ASKING",))
+# What a cluster master answers, before the cross-slot form writes anything, when one of
+# its keys is not its own (a slot that moved: the form reads every key first), or when
+# the cluster cannot serve at all; and what it answers when it ignores the form's flag.
+NOT_SERVED_HERE: Final = ("non local key", "CLUSTERDOWN", "CROSSSLOT", CROSS_SLOT_REFUSED)
 
 
 def redirection(reply: object) -> bool:
@@ -94,7 +104,7 @@ def cross_slot_text() -> str:
     several slots one Redis Cluster master serves, in one call (Redis 7.0 and later)."""
     text = script_text()
     if text.count(CROSS_SLOT_MARKER) != 1:
-        raise RuntimeError(f"{SCRIPT_RESOURCE} lost its line {CROSS_SLOT_MARKER.strip()!r}")
+        raise RuntimeError(f"{SCRIPT_RESOURCE} lost its line {repr(CROSS_SLOT_MARKER.strip())}")
     prelude = (files("gateway.counters") / "lua" / CROSS_SLOT_RESOURCE).read_text("utf-8")
     return CROSS_SLOT_SHEBANG + text.replace(CROSS_SLOT_MARKER, prelude)
 
@@ -293,9 +303,20 @@ def _check_sha(sha: Any, expected: str) -> None:
 
 
 def _failed_whole(reply: Any) -> bool:
-    """Whether a cross-slot call's reply is an error that is not about its script
-    (``NOSCRIPT``: loaded and sent again as for any call): the call counted nothing."""
-    return isinstance(reply, ResponseError) and not str(reply).startswith("NOSCRIPT")
+    """Whether a cross-slot call's error reply is one given before anything was written
+    (``NOT_SERVED_HERE``): its requests can go again, each on its own. Any other error
+    (a write that failed part way, in theory) is every request's answer, as for a call
+    of one slot; ``NOSCRIPT`` is loaded and sent again as for any call."""
+    if not isinstance(reply, ResponseError):
+        return False
+    text = str(reply)
+    return text.startswith(REDIRECTIONS) or any(sign in text for sign in NOT_SERVED_HERE)
+
+
+def _refuses_cross_slot(reply: Any) -> bool:
+    """Whether a server ran the cross-slot form without its flag (its keys then had to
+    share one slot): the form is of no use on it."""
+    return isinstance(reply, ResponseError) and CROSS_SLOT_REFUSED in str(reply)
 
 
 def split_reply(reply: Any, calls: Sequence[_Call]) -> list[Any]:
@@ -324,7 +345,9 @@ class RedisBackend:
 
     ``hit_many`` sends several requests' checks in one pipeline (one round trip per
     node); ``CoalescingBackend`` uses it to batch concurrent requests. ``cluster``: the
-    keys of one call must share a hash tag; ``redirect`` follows the calls a cluster
+    keys of one request must share a hash tag (its master takes the requests of
+    several slots in one call in the script's cross-slot form); ``redirect`` follows the
+    calls a cluster
     master redirected (without it they fail with the master's error reply).
     """
 
@@ -561,6 +584,8 @@ class RedisBackend:
                         # redirection.
                         self.cross_slot_failed += 1
                         apart.extend(todo[len(each) + k] for k in range(len(group)))
+                        if _refuses_cross_slot(reply):
+                            self._no_cross_slot(reply)
                     each.extend(split_reply(reply, group))
                 replies = each
             redirected: list[int] | None = [] if self._redirect is not None else None
@@ -737,16 +762,23 @@ class RedisBackend:
             self.round_trips += 1
             try:
                 sha = await self._wire.command("SCRIPT", "LOAD", cross_slot_text())
-            except ResponseError as exc:  # a server before 7.0: no script flags
-                self._cross_slot = False
-                log.info(
-                    "%s: one script call per slot (the server refused the cross-slot "
-                    "form: %s)",
-                    self._name,
-                    exc,
-                )
+            except ResponseError as exc:
+                if not any(sign in str(exc) for sign in NO_SCRIPT_FLAGS):
+                    raise
+                self._no_cross_slot(exc)  # a server before 7.0: no script flags
                 return
             _check_sha(sha, self._cross_sha_bytes.decode())
+
+    def _no_cross_slot(self, why: Exception) -> None:
+        """This master's calls keep to one slot each from now on (until a restart)."""
+        if self._cross_slot:
+            self._cross_slot = False
+            log.info(
+                "%s: one script call per slot from now on (the server refused the "
+                "cross-slot form: %s)",
+                self._name,
+                why,
+            )
 
     def _call(self, checks: Sequence[LimitCheck]) -> _Call:
         """The call for these checks: kept while the limiter hands the same checks

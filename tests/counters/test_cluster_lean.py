@@ -293,7 +293,7 @@ async def test_a_cross_slot_call_with_a_slot_that_moved_counts_each_request_once
             for text in (script_text(), cross_slot_text()):
                 server.cli("SCRIPT", "LOAD", text)
         store = nodes.stores[name(source)]
-        times = 10
+        times = 25  # 75 requests: two calls of 64 and 11, both naming the moved slot
         calls = [key for _ in range(times) for key in keys]
         results = await asyncio.gather(*(by_submit.hit([check(k)]) for k in calls))
         assert store.cross_slot_calls >= 1 and store.cross_slot_failed >= 1
@@ -306,6 +306,39 @@ async def test_a_cross_slot_call_with_a_slot_that_moved_counts_each_request_once
                 range(before + 1, before + times + 1)
             ), key
             assert counted(target if key == moved else source, key) == before + times
+    finally:
+        await backend.close()
+
+
+async def test_a_master_that_lost_the_cross_slot_form_loads_it_and_counts_each_once(
+    own_cluster: RedisClusterProcess,
+) -> None:
+    """A master that does not know the cross-slot form (a restart, SCRIPT FLUSH) answers
+    NOSCRIPT: the form is loaded, the call's requests go again and are counted once each;
+    the calls after that go across slots."""
+    backend = open_counter_backend(own_cluster.url, region="us", timeout_seconds=2.0)
+    nodes = nodes_of(backend)
+    try:
+        await nodes.refresh_slot_map()
+        master = own_cluster.servers[0]
+        keys = [k for k in keys_by_master(own_cluster, 4)[master.port]]
+        by_submit = ViaSubmit(backend)
+        await by_submit.hit([check(keys[0])])  # connected
+        master.cli("SCRIPT", "FLUSH")
+        store = nodes.stores[name(master)]
+        loads = store.script_loads
+        for round_ in range(1, 3):
+            results = await asyncio.gather(*(by_submit.hit([check(k)]) for k in keys * 5))
+            for key in keys:
+                mine = [r for k, r in zip(keys * 5, results, strict=True) if k == key]
+                before = 1 if key == keys[0] else 0
+                assert sorted(LIMIT - r.states[0].remaining for r in mine) == list(
+                    range(before + 5 * round_ - 4, before + 5 * round_ + 1)
+                ), key
+        assert store.script_loads == loads + 1
+        assert store.cross_slot_calls >= 2 and store.cross_slot_failed == 0
+        for key in keys:
+            assert counted(master, key) == (11 if key == keys[0] else 10)
     finally:
         await backend.close()
 

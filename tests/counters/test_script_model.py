@@ -14,6 +14,7 @@ import struct
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import redis
@@ -313,23 +314,24 @@ def _answers(reply: list, requests: list[list[LimitCheck]]) -> list:
     return answers
 
 
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    rounds=st.lists(
-        st.tuples(
-            st.integers(0, 70_000),  # time before this call
-            st.lists(  # its requests: which of four keys (one tag), and their limits
-                st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), min_size=1, max_size=3),
-                min_size=1,
-                max_size=12,
-            ),
-        ),
+def calls(request: st.SearchStrategy[Any]) -> st.SearchStrategy[list[tuple[int, list[Any]]]]:
+    """Up to 8 script calls of up to 12 requests drawn from ``request``, each after a
+    pause of up to 70 s (part of a window)."""
+    return st.lists(
+        st.tuples(st.integers(0, 70_000), st.lists(request, min_size=1, max_size=12)),
         min_size=1,
         max_size=8,
     )
+
+
+# A request's limits: which of three or four keys, and each one's limit.
+LIMITS_OF = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), min_size=1, max_size=3)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@given(rounds=calls(LIMITS_OF))  # one tag: four keys
 def test_requests_in_one_call_are_decided_as_if_one_after_another(
     raw: redis.Redis, rounds: list[tuple[int, list[list[tuple[int, int]]]]]
 ) -> None:
@@ -377,25 +379,7 @@ def _cross_call(raw: redis.Redis, sha: str, requests: list[list[LimitCheck]], no
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(
-    rounds=st.lists(
-        st.tuples(
-            st.integers(0, 70_000),  # time before this call
-            st.lists(  # its requests: one of three tags, which of three keys of it, limits
-                st.tuples(
-                    st.integers(0, 2),
-                    st.lists(
-                        st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=3
-                    ),
-                ),
-                min_size=1,
-                max_size=12,
-            ),
-        ),
-        min_size=1,
-        max_size=8,
-    )
-)
+@given(rounds=calls(st.tuples(st.integers(0, 2), LIMITS_OF)))  # one of three tags a request
 def test_the_cross_slot_form_decides_as_the_script_does(
     raw: redis.Redis, rounds: list[tuple[int, list[tuple[int, list[tuple[int, int]]]]]]
 ) -> None:

@@ -9,8 +9,8 @@
 --          the key expires (ms, the store's clock). All numbers are little-endian
 --          doubles (struct '<d'), exact for every value a limit can reach. The keys of
 --          one request share a hash tag, so one Redis Cluster slot (a cluster's calls
---          carry the requests of one slot), and are distinct (the limiter never
---          repeats one).
+--          carry the requests of one slot, or of several in the cross-slot form: see
+--          cross_slot_prelude.lua), and are distinct (the limiter never repeats one).
 -- ARGV     per request one string: per key, in key order, four little-endian doubles
 --          (32 bytes): limit, window_ms, bucket_ms, enforce (1|0). Binary, not four
 --          decimal strings: a number read with struct costs Redis a fraction of one
