@@ -345,10 +345,9 @@ class RedisBackend:
 
     ``hit_many`` sends several requests' checks in one pipeline (one round trip per
     node); ``CoalescingBackend`` uses it to batch concurrent requests. ``cluster``: the
-    keys of one request must share a hash tag (its master takes the requests of
-    several slots in one call in the script's cross-slot form); ``redirect`` follows the
-    calls a cluster
-    master redirected (without it they fail with the master's error reply).
+    keys of one request must share a hash tag (a master takes the requests of several
+    slots in one call, in the script's cross-slot form); ``redirect`` follows the calls
+    a cluster master redirected (without it they fail with the master's error reply).
     """
 
     def __init__(

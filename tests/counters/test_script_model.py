@@ -402,21 +402,36 @@ def test_the_cross_slot_form_decides_as_the_script_does(
         assert _cross_call(raw, sha, batch, now) == expected
 
 
-@pytest.mark.parametrize(
-    "count", [b"0", b"-1", b"1.5", b"x", b"3"], ids=["zero", "negative", "fraction", "text", "more"]
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-def test_a_cross_slot_call_with_a_bad_count_is_an_error_and_counts_nothing(
-    raw: redis.Redis, count: bytes
+@given(
+    requests=st.integers(1, 4),
+    count=st.one_of(
+        st.integers(-3, 8).map(lambda n: str(n).encode()),
+        st.sampled_from([b"1.5", b"x", b"", b"inf", b"nan", b"1e300"]),
+    ),
+)
+def test_a_cross_slot_call_is_decided_only_when_its_count_is_its_requests(
+    raw: redis.Redis, requests: int, count: bytes
 ) -> None:
-    """ARGV 1 must be the number of requests, and their limits must follow: else an
-    error reply and no key written."""
+    """ARGV 1 of the cross-slot form, whatever it holds: the call is decided when it is
+    the number of requests whose limits follow; anything else is an error reply and no
+    key is written (the count is read before any key is touched)."""
     sha = raw.script_load(clocked_cross_slot_script())
     tag = uuid.uuid4().hex
-    first, second = (LimitCheck(f"rl:{{{tag}{n}}}:0", 5, 60_000, 1_000) for n in range(2))
-    limits = [script_args([c])[2] for c in (first, second)]
+    checks = [LimitCheck(f"rl:{{{tag}{n}}}:0", 5, 60_000, 1_000) for n in range(requests)]
+    limits = [script_args([c])[2] for c in checks]
+    others = [c.key for c in checks[1:]]
+    args = (checks[0].key, count, *limits, *others, 1_764_000_000_000)
+    if count == str(requests).encode():
+        reply = raw.evalsha(sha, 1, *args)
+        assert len(reply) == 5 * requests  # admitted, now, three a key: each request decided
+        assert raw.exists(*(c.key for c in checks)) == requests
+        return
     with pytest.raises(redis.ResponseError, match="sliding_window"):
-        raw.evalsha(sha, 1, first.key, count, *limits, second.key, 1_764_000_000_000)
-    assert raw.exists(first.key, second.key) == 0
+        raw.evalsha(sha, 1, *args)
+    assert raw.exists(*(c.key for c in checks)) == 0
 
 
 def test_a_value_of_another_type_fails_no_request_of_the_call(raw: redis.Redis) -> None:
