@@ -457,8 +457,32 @@ class Gateway:
                 fields = self._rate_fields((report,), fields, wait)
             known.answer = self._limited(decision, fields, wait)
         req.rate_headers = []
+        req.known_refusal = known
         known.overhead.observe(_perf_counter() - req.started)
         return known.answer
+
+    def refuse_again(self, req: Incoming, first: Incoming, known: KnownRefusal) -> Answer | None:
+        """``begin`` for ``req``, read from the same bytes as ``first`` on the same
+        connection, which was answered from ``known``: the same answer while that refusal
+        holds, or None when ``begin`` must run (the table was reloaded, the refusal was
+        forgotten or has ended). Never with verified identities: a key file or a token
+        may have changed what the same bytes mean."""
+        if (
+            self.verified is not None
+            or first.table is not self.rules.table
+            or self._refusals.get(known.key) is not known
+        ):
+            return None
+        first_record = first.record
+        if first_record is None:
+            return None
+        record = req.record = AccessRecord(
+            req.method, req.path, 0, first_record.region, first_record.client
+        )
+        given = req.given_request_id
+        req.request_id = record.request_id = new_request_id() if given is None else given
+        record.identities = first_record.identities
+        return self._repeat_refusal(req, known)
 
     def _remember_refusal(self, req: Incoming, decision: Decision) -> None:
         selection = req.selection
@@ -584,7 +608,10 @@ class Gateway:
                 req.token_header = value
                 tokens_seen += 1
         accepted = None if given_id is None else accept_request_id(given_id)
-        req.request_id = accepted or new_request_id()
+        if accepted:
+            req.request_id = req.given_request_id = accepted
+        else:
+            req.request_id = new_request_id()
         if req.chunked:
             if last_coding != b"chunked":
                 # Without chunked last a request body has no length (RFC 9112 6.3).

@@ -51,6 +51,10 @@ class DataPlane:
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self.refused = 0
+        # A connection answers a byte-identical repeat of a request refused from a known
+        # refusal without parsing it again (ClientConnection._replay); how many were.
+        self.replay_refusals = True
+        self.replayed = 0
         # "https" once start() serves TLS: what upstreams are told in X-Forwarded-Proto.
         self.scheme = "http"
         # Streamed uploads holding an upstream connection, per client address and in all.

@@ -77,8 +77,44 @@ class Incoming:
     legacy_rate = False  # rate_headers hold X-RateLimit-* (the upstream's are dropped)
     record: AccessRecord | None = None
     upstream_head: bytes | None = None  # built once, kept for a retry
+    given_request_id: str | None = None  # the client's X-Request-Id, when accepted
+    # The gateway's KnownRefusal (gateway.proxy.handler) this request was answered from,
+    # without counting: a byte-identical repeat on its connection may be answered from it
+    # without being parsed again (ClientConnection._replay).
+    known_refusal: object | None = None
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.forwarded_for: list[bytes] = []
+
+    def again(self, started: float) -> Incoming:
+        """A new request read from the same bytes as this one: what parsing them and
+        ``Gateway.begin`` up to the rule's selection would set again, the same values
+        (the lists are shared: nothing changes them once the head is read)."""
+        req = Incoming()
+        req.started = started
+        req.method = self.method
+        req.target = self.target
+        req.version = self.version
+        req.keep_alive = self.keep_alive
+        req.head_only = self.head_only
+        req.head_size = self.head_size
+        req.headers = self.headers
+        req.forwarded_for = self.forwarded_for
+        req.body_done = True
+        req.path = self.path
+        req.query = self.query
+        req.host = self.host
+        req.api_key = self.api_key
+        req.user_id = self.user_id
+        req.client_ip = self.client_ip
+        req.client_cert = self.client_cert
+        req.trusted_peer = self.trusted_peer
+        req.forwarded_proto = self.forwarded_proto
+        req.connection_tokens = self.connection_tokens
+        req.region = self.region
+        req.given_request_id = self.given_request_id
+        req.table = self.table
+        req.selection = self.selection
+        return req

@@ -47,6 +47,7 @@ from gateway.proxy.framing import (
     declared_body,
     h2_preface,
 )
+from gateway.proxy.handler import KnownRefusal
 from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, WAITING
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import new_request_id
@@ -114,6 +115,12 @@ class ClientConnection(Forwarding):
         # of an Upgrade request's head, so the body is read by a second parser told only
         # the framing (see gateway.proxy.framing.UpgradeBody).
         self.upgrade_body: UpgradeBody | None = None
+        # The last read that was exactly one request refused from a known refusal, and
+        # that request: a read of the same bytes is answered without parsing (_replay).
+        self.repeat_bytes: bytes | None = None
+        self.repeat_of: Incoming | None = None
+        self.refused: Incoming | None = None  # such a request, in the read being parsed
+        self.begun = 0  # requests begun in the read being parsed
 
     # --- asyncio.Protocol
 
@@ -177,7 +184,48 @@ class ClientConnection(Forwarding):
             if not self.feed_scheduled:
                 self._feed_backlog()
             return
+        if data == self.repeat_bytes and self._replay():
+            return
         self._feed(data)
+
+    def _replay(self) -> bool:
+        """Answer a read of the same bytes as the last refused one (``repeat_of``) the
+        way parsing them would, without parsing: what llhttp and ``Gateway.begin`` made
+        of those bytes is the same again, so only the refusal is checked again (the
+        table, the refusal still known and in force) and the answer written. False (and
+        the memo forgotten) when the bytes must be parsed after all."""
+        first = self.repeat_of
+        known = None if first is None else first.known_refusal
+        if (
+            first is None
+            or not isinstance(known, KnownRefusal)
+            or self.active is not None
+            or self.current is not None
+            or self.pipeline
+            or self.paused
+            or self.no_more
+            or self.upgrade_body is not None
+        ):
+            self.repeat_bytes = self.repeat_of = None
+            return False
+        req = first.again(perf_counter())
+        gateway = self.gateway
+        try:
+            answer = gateway.refuse_again(req, first, known)
+        except Exception:
+            log.exception("error while handling a request")
+            answer = Answer.error(500, "the gateway failed on this request; see its log")
+        if answer is None:
+            self.repeat_bytes = self.repeat_of = None
+            return False
+        self.plane.replayed += 1
+        self.active = req
+        gateway.metrics.inflight.inc()
+        self.response_started = False
+        self.deadline_kind = 0
+        self.deadline = 0.0
+        self._answer(req, answer)
+        return True
 
     def _feed_backlog(self) -> None:
         """Parse the next slice of a large read; the rest after the loop has turned."""
@@ -213,6 +261,7 @@ class ClientConnection(Forwarding):
             self._feed_upgrade_body(body, data)
             return
         upgrade_at = -1
+        self.begun = 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -246,6 +295,28 @@ class ClientConnection(Forwarding):
             if upgrade_at < len(data) and body is not None:
                 self._feed_upgrade_body(body, data[upgrade_at:])
             return
+        refused = self.refused
+        if refused is not None:
+            self.refused = None
+            # Only a read that was that one whole request, bodiless, on a connection
+            # that reads on in its ordinary state: then the same bytes again are the
+            # same request again (llhttp is back at a message's start).
+            if (
+                self.begun == 1
+                and refused.body_done
+                and not refused.chunked
+                and not refused.content_length
+                and not refused.upgrade
+                and self.current is None
+                and self._idle()
+                and not self.pipeline
+                and not self.no_more
+                and not self.dead_parser
+                and type(data) is bytes
+                and self.plane.replay_refusals
+            ):
+                self.repeat_bytes = data
+                self.repeat_of = refused
         if self.in_head:
             if self.active is None and self.deadline_kind != HEAD:
                 self._set_deadline(HEAD, self.limits.header_timeout)
@@ -322,6 +393,7 @@ class ClientConnection(Forwarding):
         req = Incoming()
         req.started = perf_counter()
         self.current = req
+        self.begun += 1
         self.url = []
         self.in_head = True
         self.head_fields = 0
@@ -496,6 +568,8 @@ class ClientConnection(Forwarding):
         except Exception:
             log.exception("error while handling a request")
             answer = Answer.error(500, "the gateway failed on this request; see its log")
+        if req.known_refusal is not None:
+            self.refused = req  # (_feed sees whether its read can be answered again)
         self._answer(req, answer)
 
     def _go(self, req: Incoming, decision: Decision) -> None:
