@@ -140,28 +140,38 @@ class AccessRecord:
         self.identities = identities
 
 
-_second = -1
-_second_text = ""
 _MILLIS: Final = tuple("%03d" % i for i in range(1000))  # noqa: UP031 (see seconds_text)
-_milli = -1
-_milli_text = ""
+
+
+class _Clock:
+    """The last times ``utc_now_ms`` formatted (attributes: compiled code reads a module
+    global through a dict, an instance's attribute directly)."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.second_text = ""
+        self.milli = -1
+        self.milli_text = ""
+
+
+_CLOCK: Final = _Clock()
 
 
 def utc_now_ms(now: float | None = None) -> str:
     """The current time (or ``now``, epoch seconds) as ISO 8601 UTC with milliseconds: the
     seconds formatted once per second, the whole text once per millisecond (a flood ends
     dozens of requests in one)."""
-    global _second, _second_text, _milli, _milli_text
+    clock = _CLOCK
     milli = int((_time() if now is None else now) * 1000)
-    if milli == _milli:
-        return _milli_text
+    if milli == clock.milli:
+        return clock.milli_text
     whole, frac = divmod(milli, 1000)
-    if whole != _second:
-        _second = whole
-        _second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    _milli = milli
-    _milli_text = f"{_second_text}.{_MILLIS[frac]}Z"
-    return _milli_text
+    if whole != clock.second:
+        clock.second = whole
+        clock.second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    clock.milli = milli
+    text = clock.milli_text = f"{clock.second_text}.{_MILLIS[frac]}Z"
+    return text
 
 
 # The JSON string of a str, quotes included, exactly as json.dumps writes it (ASCII only:
@@ -379,7 +389,7 @@ class AccessLogger:
         self.mode = mode
         self.max_batch = max_batch
         self.flush_seconds = flush_seconds
-        self._format = json_line if mode == "json" else plain_line
+        self._json = mode == "json"  # (the two formats called directly: native calls)
         self._lines: list[str] = []
         self._flush_scheduled = False
         # client address -> its ip identity's short hash, for one hasher
@@ -433,7 +443,7 @@ class AccessLogger:
                 cert = ids.key_for(_CLIENT_CERT)
                 record.cert = cert and cert[:12]
             record.start_us = int(now * 1e6 - record.duration_ms * 1000)
-        lines.append(self._format(record))
+        lines.append(json_line(record) if self._json else plain_line(record))
         if len(lines) >= self.max_batch:
             self.flush()
         elif not self._flush_scheduled:

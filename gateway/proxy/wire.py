@@ -23,18 +23,27 @@ JSON_TYPE: Final = b"Content-Type: application/json\r\n"
 CLOSE: Final = b"Connection: close\r\n"
 KEEP_ALIVE: Final = b"Connection: keep-alive\r\n"
 
-_date_second = 0
-_date_line = b""
+class _DateLine:
+    """The ``Date`` line and the second it is for (an instance's attributes: compiled
+    code reads a module global through a dict)."""
+
+    def __init__(self) -> None:
+        self.second = 0
+        self.line = b""
+
+
+_DATE: Final = _DateLine()
+_time: Final = time.time
 
 
 def date_line() -> bytes:
-    """``Date: ...\\r\\n``, formatted once per second, not once per response."""
-    global _date_second, _date_line
-    now = int(time.time())
-    if now != _date_second:
-        _date_second = now
-        _date_line = b"Date: " + formatdate(now, usegmt=True).encode() + CRLF
-    return _date_line
+    """``Date: ...\r\n``, formatted once per second, not once per response."""
+    date = _DATE
+    now = int(_time())
+    if now != date.second:
+        date.second = now
+        date.line = b"Date: " + formatdate(now, usegmt=True).encode() + CRLF
+    return date.line
 
 
 def status_line(status: int, reason: bytes | None = None) -> bytes:
@@ -86,5 +95,7 @@ class Answer:
     def encode(self, *, keep_alive: bool, head_only: bool, extra: bytes = b"") -> bytes:
         """The whole response; ``extra`` is pre-encoded header lines (X-Request-Id)."""
         connection = KEEP_ALIVE if keep_alive else CLOSE
-        end = self.head + extra + date_line() + connection + CRLF
-        return end if head_only else end + self.body
+        # (one join: each + copied everything before it again)
+        if head_only:
+            return b"".join((self.head, extra, date_line(), connection, CRLF))
+        return b"".join((self.head, extra, date_line(), connection, CRLF, self.body))

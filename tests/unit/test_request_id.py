@@ -81,3 +81,12 @@ def test_the_rule_is_the_one_the_handler_used_before():
         text = raw.decode("latin-1")
         before = bool(text) and len(text) <= 128 and text.isascii() and text.isprintable()
         assert (accept_request_id(raw) is not None) == before, code
+
+
+def test_ids_count_up_one_by_one_across_the_formatted_runs():
+    # The first 30 digits are formatted once per 256 ids: across several such runs each
+    # id is the previous counter plus one, under the same prefix.
+    ids = [new_request_id() for _ in range(1000)]
+    assert {rid[:16] for rid in ids} == {ids[0][:16]}
+    counters = [int(rid[16:], 16) for rid in ids]
+    assert counters == list(range(counters[0], counters[0] + 1000))
