@@ -75,6 +75,9 @@ LINGER_SECONDS: Final = 2.0  # reading (and dropping) after a final answer, befo
 # What an upgrade's client may send before the upstream has answered (then reading
 # pauses until the tunnel is joined, or the connection closes).
 EARLY_BYTES: Final = 64 * 1024
+# The longest read a connection keeps to answer its repeats without parsing (_replay):
+# a flood's requests are a few hundred bytes; an idle connection holds no more than this.
+MAX_REPLAYED_BYTES: Final = 4096
 # The methods llhttp knows, as str, without a decode per request.
 _METHODS: Final = {
     m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -262,6 +265,9 @@ class ClientConnection(Forwarding):
             return
         upgrade_at = -1
         self.begun = 0
+        self.refused = None
+        # (whether this read starts between two requests: only such a read is kept)
+        at_start = self.current is None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -295,28 +301,30 @@ class ClientConnection(Forwarding):
             if upgrade_at < len(data) and body is not None:
                 self._feed_upgrade_body(body, data[upgrade_at:])
             return
-        refused = self.refused
-        if refused is not None:
-            self.refused = None
-            # Only a read that was that one whole request, bodiless, on a connection
-            # that reads on in its ordinary state: then the same bytes again are the
-            # same request again (llhttp is back at a message's start).
-            if (
-                self.begun == 1
-                and refused.body_done
-                and not refused.chunked
-                and not refused.content_length
-                and not refused.upgrade
-                and self.current is None
-                and self._idle()
-                and not self.pipeline
-                and not self.no_more
-                and not self.dead_parser
-                and type(data) is bytes
-                and self.plane.replay_refusals
-            ):
-                self.repeat_bytes = data
-                self.repeat_of = refused
+        # Only a read that was that one whole request, bodiless, on a connection that
+        # reads on in its ordinary state: then the same bytes again are the same request
+        # again (llhttp is back at a message's start).
+        refused = self._take_refused()
+        if (
+            refused is not None
+            and at_start
+            and self.begun == 1
+            and len(data) <= MAX_REPLAYED_BYTES
+            and self.gateway.verified is None
+            and refused.body_done
+            and not refused.chunked
+            and not refused.content_length
+            and not refused.upgrade
+            and self.current is None
+            and self._idle()
+            and not self.pipeline
+            and not self.no_more
+            and not self.dead_parser
+            and type(data) is bytes
+            and self.plane.replay_refusals
+        ):
+            self.repeat_bytes = data
+            self.repeat_of = refused
         if self.in_head:
             if self.active is None and self.deadline_kind != HEAD:
                 self._set_deadline(HEAD, self.limits.header_timeout)
@@ -326,6 +334,12 @@ class ClientConnection(Forwarding):
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_head_bytes:
                 self._head_too_large()
+
+    def _take_refused(self) -> Incoming | None:
+        # (a method: after the assignment in _feed, type narrowing takes the attribute
+        # for None, and compiled code trusts narrowing; _start sets it meanwhile)
+        refused, self.refused = self.refused, None
+        return refused
 
     def _keep_early(self, early: bytearray, data: bytes | memoryview) -> None:
         early += data
@@ -500,6 +514,13 @@ class ClientConnection(Forwarding):
                 self._set_deadline(UPSTREAM, self.limits.upstream_timeout)
         elif self.waiting_body:
             self._body_progress(req)
+        if self._idle() and not self.pipeline and not self.dead_parser:
+            # Answered before its message ended (from its head: /ok, a 429, an error;
+            # or an upstream that answered before the body was read), _finish left the
+            # rest of the body a read deadline; the message is whole now, so the
+            # connection idles as after any other answer (else nothing closed it).
+            self.body_deadline = 0.0
+            self._set_deadline(IDLE, self.limits.client_idle_timeout)
 
     # --- request bodies
 
@@ -568,8 +589,10 @@ class ClientConnection(Forwarding):
         except Exception:
             log.exception("error while handling a request")
             answer = Answer.error(500, "the gateway failed on this request; see its log")
-        if req.known_refusal is not None:
-            self.refused = req  # (_feed sees whether its read can be answered again)
+        if req.known_refusal is not None and req is self.current:
+            # (_feed sees whether its read can be answered again; not a request started
+            # from the pipeline, whose bytes came in an earlier read)
+            self.refused = req
         self._answer(req, answer)
 
     def _go(self, req: Incoming, decision: Decision) -> None:

@@ -37,7 +37,7 @@ _time: Final = time.time
 
 
 def date_line() -> bytes:
-    """``Date: ...\r\n``, formatted once per second, not once per response."""
+    """``Date: ...\\r\\n``, formatted once per second, not once per response."""
     date = _DATE
     now = int(_time())
     if now != date.second:

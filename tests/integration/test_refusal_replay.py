@@ -259,3 +259,87 @@ async def test_other_bytes_on_the_connection_are_parsed(tmp_path: Path, upstream
         status = (await conn.exchange(refused[10:]))[0][0].split()[1]
         assert status == "429"
         await conn.close()
+
+
+async def _statuses_after(port: int, steps: list[tuple[bytes, int]]) -> tuple[list[str], bool]:
+    """The status lines of each step's answers, and whether the connection was closed
+    at the end (read returns nothing within a second)."""
+    conn = await Conn.open(port)
+    statuses = []
+    for data, answers in steps:
+        try:
+            got = await conn.exchange(data, answers)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            statuses.append("closed")
+            break
+        statuses.extend(status for status, _, _ in got)
+    try:
+        closed = await asyncio.wait_for(conn.reader.read(1), 1) == b""
+    except TimeoutError:
+        closed = False
+    await conn.close()
+    return statuses, closed
+
+
+async def test_what_a_pipeline_or_a_split_read_leaves_is_never_replayed(
+    tmp_path: Path, upstream
+):
+    """Review findings: a refused request started from the pipeline (its bytes came in an
+    earlier read) must not make the next read a replay of it, nor may a read that began
+    inside a request: both gateways, replay on and off, answer alike."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    key_a, _, _ = _request("get", "key-a")
+    key_b, _, _ = _request("get", "key-b")
+    ok = b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n"
+    pipelined = [(key_a, 1)] * 3 + [(key_b + key_a, 2)] + [(ok, 1)] * 3
+    split = [(key_a, 1)] * 3 + [(key_a[:10], 0), (key_a[10:] + ok, 2), (key_a[10:] + ok, 1)]
+    async with (
+        running_gateway(upstream, rules=[str(rules)]) as on,
+        running_gateway(upstream, rules=[str(rules)]) as off,
+    ):
+        off.proxy.plane.replay_refusals = False
+        for steps in (pipelined, split):
+            got = [await _statuses_after(int(gw.url.rsplit(":", 1)[1]), steps) for gw in (on, off)]
+            assert got[0] == got[1], steps
+        statuses, _ = await _statuses_after(int(on.url.rsplit(":", 1)[1]), pipelined)
+        assert [s.split()[1] for s in statuses[-3:]] == ["200", "200", "200"]
+
+
+async def test_a_long_read_is_not_kept(tmp_path: Path, upstream):
+    """A refused request padded to a long read (llhttp skips CR/LF between requests) is
+    answered as ever, but its bytes are not kept: an idle connection holds little."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    async with running_gateway(upstream, rules=[str(rules)]) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        conn = await Conn.open(port)
+        data, _, _ = _request("get", "padded-read")
+        padded = b"\r\n" * 3000 + data
+        statuses = [(await conn.exchange(padded))[0][0].split()[1] for _ in range(6)]
+        assert statuses == ["200", "200", "429", "429", "429", "429"]
+        assert gw.proxy.plane.replayed == 0
+        await conn.close()
+
+
+async def test_a_connection_idles_out_after_an_answer_given_from_the_head(
+    tmp_path: Path, upstream
+):
+    """Review finding (older than the replay): a request answered from its head (/ok, a
+    refusal, parsed or replayed) left its connection without any deadline."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    async with running_gateway(
+        upstream, rules=[str(rules)], client_idle_timeout=0.4, body_read_timeout=0.3
+    ) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        refused, _, _ = _request("get", "idle-key")
+        ok = b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n"
+        for steps in ([(ok, 1)], [(refused, 1)] * 3, [(refused, 1)] * 5):
+            conn = await Conn.open(port)
+            for data, answers in steps:
+                await conn.exchange(data, answers)
+            closed = await asyncio.wait_for(conn.reader.read(1), 5)
+            assert closed == b"", steps
+            await conn.close()
+        assert gw.proxy.plane.replayed > 0
