@@ -229,6 +229,101 @@ def _line_name(line: bytes) -> bytes:
     return line.split(b":", 1)[0].lower()
 
 
+class _PassedHead:
+    """What ``Relay.response_head``'s pass over an upstream's header fields made of
+    them: the fields written as they came (one bytes), and the few it handles itself.
+    A function of the fields (and of whether the gateway's own rate-limit fields replace
+    the upstream's) only."""
+
+    __slots__ = ("chunked_in", "fields", "has_date", "kept", "legacy", "length", "rate",
+                 "via_line")  # fmt: skip
+
+    def __init__(
+        self,
+        fields: list[tuple[bytes, bytes]],
+        rate: bool,
+        legacy: bool,
+        kept: bytes,
+        length: bytes | None,
+        chunked_in: bool,
+        has_date: bool,
+        via_line: bytes,
+    ) -> None:
+        self.fields = fields
+        self.rate = rate
+        self.legacy = legacy
+        self.kept = kept
+        self.length = length
+        self.chunked_in = chunked_in
+        self.has_date = has_date
+        self.via_line = via_line
+
+
+def _pass_fields(fields: list[tuple[bytes, bytes]], rate: bool, legacy: bool) -> _PassedHead:
+    """One pass over an upstream's header fields: every field the gateway does not own
+    is written as it came (one concatenation each); only the few special names take a
+    branch."""
+    lines: list[bytes] = []
+    append = lines.append
+    tokens: set[bytes] | None = None
+    via: list[bytes] | None = None
+    length: bytes | None = None
+    chunked_in = has_date = False
+    actions = _ACTIONS
+    for name, value in fields:
+        action = actions.get(name)
+        if action is None:
+            action = _action(name)
+        if action:
+            if action == _CONNECTION:
+                if value in _PLAIN_CONNECTION:
+                    continue  # names nothing that is written anyway
+                names = {t.strip().lower() for t in value.split(b",")}
+                tokens = names if tokens is None else tokens | names
+                continue
+            if action == _LENGTH:
+                length = value
+                continue
+            if action == _DATE:
+                has_date = True
+            elif action == _TRANSFER:
+                chunked_in = True
+                continue
+            elif action == _VIA:
+                if via is None:
+                    via = []
+                via.append(value)
+                continue
+            elif (
+                action == _DROP
+                or (action == _RATE and rate)
+                or (action == _LEGACY_RATE and legacy)
+            ):
+                continue  # (RateLimit fields: the gateway's own replace the upstream's)
+        append(name + b": " + value + CRLF)
+    if tokens:
+        # Rare: names listed in Connection are hop-by-hop for this response.
+        lines = [ln for ln in lines if _line_name(ln) not in tokens]
+    via_line = VIA_LINE if via is None else b"Via: " + b", ".join([*via, VIA]) + CRLF
+    return _PassedHead(
+        fields, rate, legacy, b"".join(lines), length, chunked_in, has_date, via_line
+    )
+
+
+class _LastHead:
+    """The last pass made (one, for the whole process): an upstream answers with the
+    same fields response after response (all but Date, which changes once a second), so
+    a head equal to the last one, field for field, takes its pass as it is."""
+
+    def __init__(self) -> None:
+        self.passed: _PassedHead | None = None
+
+
+_LAST_HEAD: Final = _LastHead()
+# Heads with more fields than this are passed each time (the kept one stays small).
+MAX_KEPT_FIELDS: Final = 32
+
+
 class ClientSide(Protocol):
     """What a Relay asks of the client connection it answers (``ClientConnection``)."""
 
@@ -332,56 +427,22 @@ class Relay:
         req = self.req
         conn = self.conn
         self.status = status
-        # One pass: every header the gateway does not own is written as it came (one
-        # concatenation each); only the few special names take a branch.
-        lines = [_status_line(status, reason)]
-        append = lines.append
-        tokens: set[bytes] | None = None
-        via: list[bytes] | None = None
-        length: bytes | None = None
-        chunked_in = has_date = False
         rate_lines = req.rate_lines
-        actions = _ACTIONS
-        for name, value in headers:
-            action = actions.get(name)
-            if action is None:
-                action = _action(name)
-            if action:
-                if action == _CONNECTION:
-                    if value in _PLAIN_CONNECTION:
-                        continue  # names nothing that is written anyway
-                    names = {t.strip().lower() for t in value.split(b",")}
-                    tokens = names if tokens is None else tokens | names
-                    continue
-                if action == _LENGTH:
-                    length = value
-                    continue
-                if action == _DATE:
-                    has_date = True
-                elif action == _TRANSFER:
-                    chunked_in = True
-                    continue
-                elif action == _VIA:
-                    if via is None:
-                        via = []
-                    via.append(value)
-                    continue
-                elif (
-                    action == _DROP
-                    or (action == _RATE and rate_lines)
-                    or (action == _LEGACY_RATE and req.legacy_rate)
-                ):
-                    continue  # (RateLimit fields: the gateway's own replace the upstream's)
-            append(name + b": " + value + CRLF)
-        if tokens:
-            # Rare: names listed in Connection are hop-by-hop for this response.
-            lines = [lines[0], *(ln for ln in lines[1:] if _line_name(ln) not in tokens)]
-            append = lines.append
-        if via is None:
-            append(VIA_LINE)
+        rate = bool(rate_lines)
+        legacy = req.legacy_rate
+        last = _LAST_HEAD.passed
+        if last is not None and last.rate == rate and last.legacy == legacy and (
+            headers == last.fields
+        ):
+            passed = last
         else:
-            via.append(VIA)
-            append(b"Via: " + b", ".join(via) + CRLF)
+            passed = _pass_fields(headers, rate, legacy)
+            if len(headers) <= MAX_KEPT_FIELDS:
+                _LAST_HEAD.passed = passed
+        length = passed.length
+        chunked_in = passed.chunked_in
+        lines = [_status_line(status, reason), passed.kept, passed.via_line]
+        append = lines.append
         if rate_lines:
             append(rate_lines)
         append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
@@ -400,7 +461,7 @@ class Relay:
         if self.close_after or not conn.keep_alive_after(req):
             self.close_after = True
             append(CLOSE)
-        if not has_date:
+        if not passed.has_date:
             append(date_line())
         append(CRLF)
         self.out.append(b"".join(lines))
