@@ -304,6 +304,7 @@ def _pass_fields(fields: list[tuple[bytes, bytes]], rate: bool, legacy: bool) ->
     if tokens:
         # Rare: names listed in Connection are hop-by-hop for this response.
         lines = [ln for ln in lines if _line_name(ln) not in tokens]
+        has_date = has_date and b"date" not in tokens  # (then the gateway writes its own)
     via_line = VIA_LINE if via is None else b"Via: " + b", ".join([*via, VIA]) + CRLF
     return _PassedHead(
         fields, rate, legacy, b"".join(lines), length, chunked_in, has_date, via_line
@@ -320,8 +321,10 @@ class _LastHead:
 
 
 _LAST_HEAD: Final = _LastHead()
-# Heads with more fields than this are passed each time (the kept one stays small).
+# Heads with more fields or bytes than this are passed each time (the kept one stays
+# small).
 MAX_KEPT_FIELDS: Final = 32
+MAX_KEPT_HEAD_BYTES: Final = 4096
 
 
 class ClientSide(Protocol):
@@ -437,7 +440,11 @@ class Relay:
             passed = last
         else:
             passed = _pass_fields(headers, rate, legacy)
-            if len(headers) <= MAX_KEPT_FIELDS:
+            if len(headers) <= MAX_KEPT_FIELDS and (
+                sum([len(name) + len(value) for name, value in headers]) <= MAX_KEPT_HEAD_BYTES
+            ):
+                # (a copy: the list is the upstream connection's, kept apart from it)
+                passed.fields = list(headers)
                 _LAST_HEAD.passed = passed
         length = passed.length
         chunked_in = passed.chunked_in

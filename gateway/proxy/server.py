@@ -520,7 +520,10 @@ class ClientConnection(Forwarding):
             # rest of the body a read deadline; the message is whole now, so the
             # connection idles as after any other answer (else nothing closed it).
             self.body_deadline = 0.0
-            self._set_deadline(IDLE, self.limits.client_idle_timeout)
+            if self.plane.closing and self.transport is not None:
+                self.transport.close()  # (stopping: as _finish does for an idle one)
+            else:
+                self._set_deadline(IDLE, self.limits.client_idle_timeout)
 
     # --- request bodies
 

@@ -173,7 +173,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._in_body and not self._junk:  # trailers are not passed on
+        # Trailers are not passed on; nor is anything after a HEAD, 204 or 304 response's
+        # head (the head was handed on: its list is not changed after that).
+        if not self._in_body and not self._junk and not self._finished:
             self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:

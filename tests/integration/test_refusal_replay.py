@@ -343,3 +343,25 @@ async def test_a_connection_idles_out_after_an_answer_given_from_the_head(
             assert closed == b"", steps
             await conn.close()
         assert gw.proxy.plane.replayed > 0
+
+
+async def test_a_stop_closes_a_connection_whose_answered_body_ends_meanwhile(upstream):
+    """Review finding: a request answered from its head (/ok) whose body is still being
+    read when the gateway begins to stop; once the body ends the connection is idle, and
+    is closed then (not kept until the stop's grace period runs out)."""
+    async with running_gateway(upstream) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n12345")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stopping = asyncio.ensure_future(gw.proxy.stop(5))
+        await asyncio.sleep(0.2)
+        writer.write(b"67890")  # the rest of the body: the message is whole now
+        await writer.drain()
+        await stopping
+        assert loop.time() - started < 2.5  # not the 5 s grace
+        writer.close()
