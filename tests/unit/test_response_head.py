@@ -150,15 +150,10 @@ class _Transport:
         return False
 
 
-class _Pool:
-    def forget(self, conn: Any) -> None:
-        pass
-
-
 def _exchange(raw: bytes, method: str = "GET") -> bytes:
     """What the client gets for an upstream answering ``raw`` in one read, through a real
     UpstreamConnection (its llhttp parser) and Relay."""
-    from gateway.proxy.upstream_pool import UpstreamConnection
+    from gateway.proxy.upstream_pool import UpstreamConnection, UpstreamPool
 
     req = Incoming()
     req.request_id = "rid"
@@ -166,7 +161,8 @@ def _exchange(raw: bytes, method: str = "GET") -> bytes:
     req.head_only = method == "HEAD"
     client = _Client()
     relay = Relay(client, req, Upstream("u", "http://127.0.0.1:9"), Metrics())
-    conn = UpstreamConnection(_Pool(), ("h", 1, False))
+    # (a real pool: compiled code checks the type)
+    conn = UpstreamConnection(UpstreamPool(4, 1.0), ("h", 1, False))
     conn.transport = _Transport()
     conn.start(relay, b"", req.head_only)
     conn.data_received(raw)
