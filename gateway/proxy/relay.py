@@ -143,7 +143,12 @@ def request_head(
                 continue
         elif tokens and lower in tokens:
             continue
-        append(name + b": " + value + CRLF)
+        # Four appends, no concatenation: each ``+`` made (and freed) a bytes object,
+        # the join below copies each piece once.
+        append(name)
+        append(b": ")
+        append(value)
+        append(CRLF)
     if not has_host:
         append(b"Host: " + host.encode() + CRLF)
     chain = req.forwarded_for

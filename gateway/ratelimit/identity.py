@@ -7,8 +7,9 @@ keys, logs, metrics) sees a keyed hash (HMAC-SHA256 with a per-deployment secret
 from __future__ import annotations
 
 import hashlib
+import importlib
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -38,6 +39,26 @@ def valid_identity_header(value: str | bytes | None) -> str | None:
     return text
 
 
+
+
+def _own_sha256() -> Callable[[bytes], hashlib._Hash]:
+    """CPython's own SHA-256 (``_sha256``; ``_sha2`` from 3.12 on), else OpenSSL's.
+
+    The identity HMAC copies two SHA-256 states per request and finishes two; OpenSSL's
+    copy and finish go through its EVP layer (an allocation and a provider call each,
+    ~2,000 instructions more an HMAC, benchmarks/README.md), CPython's own copy a small
+    struct. Both give the same bytes (tests/unit/test_identity.py)."""
+    for module in ("_sha256", "_sha2"):
+        try:
+            found: Callable[[bytes], hashlib._Hash] = importlib.import_module(module).sha256
+        except (ImportError, AttributeError):
+            continue
+        return found
+    return hashlib.sha256
+
+
+_SHA256: Final = _own_sha256()
+
 # What each kind's hashed input starts with ("<kind>\0"), encoded once.
 _KIND_PREFIXES: Final = {kind: kind.value.encode() + b"\0" for kind in IdentityKind}
 
@@ -56,8 +77,8 @@ class IdentityHasher:
         # the equality).
         key = hashlib.sha256(secret).digest() if len(secret) > _BLOCK else secret
         key = key.ljust(_BLOCK, b"\0")
-        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
-        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+        self._inner = _SHA256(bytes(b ^ 0x36 for b in key))
+        self._outer = _SHA256(bytes(b ^ 0x5C for b in key))
 
     def digest(self, kind: IdentityKind, value: str) -> str:
         inner = self._inner.copy()
