@@ -300,9 +300,7 @@ def _pass_fields(fields: list[tuple[bytes, bytes]], rate: bool, legacy: bool) ->
                 via.append(value)
                 continue
             elif (
-                action == _DROP
-                or (action == _RATE and rate)
-                or (action == _LEGACY_RATE and legacy)
+                action == _DROP or (action == _RATE and rate) or (action == _LEGACY_RATE and legacy)
             ):
                 continue  # (RateLimit fields: the gateway's own replace the upstream's)
         append(name + b": " + value + CRLF)
@@ -439,8 +437,11 @@ class Relay:
         rate = bool(rate_lines)
         legacy = req.legacy_rate
         last = _LAST_HEAD.passed
-        if last is not None and last.rate == rate and last.legacy == legacy and (
-            headers == last.fields
+        if (
+            last is not None
+            and last.rate == rate
+            and last.legacy == legacy
+            and (headers == last.fields)
         ):
             passed = last
         else:

@@ -39,8 +39,6 @@ def valid_identity_header(value: str | bytes | None) -> str | None:
     return text
 
 
-
-
 def _own_sha256() -> Callable[[bytes], hashlib._Hash]:
     """CPython's own SHA-256 (``_sha256``; ``_sha2`` from 3.12 on), else OpenSSL's.
 
