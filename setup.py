@@ -20,7 +20,7 @@ import runpy
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # The modules every proxied or refused request runs through, as gateway/native.py lists
@@ -30,10 +30,33 @@ HOT_MODULES = [
 ]
 
 
+# The identity HMAC in plain C (no library but Python's headers): the largest single cost
+# of a proxied request in Python (gateway/ratelimit/_identity_hmac.c says why). Built
+# whenever the data plane is compiled; identity.py uses hashlib without it.
+C_HMAC = Extension(
+    "gateway.ratelimit._identity_hmac",
+    ["gateway/ratelimit/_identity_hmac.c"],
+    extra_compile_args=["-O3"],
+)
+
+
 class OptionalBuildExt(build_ext):
     """Compile if possible. On any failure every compiled output is removed, so that no
     module is left compiled beside a missing shared library: all interpreted, or all
-    compiled."""
+    compiled. The C HMAC stands alone: if it fails, only it is left out."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if ext.name != C_HMAC.name:
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            print(
+                f"WARNING: the identity HMAC could not be compiled ({type(exc).__name__}: "
+                f"{exc}); the gateway hashes identities with hashlib instead (slower).",
+                file=sys.stderr,
+            )
 
     def run(self) -> None:
         try:
@@ -100,10 +123,11 @@ def _ext_modules() -> list[object]:
         os.devnull,
     ]
     try:
-        return list(mypycify([*options, *HOT_MODULES], opt_level="3", debug_level="1"))
+        compiled = list(mypycify([*options, *HOT_MODULES], opt_level="3", debug_level="1"))
     except BaseException as exc:  # mypyc exits (SystemExit) on type errors
         _fallback_warning(exc)
-        return []
+        compiled = []
+    return [*compiled, C_HMAC]
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

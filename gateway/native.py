@@ -63,20 +63,39 @@ def stale_modules() -> list[str]:
     if not os.path.exists(os.path.join(os.path.dirname(package), "setup.py")):
         return []
     stale = []
-    for name in compiled_modules():
+    built_from = [(name, ".py") for name in compiled_modules()]
+    if c_hmac():
+        built_from.append((C_HMAC_MODULE, ".c"))
+    for name, extension in built_from:
         built = module_file(name)
-        source = os.path.join(os.path.dirname(built), name.rsplit(".", 1)[1] + ".py")
+        source = os.path.join(os.path.dirname(built), name.rsplit(".", 1)[1] + extension)
         if os.path.exists(source) and os.path.getmtime(source) > os.path.getmtime(built):
             stale.append(name)
     return stale
 
 
+# The identity HMAC in C (setup.py builds it beside the compiled modules).
+C_HMAC_MODULE = "gateway.ratelimit._identity_hmac"
+
+
+def c_hmac() -> bool:
+    """Whether the identity HMAC runs in C (else on hashlib, the same digests)."""
+    try:
+        importlib.import_module(C_HMAC_MODULE)
+    except ImportError:
+        return False
+    return True
+
+
 def describe() -> str:
     """One line for the start-up log."""
     compiled = compiled_modules()
+    hmac = "identity HMAC in C" if c_hmac() else "identity HMAC on hashlib"
     if not compiled:
-        return "data plane: interpreted (not compiled; see setup.py to compile it)"
-    text = f"data plane: compiled with mypyc ({len(compiled)} of {len(HOT_MODULES)} modules)"
+        return f"data plane: interpreted (not compiled; see setup.py to compile it), {hmac}"
+    text = (
+        f"data plane: compiled with mypyc ({len(compiled)} of {len(HOT_MODULES)} modules), {hmac}"
+    )
     stale = stale_modules()
     if stale:
         text += (

@@ -25,6 +25,9 @@ def test_the_start_up_line_says_what_runs_and_flags_a_stale_build() -> None:
     # fell back to interpreted code without being asked to fails here.
     if os.environ.get("GATEWAY_COMPILE", "1") != "0":
         assert compiled == list(native.HOT_MODULES), text
+        # The identity HMAC is built with them (setup.py), and said so.
+        assert native.c_hmac(), text
+        assert text.endswith(", identity HMAC in C") or "; WARNING" in text
         assert f"compiled with mypyc ({len(compiled)} of {len(native.HOT_MODULES)}" in text
         # A source edited after its build: the line says the old code runs.
         source = Path(native.module_file(compiled[0])).with_name(
@@ -40,6 +43,7 @@ def test_the_start_up_line_says_what_runs_and_flags_a_stale_build() -> None:
             os.utime(source, (before, before))
     else:
         assert text.startswith("data plane: interpreted")
+        assert not native.c_hmac() and text.endswith(", identity HMAC on hashlib")
         assert native.stale_modules() == []
 
 
