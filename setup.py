@@ -10,6 +10,12 @@ them): change the .py, install again (``pip install -e .`` or ``scripts/test``) 
 change is compiled. ``GATEWAY_COMPILE=0`` builds without compiling (no C compiler needed);
 so does any failure to compile, with a warning: the gateway then runs the same code
 interpreted, only slower. ``gateway serve`` logs which of the two it runs.
+
+One module is written in C by hand: the identity HMAC (``_identity_hmac.c``), whose
+Python form was the largest single cost of a proxied request that mypyc could not cut
+(hashlib's objects, not Python code: benchmarks/README.md, "Third round, eighth step").
+It needs only Python's headers; if it fails to build, identities are hashed with
+hashlib, to the same digests.
 """
 
 from __future__ import annotations
