@@ -87,10 +87,18 @@ def c_hmac() -> bool:
     return True
 
 
+def _hmac_text() -> str:
+    if not c_hmac():
+        return "identity HMAC on hashlib"
+    # Its SHA-256 blocks on the CPU's SHA extensions when it has them (_identity_hmac.c).
+    sha_ni = getattr(importlib.import_module(C_HMAC_MODULE), "SHA_NI", 0)
+    return "identity HMAC in C" + (" (SHA-NI)" if sha_ni else "")
+
+
 def describe() -> str:
     """One line for the start-up log."""
     compiled = compiled_modules()
-    hmac = "identity HMAC in C" if c_hmac() else "identity HMAC on hashlib"
+    hmac = _hmac_text()
     if not compiled:
         return f"data plane: interpreted (not compiled; see setup.py to compile it), {hmac}"
     text = (

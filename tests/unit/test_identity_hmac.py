@@ -82,3 +82,49 @@ def test_the_c_functions_refuse_wrong_arguments() -> None:
     for args in [(good[:63], b"", "x"), (good, "ip", "x"), (good, b"", b"x"), (good, b"")]:
         with pytest.raises(TypeError, match="hex32"):
             hex32(*args)
+
+
+def _cpu_has_sha_ni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = cpuinfo.read().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and " sha_ni" in line for line in lines)
+
+
+CHECK_BOTH = """
+import hashlib, hmac, random, sys
+from gateway.ratelimit import _identity_hmac as m
+rng = random.Random(int(sys.argv[1]))
+for n in range(300):
+    secret = rng.randbytes(rng.choice([16, 32, 63, 64, 65, 200]))
+    key = (hashlib.sha256(secret).digest() if len(secret) > 64 else secret).ljust(64, b"\\0")
+    value = "".join(rng.choice("ab\\0\\u00e9\\u4e2d\\U0001f600") for _ in range(rng.randrange(300)))
+    prefix = rng.choice([b"ip\\0", b"api_key\\0", b""])
+    want = hmac.new(secret, prefix + value.encode(), hashlib.sha256).hexdigest()[:32]
+    assert m.hex32(m.states(key), prefix, value) == want, (n, secret, prefix, value)
+print(m.SHA_NI)
+"""
+
+
+@pytest.mark.skipif(not BUILT, reason="the C HMAC is not built (GATEWAY_COMPILE=0)")
+@pytest.mark.parametrize("sha_ni", ["0", "1"])
+def test_both_block_functions_give_hmac_sha256(sha_ni: str) -> None:
+    """The portable block and the SHA-NI one (chosen at import: GATEWAY_SHA_NI=0 keeps the
+    portable one), each against hmac.new; the SHA-NI one is chosen when the CPU has it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_BOTH, "7"],
+        env={**os.environ, "GATEWAY_SHA_NI": sha_ni},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    chosen = done.stdout.strip()
+    expected_choice = sha_ni == "1" and _cpu_has_sha_ni()
+    assert chosen == ("1" if expected_choice else "0")
