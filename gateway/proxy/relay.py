@@ -143,12 +143,9 @@ def request_head(
                 continue
         elif tokens and lower in tokens:
             continue
-        # Four appends, no concatenation: each ``+`` made (and freed) a bytes object,
-        # the join below copies each piece once.
-        append(name)
-        append(b": ")
-        append(value)
-        append(CRLF)
+        # (One concatenated line a header: four appends instead counted ~400 instructions
+        # more a request, the join's per-piece cost above the concatenations'.)
+        append(name + b": " + value + CRLF)
     if not has_host:
         append(b"Host: " + host.encode() + CRLF)
     chain = req.forwarded_for
