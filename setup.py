@@ -39,10 +39,14 @@ HOT_MODULES = [
 # The identity HMAC in plain C (no library but Python's headers): the largest single cost
 # of a proxied request in Python (gateway/ratelimit/_identity_hmac.c says why). Built
 # whenever the data plane is compiled; identity.py uses hashlib without it.
+# optional=True: setuptools then skips copying it into the tree (editable installs) when
+# it was not built, where copying a missing file would fail the whole build_ext run, and
+# run() below would drop the mypyc modules with it.
 C_HMAC = Extension(
     "gateway.ratelimit._identity_hmac",
     ["gateway/ratelimit/_identity_hmac.c"],
     extra_compile_args=["-O3"],
+    optional=True,
 )
 
 
@@ -111,7 +115,7 @@ def _ext_modules() -> list[object]:
         from mypyc.build import mypycify
     except ImportError as exc:
         _fallback_warning(exc)
-        return []
+        return [C_HMAC]  # (it needs only Python's headers)
     # The build environment has mypy but not the project's dependencies: their types are
     # not needed to compile these modules (they are called through the Python API). No
     # mypy cache either: a checkout's .mypy_cache (from mypy runs with the dependencies

@@ -250,9 +250,11 @@ static PyObject *states(PyObject *module, PyObject *arg) {
         for (int i = 0; i < 8; i++) {
             store_be32(out + 32 * round + 4 * i, st[i]);
         }
+        wipe(st, 0, sizeof st);
     }
     PyObject *result = PyBytes_FromStringAndSize((const char *)out, sizeof out);
-    /* Key material off the stack. */
+    /* Key material off this frame (best effort: compress's own frame is not cleared, and
+     * the states live on in the IdentityHasher, as hashlib's objects did). */
     wipe(pad, 0, sizeof pad);
     wipe(out, 0, sizeof out);
     return result;
