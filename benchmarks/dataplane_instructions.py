@@ -21,7 +21,7 @@ N2 - N1 is reported: start-up cancels out, and the count is the same whatever el
 machine is doing (callgrind counts instructions, not time). ``--cpu`` instead reports
 process CPU time per request (quick, but as noisy as the machine). Kinds:
 
-* ``proxied``: ``GET /x`` with one of 1,000 API keys (each seen once in the warm-up),
+* ``proxied``: ``GET /x`` with one of 1,001 API keys (each seen once in the warm-up),
   counted in memory and forwarded (the in-process proxied row of ``dataplane_bench.py``);
 * ``flood``: ``GET /flood`` with one key already over its limit (the flood rows);
 * ``redis``: ``GET /x`` as ``proxied`` but counted in Redis (the Redis proxied row): a
@@ -33,9 +33,9 @@ process CPU time per request (quick, but as noisy as the machine). Kinds:
   checks are two calls, each to its slot's master.
 * ``known-key``: ``proxied`` with every key known (``identity.api_key.keys``, 10
   consumers): the key's hash is looked up and the consumer counted;
-* ``user``: ``GET /u/x`` with one of 1,000 ``x-user-id`` values (a ``user_ip`` rule,
+* ``user``: ``GET /u/x`` with one of 1,001 ``x-user-id`` values (a ``user_ip`` rule,
   identities as claimed), the row ``token`` is compared with;
-* ``token``: ``user`` with the user taken from one of 1,000 Ed25519-signed JWTs instead
+* ``token``: ``user`` with the user taken from one of 1,001 Ed25519-signed JWTs instead
   (``identity.user.jwt``), each verified once in the warm-up: the measured requests are
   cache hits, as a client repeating its token gets;
 * ``ceiling`` / ``flood-ceiling``: ``proxied`` / ``flood`` with a per-address ceiling
@@ -128,9 +128,17 @@ RESPONSE = (
 # holds (each request hashes its key, as under wrk's 10,000), few enough that the warm-up
 # (every key once) stays short under callgrind. The measured requests then meet known
 # identities, as in dataplane_bench.py, where wrk rotates over the same keys for seconds.
-KEYS = 1_000
+# 1,001: prime to the 50 client addresses (``--sources``), so that key i meets every
+# address in turn, as wrk's rotation pairs the bench's keys with its source addresses
+# (10,000 keys over 50 addresses: pairs far more than the limiter keeps). With 1,000 each
+# key came from one address only and the measured requests never met a new pair.
+KEYS = 1_001
 WARM = KEYS
 CONNECTIONS = 50  # the redis kind: requests in flight at once, one per connection
+# Client addresses: connection i's peer is 127.0.0.(2 + i % SOURCES), as
+# dataplane_bench.py --clients sources (its default) spreads its connections; main() sets
+# it from --sources. 1: every connection from 127.0.0.1 (the harness before the ninth step).
+SOURCES = 50
 KINDS = (
     "proxied",
     "flood",
@@ -196,6 +204,7 @@ class Variant:
     ceiling: bool = False  # bench: add CEILING; shipped: keep the table's ceilings
     trusted: bool = False  # --trusted-proxy 127.0.0.1/32
     probes: bool = False  # PROBES before the table's rules
+    sources: int = 1  # client addresses (SOURCES); the connections, at least this many
 
     def key(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -218,11 +227,12 @@ class Round:
 class ClientTransport:
     """What the data plane writes to a client, dropped; enough of a transport for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer: str = "127.0.0.1") -> None:
         self.written = 0
         self.last = b""
         self.closing = False
         self.round: Round | None = None
+        self.peer = (peer, 40000)
 
     def write(self, data: bytes) -> None:
         self.written += 1
@@ -231,7 +241,7 @@ class ClientTransport:
             self.round.answered()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return ("127.0.0.1", 40000) if name == "peername" else default
+        return self.peer if name == "peername" else default
 
     def is_closing(self) -> bool:
         return self.closing
@@ -410,17 +420,20 @@ async def drive(kind: str, count: int, variant: Variant) -> dict[str, float]:
             pool._idle[key] = deque([upstream])
             width = CONNECTIONS if kind in STORES else 1
             conns: list[tuple[Any, ClientTransport]] = []
-            for _ in range(width):
+            # Behind a trusted proxy (xff) every connection comes from it, 127.0.0.1.
+            sources = 1 if variant.trusted else variant.sources
+            for i in range(max(width, sources)):
                 conn = ClientConnection(plane)
-                transport = ClientTransport()
+                transport = ClientTransport(
+                    f"127.0.0.{2 + i % sources}" if sources > 1 else "127.0.0.1"
+                )
                 conn.connection_made(transport)  # type: ignore[arg-type]
                 conns.append((conn, transport))
 
             async def feed(batch: list[bytes]) -> None:
-                if width == 1:
-                    conn = conns[0][0]
+                if width == 1:  # one request at a time, the connections in turn
                     for i, data in enumerate(batch):
-                        conn.data_received(data)
+                        conns[i % len(conns)][0].data_received(data)
                         if i % 64 == 63:
                             await asyncio.sleep(0)  # a loop turn: the access log is written
                     await asyncio.sleep(0)
@@ -606,6 +619,7 @@ def run_child(
 
 
 def main() -> None:
+    global SOURCES
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -649,6 +663,13 @@ def main() -> None:
         "--out", type=Path, help="--features: write features-<table>.{md,json} into this directory"
     )
     parser.add_argument("--requests", type=int, default=0, help="N2 (default 3000, --cpu 30000)")
+    parser.add_argument(
+        "--sources",
+        type=int,
+        default=SOURCES,
+        help="client addresses, one per connection in turn (default 50, as dataplane_bench.py "
+        "--clients sources); 1: every connection from 127.0.0.1, as before the ninth step",
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -659,6 +680,9 @@ def main() -> None:
         raise SystemExit("valgrind not found (Debian: apt-get install valgrind), or use --cpu")
     if args.jobs < 1:
         parser.error("--jobs is at least 1")
+    if not 1 <= args.sources <= 250:
+        parser.error("--sources is 1 to 250")
+    SOURCES = args.sources
     sources = [] if args.no_current else [("current", ROOT)]
     for item in args.gateway_src:
         label, sep, directory = item.partition("=")
@@ -705,8 +729,8 @@ def shipped_rules(src: Path) -> str:
 
 def base_variant(table_name: str, access_log: str, src: Path) -> Variant:
     if table_name == "shipped":
-        return Variant("shipped", shipped_rules(src), access_log, ceiling=True)
-    return Variant("bench", "", access_log)
+        return Variant("shipped", shipped_rules(src), access_log, ceiling=True, sources=SOURCES)
+    return Variant("bench", "", access_log, sources=SOURCES)
 
 
 def per_request(

@@ -40,7 +40,7 @@ CROSS_SLOT_RESOURCE: Final = "cross_slot_prelude.lua"
 CROSS_SLOT_MARKER: Final = "local KEYS, ARGV, read = KEYS, ARGV, nil\n"
 CROSS_SLOT_SHEBANG: Final = "#!lua flags=allow-cross-slot-keys\n"
 HEALTH_TIMEOUT_SECONDS: Final = 1.0
-MAX_CACHED_CALLS: Final = 50_000  # identities whose EVALSHA bytes are kept (then it starts over)
+MAX_CACHED_CHECKS: Final = 50_000  # checks whose packed form is kept (then it starts over)
 # Requests in one script call: it holds the server about 10 us a request, so 64 bound
 # the time other clients wait behind one call to well under a millisecond.
 MAX_REQUESTS_PER_CALL: Final = 64
@@ -118,6 +118,11 @@ def _sha(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
+LIMIT_VALUES: Final = struct.Struct("<4d")  # limit, window_ms, bucket_ms, enforce
+# The bulk-string header of a request's ARGV string, by its number of checks.
+ARGV_HEADS: Final = tuple(b"$%d\r\n" % (LIMIT_VALUES.size * n) for n in range(9))
+
+
 def script_args(checks: Sequence[LimitCheck]) -> list[str | int | bytes]:
     """``EVALSHA`` arguments after the SHA for one request: key count, keys, then (its
     ``ARGV``) one string of four little-endian doubles a key: limit, window, bucket,
@@ -125,13 +130,17 @@ def script_args(checks: Sequence[LimitCheck]) -> list[str | int | bytes]:
     decimal strings, benchmarks/script_instructions.py)."""
     args: list[str | int | bytes] = [len(checks)]
     args.extend(check.key for check in checks)
-    values: list[float] = []
-    for check in checks:
-        if check.window_ms <= 0 or check.bucket_ms <= 0 or check.limit < 0:
-            raise ValueError("limit checks need window_ms > 0, bucket_ms > 0 and limit >= 0")
-        values.extend((check.limit, check.window_ms, check.bucket_ms, 1 if check.enforce else 0))
-    args.append(struct.pack(f"<{len(values)}d", *values))
+    args.append(b"".join([limit_values(check) for check in checks]))
     return args
+
+
+def limit_values(check: LimitCheck) -> bytes:
+    """One check's part of its request's ``ARGV`` string: its four doubles (32 bytes)."""
+    if check.window_ms <= 0 or check.bucket_ms <= 0 or check.limit < 0:
+        raise ValueError("limit checks need window_ms > 0, bucket_ms > 0 and limit >= 0")
+    return LIMIT_VALUES.pack(
+        check.limit, check.window_ms, check.bucket_ms, 1 if check.enforce else 0
+    )
 
 
 def parse_reply(reply: Any, count: int) -> tuple[HitResult, int]:
@@ -182,49 +191,72 @@ def _fill(
     return missing
 
 
-def _bulks(values: Sequence[str | int | bytes]) -> bytes:
-    """The values as RESP bulk strings, one after another: a command's arguments packed
-    by hiredis (``pack``), without the array header before them."""
-    packed = pack(tuple(values))
-    return packed[packed.index(b"\n") + 1 :]
+class _Wire:
+    """One limit check as the script takes it, packed once per check object (the
+    limiter hands the same object for an identity seen again): its key as a RESP bulk
+    string, its ``ARGV`` doubles, and on a cluster its key's slot; ``alone``: the call of
+    a request with this check only (a rule without a ceiling; on a cluster, where a rule
+    and its ceiling are two calls, every call), made once."""
+
+    __slots__ = ("alone", "check", "key", "slot", "values")
+
+    def __init__(self, check: LimitCheck, cluster: bool) -> None:
+        raw = check.key.encode()  # a key that cannot be encoded raises ValueError here
+        self.check = check
+        self.key = b"$%d\r\n%s\r\n" % (len(raw), raw)
+        self.values = limit_values(check)
+        self.slot = key_slot(raw) if cluster else 0
+        self.alone: _Call | None = None
 
 
 class _Call:
-    """One request's EVALSHA: its arguments, validated, and once sent its bytes.
+    """One request's EVALSHA, assembled from its checks' packed forms (``_Wire``).
 
-    The limiter hands the same checks object for an identity seen again (its own cache),
-    so the call is kept per identity and its bytes are packed once: redis-py's packing
-    was about half of the client's CPU per counter check in a pipeline of 50
-    (benchmarks/README.md, "Data plane", the Redis rows). ``parts``: its keys and its
-    ``ARGV`` values as RESP bulk strings, for a call that carries several requests
-    (``batched``); ``slot``: on a cluster, the slot of its keys (one hash tag)."""
+    Packed per check, not per request: a request's checks are its rule's and its
+    ceiling's, and the pairs of identity and client address are far more than the ones
+    of either alone (the bench's 10,000 keys over 50 addresses made nearly every request
+    a new pair, and packing its call again cost ~29,000 instructions a request:
+    benchmarks/README.md, "ninth step"); a pair is joined from its two packed checks,
+    and kept while the limiter hands the same list. ``keys`` and ``values``: its keys
+    and its one ``ARGV`` string as RESP bulk strings, for a call that carries several
+    requests (``batched``); ``slot``: on a cluster, the slot of its keys (one hash tag)."""
 
-    __slots__ = ("_parts", "args", "checks", "packed", "slot")
+    __slots__ = ("_parts", "checks", "keys", "packed", "slot", "values")
 
-    def __init__(
-        self, checks: Sequence[LimitCheck], args: list[str | int | bytes], slot: int
-    ) -> None:
+    def __init__(self, checks: Sequence[LimitCheck], wires: Sequence[_Wire]) -> None:
         self.checks = checks
-        self.args = args
-        self.slot = slot  # its keys' Redis Cluster slot (0 on a single server)
         self.packed: bytes | None = None
-        self._parts: tuple[bytes, bytes] | None = None
+        self.slot = wires[0].slot  # its keys' Redis Cluster slot (0 on a single server)
+        count = len(wires)
+        if count == 1:
+            keys, values = wires[0].key, wires[0].values
+        elif count == 2:  # a rule and its ceiling: the common pair
+            keys = wires[0].key + wires[1].key
+            values = wires[0].values + wires[1].values
+        else:
+            keys = b"".join([wire.key for wire in wires])
+            values = b"".join([wire.values for wire in wires])
+        self.keys = keys
+        head = ARGV_HEADS[count] if count < len(ARGV_HEADS) else b"$%d\r\n" % len(values)
+        self.values = head + values + b"\r\n"
+        self._parts = (keys, self.values)
+
+    @property
+    def args(self) -> list[str | int | bytes]:
+        """Its ``EVALSHA`` arguments after the SHA (the ways through redis-py)."""
+        return script_args(self.checks)
 
     def parts(self) -> tuple[bytes, bytes]:
-        """Its keys' and its ``ARGV`` values' bulk strings, packed once (a key that
-        cannot be encoded raises ``ValueError`` here)."""
-        parts = self._parts
-        if parts is None:
-            count = len(self.checks)
-            args = self.args
-            parts = self._parts = (_bulks(args[1 : count + 1]), _bulks(args[count + 1 :]))
-        return parts
+        """Its keys' and its ``ARGV`` string's bulk strings."""
+        return self._parts
 
     def evalsha(self, sha: str) -> bytes:
         """Its own ``EVALSHA`` (a request alone in its script call), packed once."""
         packed = self.packed
         if packed is None:
-            packed = self.packed = pack(("EVALSHA", sha, *self.args))
+            count = len(self.checks)
+            head = _evalsha_head(sha.encode(), count, 3 + count)
+            packed = self.packed = head + self.keys + self.values
         return packed
 
 
@@ -374,7 +406,8 @@ class RedisBackend:
         # cross-slot form) until the server refuses that form (before Redis 7.0).
         self._cross_slot = self._cluster and self._wire is not None
         self._cross_sha_bytes = cross_slot_sha().encode()
-        self._calls: dict[str, _Call] = {}  # first key of the checks -> their call
+        self._wires: dict[str, _Wire] = {}  # a check's key -> its packed form
+        self._calls: dict[str, _Call] = {}  # a call's first key -> its last call of several
         self._tasks: set[asyncio.Task[None]] = set()  # the rare awaited follow-ups of send_many
         # Round trips started (single calls, pipelines, script loads); for benchmarks.
         self.round_trips = 0
@@ -730,11 +763,7 @@ class RedisBackend:
         sha = self._sha
         wire: list[bytes] = []
         for call in commands:
-            packed = call.packed
-            if packed is None:
-                # redis-py's own packing and encoder, once per call
-                packed = call.packed = b"".join(conn.pack_command("EVALSHA", sha, *call.args))
-            wire.append(packed)
+            wire.append(call.evalsha(sha))
         await conn.send_packed_command(b"".join(wire))
         replies: list[Any] = []
         for _ in commands:
@@ -780,23 +809,45 @@ class RedisBackend:
             )
 
     def _call(self, checks: Sequence[LimitCheck]) -> _Call:
-        """The call for these checks: kept while the limiter hands the same checks
-        object (a reloaded rule builds new ones, so nothing stale is sent)."""
-        key = checks[0].key
-        found = self._calls.get(key)
+        """The call for these checks, from each check's packed form, kept while the
+        limiter hands the same check object (a reloaded rule builds new ones, so
+        nothing stale is sent). A bad check raises ``ValueError``."""
+        if len(checks) == 1:
+            wire = self._packed_check(checks[0])
+            alone = wire.alone
+            if alone is None:
+                alone = wire.alone = _Call([wire.check], [wire])
+            return alone
+        # Several checks (a rule and its ceiling): kept per identity while the limiter
+        # hands the same list (it keeps an identity's last pair), replaced by the next.
+        calls = self._calls
+        first = checks[0].key
+        found = calls.get(first)
         if found is not None and found.checks is checks:
             return found
-        slot = key_slot(key.encode()) if self._cluster else 0
-        call = _Call(checks, self._args(checks, slot), slot)
-        if len(self._calls) >= MAX_CACHED_CALLS:
-            self._calls.clear()
-        self._calls[key] = call
+        wires = [self._packed_check(check) for check in checks]
+        if self._cluster:
+            slot = wires[0].slot
+            for wire in wires:
+                if wire.slot != slot:
+                    raise ValueError("the keys of one call must share a Redis Cluster hash tag")
+        call = _Call(checks, wires)
+        if len(calls) >= MAX_CACHED_CHECKS:
+            calls.clear()
+        calls[first] = call
         return call
 
-    def _args(self, checks: Sequence[LimitCheck], slot: int) -> list[str | int | bytes]:
-        if self._cluster and any(key_slot(c.key.encode()) != slot for c in checks[1:]):
-            raise ValueError("the keys of one call must share a Redis Cluster hash tag")
-        return script_args(checks)
+    def _packed_check(self, check: LimitCheck) -> _Wire:
+        """The check's packed form: kept while the limiter hands the same check object
+        (a reloaded rule builds new ones, so nothing stale is sent)."""
+        wires = self._wires
+        wire = wires.get(check.key)
+        if wire is None or wire.check is not check:
+            wire = _Wire(check, self._cluster)
+            if len(wires) >= MAX_CACHED_CHECKS:
+                wires.clear()
+            wires[check.key] = wire
+        return wire
 
     async def healthy(self) -> bool:
         try:

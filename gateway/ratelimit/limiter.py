@@ -49,6 +49,21 @@ def limit_checks(region: str, rule: Rule, identity_hash: str, enforce: bool) -> 
 Group = tuple[tuple[Rule, ...], bool, Sequence[LimitCheck]]
 
 
+class _Kept:
+    """An enforced rule's checks for one identity, and the group of the last pair they
+    were counted in with a ceiling: ``partner``, the ceiling (a reloaded one is a new
+    object, so a stale pair is never reused), and ``partner_key``, its identity."""
+
+    __slots__ = ("checks", "pair", "partner", "partner_key", "rule")
+
+    def __init__(self, rule: Rule, checks: list[LimitCheck]) -> None:
+        self.rule = rule
+        self.checks = checks
+        self.partner: Rule | None = None
+        self.partner_key = ""
+        self.pair: Group | None = None
+
+
 def _group_reports(
     rules: tuple[Rule, ...], region: str, result: HitResult, shadow: bool
 ) -> list[LimitReport]:
@@ -172,10 +187,7 @@ class Limiter:
         self._submit: dict[str, Callable[[Sequence[LimitCheck], HitSettled], bool] | None] = {
             name: getattr(b, "submit", None) for name, b in self._backends.items()
         }
-        self._check_cache: dict[tuple[str, str, str], tuple[Rule, list[LimitCheck]]] = {}
-        # A rule and one ceiling counted in one call, per (region, rule, identity,
-        # ceiling, its identity): the group, built once (the default table's shape).
-        self._pair_cache: dict[tuple[str, str, str, str, str], Group] = {}
+        self._check_cache: dict[tuple[str, str, str], _Kept] = {}
 
     def backend(self, region: str) -> CounterBackend:
         return self._backends[region]
@@ -282,15 +294,17 @@ class Limiter:
     def _checks(self, region: str, rule: Rule, identity: str) -> list[LimitCheck]:
         """``limit_checks`` for an enforced rule, kept per identity (an identity seen
         again, the common case, skips building keys and checks)."""
+        return self._kept(region, rule, identity).checks
+
+    def _kept(self, region: str, rule: Rule, identity: str) -> _Kept:
         key = (region, rule.id, identity)
         found = self._check_cache.get(key)
-        if found is not None and found[0] is rule:  # a reloaded rule is a new object
-            return found[1]
+        if found is not None and found.rule is rule:  # a reloaded rule is a new object
+            return found
         if len(self._check_cache) >= MAX_CACHED_CHECKS:
             self._check_cache.clear()
-        checks = limit_checks(region, rule, identity, True)
-        self._check_cache[key] = (rule, checks)
-        return checks
+        kept = self._check_cache[key] = _Kept(rule, limit_checks(region, rule, identity, True))
+        return kept
 
     def _groups(self, region: str, selection: Selection) -> list[Group]:
         # The enforced rule's checks share one hash tag and are counted all-or-nothing in
@@ -312,19 +326,20 @@ class Limiter:
             and not ceilings[0][0].shadow
             and region not in self._separate_calls
         ):
-            # A rule and one enforced ceiling (the default table): their one group, kept.
+            # A rule and one enforced ceiling (the default table): their one group, from
+            # each one's kept checks; the rule's identity keeps its last pair only. Pairs
+            # of identity and client address are far more than either alone: a cache of
+            # them missed for nearly every request under the bench's 10,000 keys over 50
+            # addresses and was cleared every 50,000 (benchmarks/README.md, "ninth step"),
+            # while one client from one address, the usual case, still meets its pair.
             ceiling, ceiling_key = ceilings[0]
-            pair_key = (region, rule.id, selection.identity, ceiling.id, ceiling_key)
-            group = self._pair_cache.get(pair_key)
-            if group is None or group[0][0] is not rule or group[0][1] is not ceiling:
-                if len(self._pair_cache) >= MAX_CACHED_CHECKS:
-                    self._pair_cache.clear()
-                both = [
-                    *self._checks(region, rule, selection.identity),
-                    *self._checks(region, ceiling, ceiling_key),
-                ]
-                group = self._pair_cache[pair_key] = ((rule, ceiling), False, both)
-            return [group]
+            kept = self._kept(region, rule, selection.identity)
+            pair = kept.pair
+            if pair is None or kept.partner is not ceiling or kept.partner_key != ceiling_key:
+                partner = self._checks(region, ceiling, ceiling_key)
+                pair = kept.pair = ((rule, ceiling), False, kept.checks + partner)
+                kept.partner, kept.partner_key = ceiling, ceiling_key
+            return [pair]
         else:
             enforced: list[tuple[Rule, str]] = []
             if rule is not None and not rule.unlimited and selection.identity is not None:

@@ -134,7 +134,10 @@ def test_a_tier_picks_its_limits_shares_the_counters_and_names_its_policy():
 
 def test_without_a_rule_the_first_enforced_ceiling_names_the_decision():
     table = load_rules_from_texts(
-        [("t.yaml", """
+        [
+            (
+                "t.yaml",
+                """
 rules:
   - id: only-posts
     match: {methods: [POST]}
@@ -148,10 +151,57 @@ ceilings:
   - id: enforced
     identity: ip
     limits: {us: 3/60}
-""")],
+""",
+            )
+        ],
         ["us"],
     )
     limiter = Limiter({"us": MemoryBackend(clock=Clock())})
     selection, decision = decide(limiter, table)
     assert selection.rule is None
     assert decision.outcome is Outcome.ALLOWED and decision.rule_id == "enforced"
+
+
+def test_one_key_from_changing_addresses_counts_once_in_its_rule_and_per_address():
+    # The limiter keeps a key's last pair with an address; a key that moves between
+    # addresses must still count every request once in its rule and once in the ceiling
+    # of the address it came from, whatever pair was kept.
+    table = load_rules_from_texts([("t.yaml", TABLE)], ["us"])
+    limiter = Limiter({"us": MemoryBackend(clock=Clock())})
+    addresses = ["10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.3", "10.0.0.1"]
+    for n, ip in enumerate(addresses):
+        _, decision = decide(limiter, table, key="roaming", ip=ip)
+        assert decision.outcome is Outcome.ALLOWED
+        rule, ceiling = decision.reports
+        assert (rule.name, rule.remaining) == ("per-key", 4 - n)
+        assert (ceiling.name, ceiling.remaining) == (
+            "per-address",
+            8 - addresses[: n + 1].count(ip),
+        )
+    _, decision = decide(limiter, table, key="roaming", ip="10.0.0.4")
+    assert decision.outcome is Outcome.LIMITED and decision.rule_id == "per-key"
+    # Refused by its rule, all or nothing: the new address's ceiling was not counted.
+    assert [decide(limiter, table, key=f"k{n}", ip="10.0.0.4")[1].outcome for n in range(8)] == [
+        Outcome.ALLOWED
+    ] * 8
+
+
+def test_a_reloaded_ceiling_applies_to_a_pair_seen_before():
+    # A reload builds new rule objects with the same ids: a pair kept from before must not
+    # be counted with the old ceiling's limit.
+    clock = Clock()
+    limiter = Limiter({"us": MemoryBackend(clock=clock)})
+    before = load_rules_from_texts([("t.yaml", TABLE)], ["us"])
+    for _ in range(2):
+        assert decide(limiter, before, key="same")[1].outcome is Outcome.ALLOWED
+    after = load_rules_from_texts(
+        [("t.yaml", TABLE.replace("limits: {us: 8/60}", "limits: {us: 3/60}"))], ["us"]
+    )
+    _, decision = decide(limiter, after, key="same")
+    assert decision.outcome is Outcome.ALLOWED
+    assert [(r.name, r.count, r.remaining) for r in decision.reports] == [
+        ("per-key", 5, 2),
+        ("per-address", 3, 0),
+    ]
+    _, decision = decide(limiter, after, key="same")
+    assert decision.outcome is Outcome.LIMITED and decision.rule_id == "per-address"
