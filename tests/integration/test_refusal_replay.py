@@ -108,7 +108,9 @@ def _normal_answer(answer: tuple[str, list[tuple[str, str]], bytes]) -> tuple:
         if name in ("retry-after", "ratelimit"):  # whole seconds that may tick between
             value = re.sub(r"\d+", "N", value)
         kept.append((name, value))
-    # (the upstream echoes what it got, the gateway's request id included)
+    # (the upstream echoes what it got, the gateway's request id included; a 429 body's
+    # wait is whole seconds that may tick between the two gateways, as retry-after)
+    body = re.sub(rb"retry in \d+ seconds", b"retry in N seconds", body)
     return status, kept, re.sub(rb"[0-9a-f]{32}", b"generated", body)
 
 
