@@ -195,8 +195,8 @@ class _Wire:
     """One limit check as the script takes it, packed once per check object (the
     limiter hands the same object for an identity seen again): its key as a RESP bulk
     string, its ``ARGV`` doubles, and on a cluster its key's slot; ``alone``: the call of
-    a request with this check only (a rule without a ceiling; on a cluster, where a rule
-    and its ceiling are two calls, every call), made once."""
+    a request with this check only (a rule of one limit without a ceiling; on a cluster,
+    where a rule and its ceiling are two calls, each of one limit), made once."""
 
     __slots__ = ("alone", "check", "key", "slot", "values")
 
@@ -221,11 +221,12 @@ class _Call:
     and its one ``ARGV`` string as RESP bulk strings, for a call that carries several
     requests (``batched``); ``slot``: on a cluster, the slot of its keys (one hash tag)."""
 
-    __slots__ = ("_parts", "checks", "keys", "packed", "slot", "values")
+    __slots__ = ("_args", "_parts", "checks", "keys", "packed", "slot", "values")
 
     def __init__(self, checks: Sequence[LimitCheck], wires: Sequence[_Wire]) -> None:
         self.checks = checks
         self.packed: bytes | None = None
+        self._args: list[str | int | bytes] | None = None
         self.slot = wires[0].slot  # its keys' Redis Cluster slot (0 on a single server)
         count = len(wires)
         if count == 1:
@@ -243,8 +244,11 @@ class _Call:
 
     @property
     def args(self) -> list[str | int | bytes]:
-        """Its ``EVALSHA`` arguments after the SHA (the ways through redis-py)."""
-        return script_args(self.checks)
+        """Its ``EVALSHA`` arguments after the SHA (the ways through redis-py), once."""
+        args = self._args
+        if args is None:
+            args = self._args = script_args(self.checks)
+        return args
 
     def parts(self) -> tuple[bytes, bytes]:
         """Its keys' and its ``ARGV`` string's bulk strings."""
@@ -540,8 +544,7 @@ class RedisBackend:
             if not checks:
                 continue
             try:
-                call = self._call(checks)
-                call.parts()  # a key that cannot be encoded fails here, alone
+                call = self._call(checks)  # a key that cannot be encoded fails here, alone
             except ValueError as exc:
                 results[index] = exc
                 continue

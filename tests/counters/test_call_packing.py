@@ -132,3 +132,13 @@ async def test_a_pair_kept_by_the_limiter_is_packed_once_and_a_new_one_afresh(
     equal = list(first)  # equal checks in another list: assembled again, the same bytes
     assert backend._call(equal) is not call
     assert backend._call(equal).evalsha(SHA) == whole(first)
+
+
+async def test_the_kept_forms_are_bounded_whatever_the_identities(backend: RedisBackend) -> None:
+    # Identities are the client's to choose: neither cache may grow past its bound.
+    rule = LimitCheck(new_key(), 10, 60_000, 1_000)
+    for i in range(MAX_CACHED_CHECKS + 100):
+        backend._call([LimitCheck(f"one{i}", 1, 1_000, 100)])
+        backend._call([LimitCheck(f"r{i}", 1, 1_000, 100), rule])
+        assert len(backend._wires) <= MAX_CACHED_CHECKS
+        assert len(backend._calls) <= MAX_CACHED_CHECKS

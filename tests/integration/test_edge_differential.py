@@ -115,11 +115,15 @@ class Exchange:
     upstream_errors: list[str] = field(default_factory=list)
 
     def verdicts(self) -> list[tuple[str, int | None]]:
-        """Per request: A (2xx), R (4xx, or closed without any answer), E (5xx and the
-        rest), H (no answer within the read timeout), with the status."""
+        """Per request: A (2xx), R (4xx, 501, or closed without any answer), E (5xx and
+        the rest), H (no answer within the read timeout), with the status. 501 is a
+        refusal, not a failure: what the server does not implement (a transfer coding
+        other than chunked, RFC 9112 6.1), so a request both sides refuse, one with 501
+        before the body and one with 400 on the body, agrees."""
         out: list[tuple[str, int | None]] = []
         for status in self.statuses:
-            kind = "A" if 200 <= status < 300 else "R" if 400 <= status < 500 else "E"
+            refused = 400 <= status < 500 or status == 501
+            kind = "A" if 200 <= status < 300 else "R" if refused else "E"
             out.append((kind, status))
         if self.ended == "timeout":
             out.append(("H", None))

@@ -445,6 +445,12 @@ def _cases() -> list[Case]:
         "te-gzip-chunked",
         simple(b"POST", b"/edge/x", b"Transfer-Encoding: gzip, chunked", body=chunks(b"zz")),
     )
+    add(  # both refuse: the gateway at the head (501), aiohttp on the bad chunk (400)
+        "te-gzip-chunked-bad-chunk",
+        simple(
+            b"GET", b"/edge/gen", b"Transfer-Encoding: gzip, chunked", body=b"1\r\n\x00\n0\r\n\r\n"
+        ),
+    )
     add(
         "te-chunked-gzip",
         simple(b"POST", b"/edge/x", b"Transfer-Encoding: chunked, gzip", body=chunks(b"zz")),

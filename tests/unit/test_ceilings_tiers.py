@@ -11,7 +11,7 @@ from gateway.policy.loader import RuleLoadError, load_rules_from_texts
 from gateway.policy.matcher import select
 from gateway.ratelimit.decision import Outcome
 from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
-from gateway.ratelimit.limiter import Limiter
+from gateway.ratelimit.limiter import MAX_CACHED_CHECKS, Limiter
 
 TABLE = """
 rules:
@@ -205,3 +205,16 @@ def test_a_reloaded_ceiling_applies_to_a_pair_seen_before():
     ]
     _, decision = decide(limiter, after, key="same")
     assert decision.outcome is Outcome.LIMITED and decision.rule_id == "per-address"
+
+
+def test_the_limiters_kept_checks_are_bounded_whatever_the_identities():
+    # Keys and addresses are the client's to choose: the kept checks (and with them the
+    # pairs) start over at their bound instead of growing.
+    table = load_rules_from_texts([("t.yaml", TABLE)], ["us"])
+    limiter = Limiter({"us": MemoryBackend(clock=Clock())})
+    for n in range(MAX_CACHED_CHECKS // 2 + 100):
+        decide(limiter, table, key=f"k{n}", ip=f"10.{n % 250}.{n // 250 % 250}.1")
+        assert len(limiter._check_cache) <= MAX_CACHED_CHECKS
+    # and a pair seen before the cache started over is still counted right
+    first = decide(limiter, table, key="k0", ip="10.0.0.1")[1]
+    assert first.outcome is Outcome.ALLOWED and first.reports[0].remaining == 3
