@@ -217,11 +217,11 @@ class _Call:
     of either alone (the bench's 10,000 keys over 50 addresses made nearly every request
     a new pair, and packing its call again cost ~29,000 instructions a request:
     benchmarks/README.md, "ninth step"); a pair is joined from its two packed checks,
-    and kept while the limiter hands the same list. ``keys`` and ``values``: its keys
-    and its one ``ARGV`` string as RESP bulk strings, for a call that carries several
+    and kept while the limiter hands the same list. ``parts``: its keys and its one
+    ``ARGV`` string as RESP bulk strings, for a call that carries several
     requests (``batched``); ``slot``: on a cluster, the slot of its keys (one hash tag)."""
 
-    __slots__ = ("_args", "_parts", "checks", "keys", "packed", "slot", "values")
+    __slots__ = ("_args", "_parts", "checks", "packed", "slot")
 
     def __init__(self, checks: Sequence[LimitCheck], wires: Sequence[_Wire]) -> None:
         self.checks = checks
@@ -237,10 +237,8 @@ class _Call:
         else:
             keys = b"".join([wire.key for wire in wires])
             values = b"".join([wire.values for wire in wires])
-        self.keys = keys
         head = ARGV_HEADS[count] if count < len(ARGV_HEADS) else b"$%d\r\n" % len(values)
-        self.values = head + values + b"\r\n"
-        self._parts = (keys, self.values)
+        self._parts = (keys, head + values + b"\r\n")
 
     @property
     def args(self) -> list[str | int | bytes]:
@@ -259,8 +257,8 @@ class _Call:
         packed = self.packed
         if packed is None:
             count = len(self.checks)
-            head = _evalsha_head(sha.encode(), count, 3 + count)
-            packed = self.packed = head + self.keys + self.values
+            keys, values = self._parts
+            packed = self.packed = _evalsha_head(sha.encode(), count, 3 + count) + keys + values
         return packed
 
 
