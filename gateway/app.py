@@ -53,7 +53,7 @@ from gateway.proxy.upstream_pool import Upstream, UpstreamPool
 from gateway.ratelimit.identity import ClientAddressPolicy, IdentityHasher
 from gateway.ratelimit.limiter import Limiter
 from gateway.secrets import identity_secret
-from gateway.settings import Settings, SettingsError
+from gateway.settings import Settings, SettingsError, default_exchanges_per_client
 from gateway.tls_setup import AdminTls, admin_tls, check_tls, tls_listener
 
 if TYPE_CHECKING:
@@ -239,6 +239,8 @@ class Proxy:
             max_uploads_per_client=settings.max_uploads_per_client,
             max_uploads=max(1, settings.upstream_pool_size // 2),
             max_downloads_per_client=settings.max_downloads_per_client,
+            max_exchanges_per_client=settings.max_exchanges_per_client
+            or default_exchanges_per_client(settings),
             tunnels=TunnelLimits(
                 max_tunnels=settings.max_tunnels,
                 max_tunnels_per_client=settings.max_tunnels_per_client,

@@ -117,6 +117,11 @@ class Settings:
     # Streamed answers holding an upstream connection at once, per client address (a
     # client that asks for large answers and never reads them holds the pool otherwise).
     max_downloads_per_client: int = 8
+    # Requests forwarded and not yet answered whole (each holds an upstream connection,
+    # or waits for one), per client address; 0: a quarter of upstream_pool_size, and at
+    # least max_uploads_per_client + max_downloads_per_client. Long polls and slow
+    # answers from one address cannot take the whole pool.
+    max_exchanges_per_client: int = 0
     # Client connections open at once from one address; 0: max_connections // 8.
     max_client_connections: int = 0
     # X-HTTP-Method-Override, X-HTTP-Method and X-Method-Override are dropped unless this
@@ -329,6 +334,13 @@ def _regions(raw: Any, source: str | None) -> tuple[RegionSettings, ...]:
     return tuple(regions)
 
 
+def default_exchanges_per_client(s: Settings) -> int:
+    """``max_exchanges_per_client`` when it is 0: a quarter of the upstream pool, but
+    room for an address's full share of uploads and of downloads besides (those are
+    exchanges too, and ordinary requests must still pass beside them)."""
+    return max(s.upstream_pool_size // 4, s.max_uploads_per_client + s.max_downloads_per_client)
+
+
 def _routes(
     raw: Any, source: str | None
 ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
@@ -391,6 +403,11 @@ def _validate(s: Settings) -> None:
         bad(f"max_uploads_per_client must be at least 1, not {s.max_uploads_per_client}")
     if s.max_downloads_per_client < 1:
         bad(f"max_downloads_per_client must be at least 1, not {s.max_downloads_per_client}")
+    if s.max_exchanges_per_client < 0:
+        bad(
+            "max_exchanges_per_client must be 0 (a quarter of upstream_pool_size) or more, "
+            f"not {s.max_exchanges_per_client}"
+        )
     if s.max_tunnels < 1 or s.max_tunnels_per_client < 1:
         bad("max_tunnels and max_tunnels_per_client must be at least 1")
     if s.tunnel_idle_timeout <= 0 or s.tunnel_max_bytes < 0 or s.tunnel_max_seconds < 0:

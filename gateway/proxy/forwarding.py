@@ -257,6 +257,15 @@ class Forwarding(asyncio.Protocol):
         headers = [*req.rate_headers, ("Retry-After", "1")]
         self._answer(req, Answer.error(429, detail, headers))
 
+    def _too_many_exchanges(self, req: Incoming, upstream: Upstream) -> None:
+        self.gateway.metrics.upstream_errors.labels(upstream.name, "exchanges_per_client").inc()
+        detail = (
+            f"too many requests from this client still in progress upstream (at most "
+            f"{self.limits.max_exchanges_per_client} at once); retry when one has finished"
+        )
+        headers = [*req.rate_headers, ("Retry-After", "1")]
+        self._answer(req, Answer.error(429, detail, headers))
+
     def download_started(self, relay: Relay) -> None:
         """An answer outlasted the read its head came in: it holds its upstream
         connection until the client has read it, counted per client address."""
@@ -293,6 +302,11 @@ class Forwarding(asyncio.Protocol):
         if self.plane.downloads and self.plane.downloads_full(req.client_ip):
             self._too_many_downloads(req, upstream)
             return
+        if req.exchange_client is None:  # (a retry keeps the slot it has)
+            if not self.plane.take_exchange(req.client_ip):
+                self._too_many_exchanges(req, upstream)
+                return
+            req.exchange_client = req.client_ip
         self.attempt += 1
         if self.attempt == 1:
             self.forward_started = perf_counter()
@@ -432,9 +446,13 @@ class Forwarding(asyncio.Protocol):
     # --- when a request ends
 
     def _release_slots(self, req: Incoming) -> None:
-        """What an ended request held: its upload and download slots, its relay."""
+        """What an ended request held: its upload, download and exchange slots, its
+        relay."""
         if req.upload_client is not None:
             self._end_upload(req)
+        if req.exchange_client is not None:
+            self.plane.end_exchange(req.exchange_client)
+            req.exchange_client = None
         if req.download_client is not None:
             self.plane.end_download(req.download_client)
             req.download_client = None

@@ -35,6 +35,7 @@ class PlaneLimits:
     max_uploads_per_client: int = 8
     max_uploads: int = 128  # all clients together: half the upstream pool
     max_downloads_per_client: int = 8
+    max_exchanges_per_client: int = 64  # forwarded, not yet answered, per client address
     max_client_connections: int = 1250  # open at once from one (untrusted) address
     # upgraded connections (WebSocket ...)
     tunnels: TunnelLimits = field(default_factory=TunnelLimits)
@@ -62,6 +63,8 @@ class DataPlane:
         self.uploads_open = 0
         # Streamed answers holding an upstream connection, per client address.
         self.downloads: dict[str, int] = {}
+        # Requests forwarded and not yet answered whole, per client address.
+        self.exchanges: dict[str, int] = {}
         # Open connections per TCP peer address (trusted proxies are not capped).
         self.per_address: dict[str, int] = {}
         self.tunnels = Tunnels(
@@ -166,6 +169,29 @@ class DataPlane:
         else:
             self.uploads.pop(client, None)
         self.uploads_open -= 1
+
+    def take_exchange(self, client: str) -> bool:
+        """Count a request of ``client`` forwarded upstream, from before it takes (or
+        waits for) an upstream connection until it has been answered whole: False when
+        the client already has ``max_exchanges_per_client`` in progress.
+
+        Taken before the connection, in the same step as the check: a burst of requests
+        that arrive together cannot all pass a check made before any of them is
+        counted, as answers that start streaming together passed the download cap
+        (hardening, third round). Long polls, slow answers and unread downloads from one
+        address hold at most this share of the pool."""
+        held = self.exchanges.get(client, 0)
+        if held >= self.limits.max_exchanges_per_client:
+            return False
+        self.exchanges[client] = held + 1
+        return True
+
+    def end_exchange(self, client: str) -> None:
+        held = self.exchanges.get(client, 0) - 1
+        if held > 0:
+            self.exchanges[client] = held
+        else:
+            self.exchanges.pop(client, None)
 
     def take_download(self, client: str) -> bool:
         """Count an answer streaming to ``client`` (it holds an upstream connection until

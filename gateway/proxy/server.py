@@ -71,6 +71,11 @@ FEED_SLICE: Final = 16 * 1024
 # per body byte would otherwise be the client's choice (hardening, second round, 2).
 FREE_CHUNKS: Final = 1024
 MIN_MEAN_CHUNK: Final = 64
+# What a request's body may cost in bytes that are not body (chunk-size lines, chunk
+# extensions, trailers; none of them is forwarded): the head's bound, and this much
+# a chunk more. httptools builds a trailer field with bytes += per read, so a trailer
+# without an end cost CPU quadratic in its size (hardening, third round).
+FRAMING_PER_CHUNK: Final = 32
 LINGER_SECONDS: Final = 2.0  # reading (and dropping) after a final answer, before closing
 # What an upgrade's client may send before the upstream has answered (then reading
 # pauses until the tunnel is joined, or the connection closes).
@@ -267,7 +272,10 @@ class ClientConnection(Forwarding):
         self.begun = 0
         self.refused = None
         # (whether this read starts between two requests: only such a read is kept)
-        at_start = self.current is None
+        cur = self.current
+        at_start = cur is None
+        # The body so far of a request whose body this read continues (-1: none).
+        body_before = -1 if cur is None or self.in_head else cur.body_size
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -301,6 +309,8 @@ class ClientConnection(Forwarding):
             if upgrade_at < len(data) and body is not None:
                 self._feed_upgrade_body(body, data[upgrade_at:])
             return
+        if body_before >= 0 and cur is not None:
+            self._count_framing(cur, len(data), body_before)
         # Only a read that was that one whole request, bodiless, on a connection that
         # reads on in its ordinary state: then the same bytes again are the same request
         # again (llhttp is back at a message's start).
@@ -346,7 +356,40 @@ class ClientConnection(Forwarding):
         if len(early) >= EARLY_BYTES:
             self.set_paused("upgrade", True)  # the rest waits in the kernel
 
+    def _count_framing(self, req: Incoming, fed: int, body_before: int) -> None:
+        """Count what a read that went wholly to ``req``'s body phase held besides body
+        bytes; refuse the request once that exceeds FRAMING_PER_CHUNK a chunk past the
+        head's bound. (A read that also ended the request or began the next one is not
+        counted: at most one slice a request.)"""
+        if self.current is not req or self.in_head or self.dead_parser:
+            return
+        framing = fed - (req.body_size - body_before)
+        if framing <= 0:
+            return
+        req.framing += framing
+        allowed = self.limits.max_head_bytes + FRAMING_PER_CHUNK * req.chunks
+        if req.framing <= allowed:
+            return
+        self.dead_parser = True
+        self.plane.gateway.metrics.upstream_errors.labels(
+            self.relay.upstream.name if self.relay else "-", "framing_too_large"
+        ).inc()
+        detail = (
+            f"request framing (chunk-size lines, chunk extensions and trailers) is larger "
+            f"than {allowed} bytes"
+        )
+        if req is self.active and not self.response_started:
+            if self.relay is not None and self.relay.uconn is not None:
+                self.relay.uconn.abort()
+            self._answer(req, Answer.error(400, detail, req.rate_headers), keep=False)
+        elif self.transport is not None:
+            # Answered already, or queued behind another request: no answer of its own
+            # can follow, and its body cannot be forwarded whole.
+            self.transport.abort()
+
     def _feed_upgrade_body(self, body: UpgradeBody, data: bytes | memoryview) -> None:
+        req = self.current
+        body_before = -1 if req is None else req.body_size
         try:
             body.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -358,6 +401,8 @@ class ClientConnection(Forwarding):
                 self.dead_parser = True
                 self._protocol_error(exc)
             return
+        if req is not None and body_before >= 0 and not body.done:
+            self._count_framing(req, len(data), body_before)
 
     def _callback_failed(self, exc: httptools.HttpParserCallbackError) -> None:
         """A parser callback raised: StopParsingError is ours (stop reading this input);
@@ -390,12 +435,21 @@ class ClientConnection(Forwarding):
         return True
 
     def pause_writing(self) -> None:
+        # The client is not reading what it was sent: a relay stops reading its upstream,
+        # and this connection stops reading (and starting) the client's next requests,
+        # so its unread answers cannot pile up in memory (a client pipelining requests
+        # the gateway answers itself, /ok or 429, and never reading: hardening, third
+        # round). What is written past this point is bounded by one slice of input.
         if self.relay is not None:
             self.relay.client_writable(False)
+        self.set_paused("writing", True)
 
     def resume_writing(self) -> None:
         if self.relay is not None:
             self.relay.client_writable(True)
+        self.set_paused("writing", False)
+        if self._idle() and self.pipeline and not self.draining and not self.lost:
+            self._drain_pipeline()
 
     # --- llhttp callbacks
 
@@ -478,7 +532,7 @@ class ClientConnection(Forwarding):
             else:
                 # (set before the request starts: its decision may be taken right here)
                 self.upgrade_early = bytearray()
-        if self.active is None:
+        if self.active is None and "writing" not in self.paused:
             self._start(req)
         else:
             self.pipeline.append(req)
@@ -685,12 +739,17 @@ class ClientConnection(Forwarding):
             return
         if self.draining:
             return
+        self._drain_pipeline()
+
+    def _drain_pipeline(self) -> None:
+        """Start the requests read while others were answered, in order, while the
+        connection is idle and its client reads what it is sent."""
         self.draining = True
         try:
             # (_idle() here and below, not "self.active is None": type narrowing takes
-            # that for always true after the assignment above, and compiled code trusts
-            # narrowing, so _start setting it would be an error there)
-            while self._idle() and self.pipeline and not self.lost:
+            # that for always true after the assignment in _finish, and compiled code
+            # trusts narrowing, so _start setting it would be an error there)
+            while self._idle() and self.pipeline and not self.lost and "writing" not in self.paused:
                 self._start(self.pipeline.popleft())
                 if "pipeline" in self.paused and len(self.pipeline) < MAX_PIPELINED:
                     self.set_paused("pipeline", False)
@@ -766,8 +825,14 @@ class ClientConnection(Forwarding):
             return
         kind, self.deadline = self.deadline_kind, 0.0
         if kind == IDLE:
-            if self.active is None and self.transport is not None:
-                self.transport.close()
+            transport = self.transport
+            if self.active is None and transport is not None:
+                if transport.get_write_buffer_size():
+                    # Answers unread for the whole idle timeout: close() would wait
+                    # for a reader that never comes, holding them.
+                    transport.abort()
+                else:
+                    transport.close()
         elif kind == HEAD:
             if self.active is None:
                 if not self.got_bytes and self.transport is not None:
