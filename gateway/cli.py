@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="regions",
         metavar="NAME",
-        help="extra region names configured for this gateway",
+        help="a region this gateway serves (repeatable); one no rule or ceiling limits is an error",
     )
     check.set_defaults(func=_rules_check)
 
@@ -307,15 +307,36 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _rules_check(args: argparse.Namespace) -> int:
-    from gateway.policy.loader import DEFAULT_REGIONS, RuleLoadError, load_rules
+    from gateway.policy.loader import (
+        DEFAULT_REGIONS,
+        RuleLoadError,
+        load_rules,
+        unlimited_region_message,
+    )
 
+    named = list(dict.fromkeys(args.regions or ()))  # regions this gateway serves, as told
     try:
-        table = load_rules(args.paths, DEFAULT_REGIONS | set(args.regions or ()))
+        table = load_rules(args.paths, DEFAULT_REGIONS | set(named))
     except RuleLoadError as exc:
         print(f"{len(exc.problems)} problem(s):", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
+    # A region with no limits exempts every request served there. Named with --region
+    # (the operator says the gateway serves it) that is the config gap a CI check must
+    # stop: exit 1. The built-in us, eu and us2 are checked whether served or not, so
+    # for them it is a warning (a table for us alone is fine where only us is served).
+    unlimited = table.unlimited_regions(sorted(DEFAULT_REGIONS | set(named)))
+    failed = [region for region in unlimited if region in named]
+    if failed:
+        print(f"{len(failed)} problem(s):", file=sys.stderr)
+        for region in failed:
+            print(f"  {unlimited_region_message(region, table)}", file=sys.stderr)
+        return 1
+    for region in unlimited:
+        message = unlimited_region_message(region, table)
+        print(f"warning: {message} (name it with --region to make this an error)",
+              file=sys.stderr)  # fmt: skip
     print(f"ok: {table.size_text} from {', '.join(table.sources)} "
           f"(table {table.digest[:12]})")  # fmt: skip
     return 0

@@ -29,6 +29,7 @@ MAX_CLAIM_NAME_CHARS: Final = 128
 # An RFC 9110 field name (token), lower-cased when stored: the data plane matches
 # header names case-insensitively.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+MAX_HEADER_DASHES: Final = 8
 _LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -253,9 +254,21 @@ def _header(section: Mapping[str, Any], where: str, default: str) -> str:
     raw = section.get("header", default)
     if not isinstance(raw, str) or not _TOKEN.fullmatch(raw):
         raise IdentityConfigError(f"{where}.header: {raw!r} is not a header name")
-    if raw.lower() in _RESERVED_HEADERS:
+    if raw.lower().replace("_", "-") in _RESERVED_HEADERS:
         raise IdentityConfigError(
             f"{where}.header: {raw!r} is a header the gateway reads for itself; choose another"
+        )
+    if "_" in raw:
+        # CGI/WSGI upstreams read '_' and '-' alike: a client's 'x-my-key' would reach them
+        # as this header without being the one the gateway verified. The data plane
+        # refuses a '_' spelling of every header it reads; it can only when those use '-'.
+        raise IdentityConfigError(
+            f"{where}.header: {raw!r} has '_', which upstreams read as '-'; write it with '-'"
+        )
+    if raw.count("-") > MAX_HEADER_DASHES:
+        # The data plane looks up every '_' spelling of it (2 ** dashes) in one dict.
+        raise IdentityConfigError(
+            f"{where}.header: {raw!r} has over {MAX_HEADER_DASHES} '-'; choose a shorter name"
         )
     return raw.lower()
 

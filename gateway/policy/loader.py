@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import re
 import reprlib
 import time
@@ -32,6 +33,11 @@ from gateway.policy.model import (
 )
 from gateway.policy.reachability import shadowing_rule
 
+# Where a table leaves a region it is told of without limits (``unlimited_regions``).
+# Shown where the process configures logging (``gateway serve``: at start-up and on
+# every reload); silent in one-shot commands, which report for themselves.
+log = logging.getLogger("gateway.rules.regions")
+log.addHandler(logging.NullHandler())
 DEFAULT_REGIONS = frozenset({"us", "eu", "us2"})
 # us2 has no column of its own in the service description: it takes the us values.
 REGION_FALLBACKS = {"us2": "us"}
@@ -247,7 +253,12 @@ def load_rules(
     regions: Iterable[str] = DEFAULT_REGIONS,
     now: Callable[[], float] = time.time,
 ) -> RuleTable:
-    """Load and validate every rule file; raise ``RuleLoadError`` listing every problem."""
+    """Load and validate every rule file; raise ``RuleLoadError`` listing every problem.
+
+    ``regions``: the regions served (``DEFAULT_REGIONS`` are known whatever it says);
+    each of them the table sets no limit for is logged as a WARNING (every request there
+    would be exempt)."""
+    regions = tuple(regions)
     files = rule_files(paths)
     texts: list[tuple[str, bytes]] = []
     for file in files:
@@ -261,7 +272,20 @@ def load_rules(
                 [RuleProblem(str(file), None, None, f"file is over {MAX_FILE_BYTES} bytes")]
             )
         texts.append((str(file), data))
-    return load_rules_from_texts(texts, regions, now)
+    table = load_rules_from_texts(texts, regions, now)
+    for region in table.unlimited_regions(regions):
+        log.warning("%s", unlimited_region_message(region, table))
+    return table
+
+
+def unlimited_region_message(region: str, table: RuleTable) -> str:
+    """What the start-up log and ``gateway rules check`` say of a region without limits."""
+    return (
+        f"region {region!r} has no limits: no rule and no ceiling in "
+        f"{', '.join(table.sources)} has a limit for it (or 'default'), so every request "
+        f"served there is exempt; add {region!r} to the limits of the rules that should "
+        f"apply there, or stop serving it"
+    )
 
 
 def load_rules_from_texts(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -221,6 +221,23 @@ class RuleTable:
             if len(self.ceiling_cache) >= MATCH_CACHE_ENTRIES:
                 self.ceiling_cache.clear()
             self.ceiling_cache[key] = found
+        return found
+
+    def unlimited_regions(self, regions: Iterable[str]) -> list[str]:
+        """Those of ``regions`` where no rule and no ceiling has a limit (shadow rules
+        only count, ``unlimited`` ones exempt): every request there is exempt. A rule
+        with no entry for a region does not apply there, so a region the gateway serves
+        that the table forgot is unlimited without a word; the loader warns of it and
+        ``gateway rules check`` reports it."""
+        found: list[str] = []
+        for region in regions:
+            if region in found:
+                continue
+            for rule in (*self.rules, *self.ceilings):
+                if not rule.shadow and not rule.unlimited and rule.limits_for(region):
+                    break
+            else:
+                found.append(region)
         return found
 
     def for_region(self, region: str) -> tuple[Rule, ...]:

@@ -26,7 +26,7 @@ from gateway.policy.matcher import Selection, select
 from gateway.policy.model import IdentityKind, Rule, RuleTable
 from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
-from gateway.proxy.relay import METHOD_OVERRIDES
+from gateway.proxy.relay import HOP_BY_HOP, METHOD_OVERRIDES, UNTRUSTED_FORWARDING
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import accept_request_id, new_request_id
@@ -67,6 +67,11 @@ _SINGLE: Final = 10
 _USER_ID: Final = 11
 _OVERRIDE: Final = 12
 _TOKEN: Final = 13  # the JWT's header (identity.user.jwt.header), when configured
+# A header spelled like one the gateway reads or manages, with '_' for '-' (x_api_key):
+# refused. CGI/WSGI servers (wsgiref, uWSGI, and gunicorn before 22) name both spellings
+# HTTP_X_API_KEY, so the upstream would take as the key (the user, the override, the
+# forwarded-for) a header the gateway neither counted by nor removed.
+_ALIAS: Final = 14
 # What a kept method override may name (the methods the gateway forwards).
 _OVERRIDABLE: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Headers a message may carry once: upstreams disagree about which of two copies counts
@@ -77,7 +82,7 @@ SINGLETONS: Final = frozenset(
         b"host", b"max-forwards", b"server", b"transfer-encoding", b"user-agent",
     }
 )  # fmt: skip
-_ROLES: Final = {
+_BASE_ROLES: Final = {
     b"host": _HOST, b"x-api-key": _API_KEY, b"x-user-id": _USER_ID,
     b"connection": _CONNECTION, b"x-forwarded-for": _FORWARDED_FOR,
     b"x-request-id": _REQUEST_ID, b"x-forwarded-proto": _FORWARDED_PROTO,
@@ -85,6 +90,34 @@ _ROLES: Final = {
     b"expect": _EXPECT, **{name: _OVERRIDE for name in METHOD_OVERRIDES},
     **{name: _SINGLE for name in SINGLETONS - {b"host", b"content-length", b"transfer-encoding"}},
 }  # fmt: skip
+# Headers the relay sets, drops or passes only from trusted peers without a role above:
+# their '_' spellings would reach a CGI-style upstream as the header itself.
+_MANAGED: Final = HOP_BY_HOP | UNTRUSTED_FORWARDING | {b"via"}
+
+
+def _aliases(name: bytes) -> list[bytes]:
+    """Every spelling of ``name`` with one or more of its '-' written '_' (2 ** k - 1 of
+    them for k dashes: the names are the gateway's own and configured ones, which
+    ``gateway.identity.config`` holds to a few dashes)."""
+    parts = name.split(b"-")
+    spellings = [parts[0]]
+    for part in parts[1:]:
+        spellings = [s + sep + part for s in spellings for sep in (b"-", b"_")]
+    return [s for s in spellings if s != name]
+
+
+def _with_aliases(roles: dict[bytes, int]) -> dict[bytes, int]:
+    """``roles`` plus the '_' spellings of every name in it or in ``_MANAGED``, so one dict
+    lookup a header still decides (the common header costs nothing more)."""
+    out: dict[bytes, int] = {}
+    for name in [*roles, *_MANAGED]:
+        for alias in _aliases(name):
+            out[alias] = _ALIAS
+    out.update(roles)  # a name the gateway reads keeps its role
+    return out
+
+
+_ROLES: Final = _with_aliases(_BASE_ROLES)
 OK_ANSWER: Final = Answer.json(200, b'{"ok": true}')
 # RFC 9110 15.5.6: a 405 names the methods that are allowed.
 REFUSED_METHOD_ANSWERS: Final = {
@@ -224,13 +257,13 @@ class Gateway:
         """Verify identities from now on: the key header may be another than x-api-key,
         and the token's header is read."""
         self.verified = verified
-        roles = dict(_ROLES)
+        roles = dict(_BASE_ROLES)
         if verified.key_header != b"x-api-key":
             del roles[b"x-api-key"]
             roles[verified.key_header] = _API_KEY
         if verified.token_header is not None:
             roles[verified.token_header] = _TOKEN
-        self._roles = roles
+        self._roles = _with_aliases(roles)
 
     # --- the synchronous part: everything up to the rate-limit decision
 
@@ -552,8 +585,11 @@ class Gateway:
         tokens: set[bytes] | None = None
         given_id: bytes | None = None
         too_big: bytes | None = None
-        last_coding = expect = override = None
-        overrides = 0
+        last_coding = expect = None
+        # The method overrides as (lower-case name, value): which of them the upstream
+        # receives depends on Connection, known only once every header is read.
+        overrides: list[tuple[bytes, bytes]] | None = None
+        alias: bytes | None = None  # the first '_' spelling of a header the gateway reads
         only_chunked = True
         singles: set[bytes] | None = None
         roles = self._roles
@@ -572,6 +608,10 @@ class Gateway:
             if role == _USER_ID:
                 user_id = value
                 user_ids += 1
+                continue
+            if role == _ALIAS:
+                if alias is None:
+                    alias = name
                 continue
             if lower in SINGLETONS:
                 if singles is None:
@@ -602,8 +642,9 @@ class Gateway:
             elif role == _EXPECT:
                 expect = value.lower()
             elif role == _OVERRIDE:
-                override = value
-                overrides += 1
+                if overrides is None:
+                    overrides = []
+                overrides.append((lower, value))
             elif role == _TOKEN:
                 req.token_header = value
                 tokens_seen += 1
@@ -612,6 +653,14 @@ class Gateway:
             req.request_id = req.given_request_id = accepted
         else:
             req.request_id = new_request_id()
+        if alias is not None:
+            shown = alias[:64].decode("latin-1")
+            meant = shown.lower().replace("_", "-")
+            return Answer.error(
+                400,
+                f"header {repr(shown)} is refused: upstreams that read '_' as '-' would "
+                f"take it as {repr(meant)}, which this gateway reads; send {repr(meant)}",
+            )
         if req.chunked:
             if last_coding != b"chunked":
                 # Without chunked last a request body has no length (RFC 9112 6.3).
@@ -635,15 +684,27 @@ class Gateway:
         if tokens_seen > 1:
             # Upstreams disagree about which of two credentials counts.
             return Answer.error(400, "send one bearer token header, not several")
-        if override is not None and self.keep_method_override:
-            problem = _method_override(req, override, overrides)
+        if overrides is not None and self.keep_method_override:
+            problem = _method_override(req, overrides, tokens)
             if problem is not None:
                 return problem
         if api_key is not None:
-            key_name = "x-api-key" if self.verified is None else self.verified.config.api_key.header
+            verified = self.verified
+            key_name = "x-api-key" if verified is None else verified.config.api_key.header
             problem = _identity_header(req, key_name, api_key, api_keys, tokens, True)
             if problem is not None:
                 return problem
+            if (
+                req.api_key is None
+                and verified is not None
+                and verified.keys is not None
+                and not (tokens and verified.key_header in tokens)
+            ):
+                # Sent, and so forwarded, yet forming no identity (empty, or over
+                # MAX_IDENTITY_HEADER_BYTES): where keys are verified it is looked up like
+                # any key, so it is an unknown key (401 with unknown: reject), never a
+                # request without one that reaches the upstream with the key on it.
+                req.api_key = api_key.decode("latin-1")
         if user_id is not None:
             return _identity_header(req, "x-user-id", user_id, user_ids, tokens, False)
         return None
@@ -855,11 +916,27 @@ def _identity_header(
     return None
 
 
-def _method_override(req: Incoming, raw: bytes, count: int) -> Answer | None:
+def _method_override(
+    req: Incoming, overrides: list[tuple[bytes, bytes]], tokens: set[bytes] | None
+) -> Answer | None:
     """Keep a method override (the keep_method_override setting): the rule is then
-    chosen by the method the upstream will apply."""
-    if count > 1:
+    chosen by the method the upstream will apply, decided from what the relay forwards.
+
+    An override named in Connection is hop-by-hop: the relay drops it, so the upstream
+    never sees it and it chooses nothing. On any method but POST none is kept (the relay
+    drops it, ``req.keep_override`` staying False): the override middleware of Rack,
+    express, ASP.NET Core, Symfony and Laravel honours one only on POST, so the upstream
+    applies the request's own method, and by dropping it an upstream honouring one on
+    every method does too."""
+    if tokens:
+        overrides = [(name, value) for name, value in overrides if name not in tokens]
+        if not overrides:
+            return None
+    if req.method != "POST":
+        return None
+    if len(overrides) > 1:
         return Answer.error(400, "send one method override header, not several")
+    raw = overrides[0][1]
     method = raw.decode("latin-1").upper()
     if method not in _OVERRIDABLE:
         shown = raw[:32].decode("latin-1")
