@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import unicodedata
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,13 @@ from .lifecycle import IN_FLIGHT, next_step
 from .models import Deployment, Listener, Provider, Revision
 from .rows import DEPLOYMENTS, LISTENERS, PROVIDERS, Row, canonical_json, revision_out
 from .tables import Clock, TenantTables
+
+
+def _folded(text: str) -> str:
+    """``text`` for case-insensitive matching in any script: composed (NFC, so a typed
+    "é" and "e" + combining accent agree) and case-folded (Unicode's full folding, so
+    "Å" is "å" and "ß" is "ss")."""
+    return unicodedata.normalize("NFC", text).casefold()
 
 
 def _same(value: object) -> object:
@@ -114,16 +122,25 @@ class ControlPlaneStore(TenantTables):
     def list_deployments(
         self, tenant_id: str, limit: int, offset: int, name_contains: str | None
     ) -> list[Deployment]:
-        if name_contains:
-            return self._list(
-                DEPLOYMENTS,
-                tenant_id,
-                limit,
-                offset,
-                " AND instr(lower(name), lower(?)) > 0",
-                (name_contains,),
-            )
-        return self._list(DEPLOYMENTS, tenant_id, limit, offset)
+        if not name_contains:
+            return self._list(DEPLOYMENTS, tenant_id, limit, offset)
+        # Matched here, not in SQL: SQLite's lower() folds ASCII only and PostgreSQL's
+        # depends on the database's locale, so "école" found "Ågent-ÉCOLE" on one backend
+        # and not on the other. One Python fold serves both. The cost is what the SQL
+        # filter had (one pass over the tenant's deployments, no index serves a substring),
+        # reading only ids and names; the page itself is then read by id.
+        needle = _folded(name_contains)
+        rows = self._conn.execute(
+            "SELECT id, name FROM deployments WHERE tenant_id = ? "
+            "ORDER BY created_at DESC, seq DESC",
+            (tenant_id,),
+        )
+        matching = [row[0] for row in rows if needle in _folded(row[1])]
+        page = matching[offset : offset + limit]
+        if not page:
+            return []
+        marks = ", ".join("?" * len(page))
+        return self._list(DEPLOYMENTS, tenant_id, limit, 0, f" AND id IN ({marks})", page)
 
     def patch_deployment(
         self,

@@ -33,6 +33,10 @@ class StoreConfig:
     # killed process but may lose the last commits on power loss.
     sqlite_synchronous: SynchronousMode = "full"
     busy_timeout_seconds: float = 5.0
+    # The longest one read (a search, a listing) may run on a SQLite reader thread before it
+    # is aborted (503): a costly filter over many large items must not hold a reader, and
+    # its memory, for long. PostgreSQL's statement_timeout is the same bound there.
+    query_timeout_seconds: float = 5.0
     read_threads: int = 4
     # PostgreSQL instead of the SQLite file (set from --database-url, not from the store:
     # section); its pool size and the longest a request waits for the database.
@@ -49,6 +53,7 @@ class StoreConfig:
         _check_ttl("default_ttl_minutes", self.default_ttl_minutes)
         _check_positive("sweep_interval_seconds", self.sweep_interval_seconds, upper=86_400.0)
         _check_positive("busy_timeout_seconds", self.busy_timeout_seconds, upper=600.0)
+        _check_positive("query_timeout_seconds", self.query_timeout_seconds, upper=600.0)
         _check_positive("database_retry_seconds", self.database_retry_seconds, upper=3600.0)
         if not 1 <= self.max_body_bytes <= MAX_BODY_BYTES_CEILING:
             raise ValueError(
@@ -138,6 +143,7 @@ _READERS: dict[str, Any] = {
     "database_filename": _string,
     "sqlite_synchronous": _string,
     "busy_timeout_seconds": _number,
+    "query_timeout_seconds": _number,
     "read_threads": _integer,
     # Hook (issue 12): the API key is read from the environment, never from the file.
     "index": lambda key, value: IndexConfig.from_mapping(value, os.environ),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import queue
 import sqlite3
 import threading
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.upstreams.store.config import StoreConfig
-from gateway.upstreams.store.errors import StoreBusyError
+from gateway.upstreams.store.errors import StoreBusyError, StoreQueryTimeoutError
 from gateway.upstreams.store.filters import CANONICAL_JSON_SQL_FUNCTION, canonical_json_text
 from gateway.upstreams.store.schema import SCHEMA_VERSION, upgrade_script
 from gateway.upstreams.store.vector_dialect import IndexConnection
@@ -33,6 +34,9 @@ T = TypeVar("T")
 
 # Upper bound on writes committed together, so one transaction stays short.
 MAX_GROUP_COMMIT = 256
+# How many SQLite VM steps run between two checks of a reader's deadline: about a
+# millisecond of work, rare enough that the check (which takes the GIL) costs nothing.
+PROGRESS_CHECK_STEPS = 100_000
 
 
 @contextlib.contextmanager
@@ -42,7 +46,9 @@ def _snapshot(connection: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     try:
         yield connection
     finally:
-        connection.execute("COMMIT")
+        # An interrupted statement (a read over its budget) may have ended the transaction.
+        if connection.in_transaction:
+            connection.execute("COMMIT")
 
 
 class SQLiteConnections:
@@ -74,7 +80,7 @@ class SQLiteConnections:
         self._readers = ThreadPoolExecutor(
             self._config.read_threads,
             thread_name_prefix="store-reader",
-            initializer=self._attach_connection,
+            initializer=self._attach_reader_connection,
         )
         await self._run(self._writer, self._migrate)
         if self._config.index is not None:
@@ -120,6 +126,37 @@ class SQLiteConnections:
         with self._connections_lock:
             self._connections.append(connection)
 
+    def _attach_reader_connection(self) -> None:
+        """A reader's connection, whose statements stop once the running read is past its
+        deadline (``_budgeted``): SQLite calls the handler every ``PROGRESS_CHECK_STEPS``
+        steps and aborts the statement ("interrupted") when it answers non-zero."""
+        self._attach_connection()
+        local = self._local
+        local.deadline = math.inf
+
+        def past_deadline() -> int:
+            return 1 if time.monotonic() > local.deadline else 0
+
+        self._connection().set_progress_handler(past_deadline, PROGRESS_CHECK_STEPS)
+
+    def _budgeted(self, call: Callable[[], T]) -> Callable[[], T]:
+        """``call`` run on a reader under the per-query budget; over it, the statement is
+        interrupted and the caller gets ``StoreQueryTimeoutError`` (503)."""
+        budget = self._config.query_timeout_seconds
+
+        def run() -> T:
+            self._local.deadline = time.monotonic() + budget
+            try:
+                return call()
+            except sqlite3.OperationalError as exc:
+                if str(exc) == "interrupted":
+                    raise StoreQueryTimeoutError(budget) from exc
+                raise
+            finally:
+                self._local.deadline = math.inf
+
+        return run
+
     def _retry_locked(self, action: Callable[[], object]) -> None:
         # Switching to WAL takes an exclusive lock that the busy handler does not cover
         # when several processes open a fresh file at once.
@@ -153,6 +190,8 @@ class SQLiteConnections:
     async def _run(self, executor: ThreadPoolExecutor | None, call: Callable[[], T]) -> T:
         if executor is None:
             raise RuntimeError("the store is not open")
+        if executor is self._readers:
+            call = self._budgeted(call)
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, call)
         except sqlite3.OperationalError as exc:

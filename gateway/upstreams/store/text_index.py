@@ -54,28 +54,67 @@ def _steps(path: str) -> tuple[PathStep, ...]:
 
 
 def searchable_text(value: Any, paths: tuple[tuple[PathStep, ...], ...] | None) -> str | None:
-    """The text FTS indexes for ``value``: string and number leaves under the paths."""
+    """The text FTS indexes for ``value``: string and number leaves under the paths.
+
+    Each node of the value is indexed at most once, whatever the paths: a node selected
+    again (``["$", "$"]``) or lying under a node already selected (``$`` with ``t`` and
+    ``t[*]``) adds nothing. Without this, ``index: ["$"] * 64`` stored 64 copies of the
+    value's text and multiplied its BM25 term frequencies. The selected nodes are then
+    disjoint subtrees, so the text is never longer than that of the whole value.
+    """
     if paths == ():
         return None
-    roots = [value] if paths is None else [node for p in paths for node in _select(value, p)]
+    if paths is None:
+        roots = [value]
+    else:
+        located = [pair for p in paths for pair in _select_located(value, p, ())]
+        roots = _outermost(located)
     pieces = [piece for root in roots for piece in _leaves(root)]
     return "\n".join(pieces) if pieces else None
 
 
+Location = tuple[str | int, ...]  # keys and non-negative indexes from the top of the value
+
+
+def _outermost(located: list[tuple[Location, Any]]) -> list[Any]:
+    """The nodes of ``located`` (first selection order) that are neither a repeat nor
+    below another selected node."""
+    chosen = {location for location, _ in located}
+    seen: set[Location] = set()
+    roots: list[Any] = []
+    for location, node in located:
+        if location in seen:
+            continue
+        seen.add(location)
+        if any(location[:depth] in chosen for depth in range(len(location))):
+            continue  # its text comes with its selected ancestor
+        roots.append(node)
+    return roots
+
+
 def _select(node: Any, steps: tuple[PathStep, ...]) -> Iterator[Any]:
+    for _, selected in _select_located(node, steps, ()):
+        yield selected
+
+
+def _select_located(
+    node: Any, steps: tuple[PathStep, ...], at: Location
+) -> Iterator[tuple[Location, Any]]:
+    """The nodes the steps select below ``node`` (found at ``at``), with their locations."""
     if not steps:
-        yield node
+        yield at, node
         return
     step, rest = steps[0], steps[1:]
     if isinstance(step, str):
         if isinstance(node, dict) and step in node:
-            yield from _select(node[step], rest)
+            yield from _select_located(node[step], rest, (*at, step))
     elif step is None:
         children = node if isinstance(node, list) else []
-        for child in children:
-            yield from _select(child, rest)
+        for index, child in enumerate(children):
+            yield from _select_located(child, rest, (*at, index))
     elif isinstance(node, list) and -len(node) <= step < len(node):
-        yield from _select(node[step], rest)
+        index = step % len(node)  # list[-1] and list[n-1] are one node
+        yield from _select_located(node[index], rest, (*at, index))
 
 
 def nodes_at(value: Any, steps: tuple[PathStep, ...]) -> Iterator[Any]:

@@ -90,7 +90,8 @@ def texts_to_embed(
 ) -> list[tuple[str, str]]:
     """``(path, text)`` pairs to embed: one per value each path selects, as the reference
     does (``$`` is the whole value as JSON, strings as they are, anything else as JSON)."""
-    chosen = list(config.fields) if paths is None else paths
+    # A path given twice would embed (and pay the provider for) the same texts again.
+    chosen = list(dict.fromkeys(config.fields if paths is None else paths))
     steps = index_steps(chosen) or ()
     pairs: list[tuple[str, str]] = []
     for path, path_steps in zip(chosen, steps, strict=True):
