@@ -241,6 +241,7 @@ class Proxy:
             max_downloads_per_client=settings.max_downloads_per_client,
             max_exchanges_per_client=settings.max_exchanges_per_client
             or default_exchanges_per_client(settings),
+            exchanges_contended=max(1, settings.upstream_pool_size // 2),
             tunnels=TunnelLimits(
                 max_tunnels=settings.max_tunnels,
                 max_tunnels_per_client=settings.max_tunnels_per_client,

@@ -261,7 +261,8 @@ class Forwarding(asyncio.Protocol):
         self.gateway.metrics.upstream_errors.labels(upstream.name, "exchanges_per_client").inc()
         detail = (
             f"too many requests from this client still in progress upstream (at most "
-            f"{self.limits.max_exchanges_per_client} at once); retry when one has finished"
+            f"{self.limits.max_exchanges_per_client} at once while the upstream connections "
+            "are in demand); retry when one has finished"
         )
         headers = [*req.rate_headers, ("Retry-After", "1")]
         self._answer(req, Answer.error(429, detail, headers))
@@ -302,11 +303,17 @@ class Forwarding(asyncio.Protocol):
         if self.plane.downloads and self.plane.downloads_full(req.client_ip):
             self._too_many_downloads(req, upstream)
             return
-        if req.exchange_client is None:  # (a retry keeps the slot it has)
-            if not self.plane.take_exchange(req.client_ip):
+        if not req.exchange_counted:  # (a retry keeps the slot it has)
+            # A trusted proxy's request that names no client of its own is not capped
+            # per address (as its connections and tunnels are not): it is all clients.
+            client = (
+                None if req.trusted_peer and req.client_ip == self.peer.address else req.client_ip
+            )
+            if not self.plane.take_exchange(client):
                 self._too_many_exchanges(req, upstream)
                 return
-            req.exchange_client = req.client_ip
+            req.exchange_counted = True
+            req.exchange_client = client
         self.attempt += 1
         if self.attempt == 1:
             self.forward_started = perf_counter()
@@ -450,7 +457,8 @@ class Forwarding(asyncio.Protocol):
         relay."""
         if req.upload_client is not None:
             self._end_upload(req)
-        if req.exchange_client is not None:
+        if req.exchange_counted:
+            req.exchange_counted = False
             self.plane.end_exchange(req.exchange_client)
             req.exchange_client = None
         if req.download_client is not None:

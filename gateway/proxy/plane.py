@@ -36,6 +36,8 @@ class PlaneLimits:
     max_uploads: int = 128  # all clients together: half the upstream pool
     max_downloads_per_client: int = 8
     max_exchanges_per_client: int = 64  # forwarded, not yet answered, per client address
+    # ... enforced once this many are in progress from all clients (half the pool)
+    exchanges_contended: int = 128
     max_client_connections: int = 1250  # open at once from one (untrusted) address
     # upgraded connections (WebSocket ...)
     tunnels: TunnelLimits = field(default_factory=TunnelLimits)
@@ -63,8 +65,9 @@ class DataPlane:
         self.uploads_open = 0
         # Streamed answers holding an upstream connection, per client address.
         self.downloads: dict[str, int] = {}
-        # Requests forwarded and not yet answered whole, per client address.
+        # Requests forwarded and not yet answered whole, per client address, and in all.
         self.exchanges: dict[str, int] = {}
+        self.exchanges_open = 0
         # Open connections per TCP peer address (trusted proxies are not capped).
         self.per_address: dict[str, int] = {}
         self.tunnels = Tunnels(
@@ -170,23 +173,38 @@ class DataPlane:
             self.uploads.pop(client, None)
         self.uploads_open -= 1
 
-    def take_exchange(self, client: str) -> bool:
-        """Count a request of ``client`` forwarded upstream, from before it takes (or
-        waits for) an upstream connection until it has been answered whole: False when
-        the client already has ``max_exchanges_per_client`` in progress.
+    def take_exchange(self, client: str | None) -> bool:
+        """Count a request forwarded upstream, from before it takes (or waits for) an
+        upstream connection until it has been answered whole: False when ``client``
+        already has ``max_exchanges_per_client`` in progress while the pool is
+        contended (half of it in use). ``client`` None: a trusted proxy's own request
+        (no forwarded client), counted in all only.
 
         Taken before the connection, in the same step as the check: a burst of requests
         that arrive together cannot all pass a check made before any of them is
         counted, as answers that start streaming together passed the download cap
-        (hardening, third round). Long polls, slow answers and unread downloads from one
-        address hold at most this share of the pool."""
+        (hardening, third round). While the pool has room an address may use more than
+        its share (a batch job's ordinary concurrency); once it is contended, long
+        polls, slow answers and unread downloads from one address hold at most this
+        share, and the rest stays for the others."""
+        if client is None:
+            self.exchanges_open += 1
+            return True
         held = self.exchanges.get(client, 0)
-        if held >= self.limits.max_exchanges_per_client:
+        limits = self.limits
+        if (
+            held >= limits.max_exchanges_per_client
+            and self.exchanges_open >= limits.exchanges_contended
+        ):
             return False
         self.exchanges[client] = held + 1
+        self.exchanges_open += 1
         return True
 
-    def end_exchange(self, client: str) -> None:
+    def end_exchange(self, client: str | None) -> None:
+        self.exchanges_open -= 1
+        if client is None:
+            return
         held = self.exchanges.get(client, 0) - 1
         if held > 0:
             self.exchanges[client] = held

@@ -42,9 +42,13 @@ class Incoming:
     upload_client: str | None = None
     # the client address whose download slot this request holds (DataPlane.take_download)
     download_client: str | None = None
-    exchange_client: str | None = None  # counted in plane.exchanges (forwarded, unanswered)
+    # counted in plane.exchanges (forwarded, not yet answered); its key there (None: a
+    # trusted proxy's own request, counted in all only)
+    exchange_counted = False
+    exchange_client: str | None = None
     chunks = 0  # chunks of a chunked body so far
     framing = 0  # bytes of its body phase that were not body (chunk lines, trailers)
+    framing_run = 0  # ... since its last body bytes
     # X-HTTP-Method-Override and its kin are passed on (the keep_method_override setting)
     keep_override = False
     rule_method = ""  # the overridden method, when it is kept: the rule is chosen by it

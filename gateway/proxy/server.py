@@ -336,7 +336,10 @@ class ClientConnection(Forwarding):
             self.repeat_bytes = data
             self.repeat_of = refused
         if self.in_head:
-            if self.active is None and self.deadline_kind != HEAD:
+            # (not while the client leaves its answers unread: the rest of this head
+            # waits in the kernel because the gateway stopped reading, not because the
+            # client is slow to send it; the idle deadline runs then)
+            if self.active is None and self.deadline_kind != HEAD and "writing" not in self.paused:
                 self._set_deadline(HEAD, self.limits.header_timeout)
             # Still inside a request head: llhttp keeps what it has not reported, so
             # the head's size is bounded here (a head never completes otherwise), also
@@ -363,13 +366,20 @@ class ClientConnection(Forwarding):
         counted: at most one slice a request.)"""
         if self.current is not req or self.in_head or self.dead_parser:
             return
-        framing = fed - (req.body_size - body_before)
+        got = req.body_size - body_before
+        framing = fed - got
         if framing <= 0:
             return
         req.framing += framing
-        allowed = self.limits.max_head_bytes + FRAMING_PER_CHUNK * req.chunks
-        if req.framing <= allowed:
+        # Non-body bytes since the last body bytes (trailers, one chunk's extension): at
+        # most the head's bound, whatever the chunks before earned for their lines.
+        run = req.framing_run = framing if got else req.framing_run + framing
+        head_bound = self.limits.max_head_bytes
+        allowed = head_bound + FRAMING_PER_CHUNK * req.chunks
+        if run <= head_bound and req.framing <= allowed:
             return
+        if run > head_bound:
+            allowed = head_bound
         self.dead_parser = True
         self.plane.gateway.metrics.upstream_errors.labels(
             self.relay.upstream.name if self.relay else "-", "framing_too_large"
@@ -448,8 +458,8 @@ class ClientConnection(Forwarding):
         if self.relay is not None:
             self.relay.client_writable(True)
         self.set_paused("writing", False)
-        if self._idle() and self.pipeline and not self.draining and not self.lost:
-            self._drain_pipeline()
+        if self._idle() and not self.draining and not self.lost:
+            self._drain_pipeline()  # (also re-arms the deadline of a head in progress)
 
     # --- llhttp callbacks
 
@@ -763,7 +773,8 @@ class ClientConnection(Forwarding):
                 self.set_paused("pipeline", len(self.pipeline) >= MAX_PIPELINED)
             if self.plane.closing and self.current is None and self.transport is not None:
                 self.transport.close()
-            elif self.current is None:
+            elif self.current is None or "writing" in self.paused:
+                # (answers left unread: the idle deadline, whatever is half read)
                 self._set_deadline(IDLE, self.limits.client_idle_timeout)
             elif self.in_head:
                 self._set_deadline(HEAD, self.limits.header_timeout)

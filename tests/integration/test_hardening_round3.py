@@ -14,6 +14,7 @@ attacker would try it. 127.0.0.2 attacks, 127.0.0.3 must still be served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -98,24 +99,51 @@ async def test_unread_answers_do_not_pile_up(upstream, path):
         assert sent > 64 * 1024  # the client did send far more than that
 
 
+def _read_late(port: int, blob: bytes, pause: float) -> bytes:
+    """Send ``blob`` (pipelined requests) without reading for ``pause`` seconds, with a
+    small receive buffer so the gateway's answers back up; then read everything while
+    sending the rest."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.bind((ATTACKER, 0))
+        sock.connect(("127.0.0.1", port))
+        sock.settimeout(0.2)
+        sent, started = 0, time.monotonic()
+        while sent < len(blob) and time.monotonic() - started < pause:
+            # (a timeout: the gateway stopped reading, its answers wait unread)
+            with contextlib.suppress(TimeoutError):
+                sent += sock.send(blob[sent : sent + 65536])
+        time.sleep(max(0.0, pause - (time.monotonic() - started)))
+        sock.settimeout(0.05)
+        data, deadline = b"", time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if sent < len(blob):
+                with contextlib.suppress(TimeoutError):
+                    sent += sock.send(blob[sent : sent + 65536])
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
 async def test_a_client_that_reads_late_gets_every_answer(upstream):
     """The pause is backpressure, not a refusal: a client that sends many pipelined
-    requests and only then reads gets all the answers, in order."""
-    count = 3000
+    requests and reads only later gets all the answers, in order; a head the gateway
+    stopped reading meanwhile is not timed as a slow head (header_timeout is far
+    shorter than the client's pause here: it would have answered 408)."""
+    count = 20_000
     request = b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n"
-    async with running_gateway(upstream) as gw:
-        reader, writer = await asyncio.open_connection(
-            "127.0.0.1", _port(gw), local_addr=(ATTACKER, 0)
+    last = b"GET /ok HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    async with running_gateway(upstream, header_timeout=0.5, client_idle_timeout=60) as gw:
+        data = await asyncio.get_running_loop().run_in_executor(
+            None, _read_late, _port(gw), request * (count - 1) + last, 2.0
         )
-        writer.transport.set_write_buffer_limits(high=1 << 24)
-        writer.write(
-            request * (count - 1) + b"GET /ok HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
-        )
-        await asyncio.sleep(1.0)  # the gateway's answers wait unread meanwhile
-        data = await asyncio.wait_for(reader.read(), 30)
-        writer.close()
-        assert data.count(b"HTTP/1.1 200") == count
-        assert data.count(b'{"ok":true}') + data.count(b'{"ok": true}') == count
+    assert b"HTTP/1.1 408" not in data, data[-300:]
+    assert data.count(b"HTTP/1.1 200") == count
 
 
 # --- framing that is not body
@@ -179,6 +207,22 @@ async def test_framing_that_is_not_body_is_bounded(upstream, head, filler):
         assert served.startswith(b"HTTP/1.1 200")
 
 
+async def test_a_trailer_is_bounded_however_many_chunks_came_before(upstream):
+    """Chunks earn FRAMING_PER_CHUNK each for their own lines, not for a trailer: after
+    5,000 chunks (160 KB of allowance), a 200 KB trailer is still refused at the head's
+    bound."""
+    body = b"40\r\n" + b"b" * 64 + b"\r\n"
+    head = POST + b"\r\n" + body * 5000 + b"0\r\nX-Trailer: "
+    async with running_gateway(upstream) as gw:
+        limit = gw.proxy.plane.limits.max_head_bytes
+        reply, _ = await asyncio.get_running_loop().run_in_executor(
+            None, _endless, _port(gw), head, b"a" * 4096, 200_000
+        )
+        assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+        detail = reply.rpartition(b"\r\n\r\n")[2]
+        assert int(detail.split(b"larger than ")[1].split()[0]) == limit, detail
+
+
 @pytest.mark.parametrize("write_size", [7, 1000, 65536])
 async def test_chunked_bodies_with_trailers_and_extensions_within_the_bound_pass(
     upstream, write_size
@@ -211,10 +255,11 @@ async def test_chunked_bodies_with_trailers_and_extensions_within_the_bound_pass
 )
 async def test_a_burst_from_one_address_cannot_take_the_pool(upstream, path):
     """Twenty requests sent together from one address, each holding its upstream
-    connection (an answer never read; an answer that takes its time): at most
-    max_exchanges_per_client go upstream, the rest get 429 at once, and another
-    address is served. Before, the per-address download cap was checked before any of
-    them had taken a slot, so all of them passed it and held the pool."""
+    connection (an answer never read; an answer that takes its time): past
+    max_exchanges_per_client (4) they go upstream only while the pool is not contended
+    (half of its 16 in use), the rest get 429 at once, and another address is served.
+    Before, the per-address download cap was checked before any of them had taken a
+    slot, so all of them passed it and held the pool."""
     async with running_gateway(
         upstream,
         upstream_pool_size=16,
@@ -240,8 +285,8 @@ async def test_a_burst_from_one_address_cannot_take_the_pool(upstream, path):
                 except TimeoutError:
                     continue  # still waiting upstream: holds a slot
                 refused += head.startswith(b"HTTP/1.1 429")
-            assert plane.exchanges.get(ATTACKER) == 4
-            assert refused >= 16, refused
+            assert plane.exchanges.get(ATTACKER) == 8 == plane.exchanges_open
+            assert refused >= 12, refused
             reply = await _request(
                 port, b"GET /ticks?n=1&every=0 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
                 SERVED,
@@ -254,7 +299,7 @@ async def test_a_burst_from_one_address_cannot_take_the_pool(upstream, path):
             if not plane.exchanges:
                 break
             await asyncio.sleep(0.1)
-        assert plane.exchanges == {}  # every slot given back as its request ended
+        assert plane.exchanges == {} and plane.exchanges_open == 0  # every slot given back
 
 
 async def test_the_exchange_cap_defaults_to_a_quarter_of_the_pool(upstream):
@@ -279,3 +324,42 @@ async def test_sequential_requests_reuse_one_slot(upstream):
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)
         writer.close()
+
+
+async def test_one_address_may_use_more_than_its_share_while_the_pool_has_room(upstream):
+    """A batch job's ordinary concurrency: with the pool not contended, one address
+    runs more requests at once than max_exchanges_per_client (16 here), none refused."""
+    async with running_gateway(upstream, upstream_pool_size=40) as gw:
+        assert gw.proxy.plane.limits.max_exchanges_per_client == 16
+
+        async def one() -> bytes:
+            return await _request(
+                _port(gw), b"GET /slow?s=0.5 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+                ATTACKER,
+            )  # fmt: skip
+
+        replies = await asyncio.gather(*(one() for _ in range(20)))
+        assert all(r.startswith(b"HTTP/1.1 200") for r in replies), [r[:40] for r in replies]
+
+
+async def test_a_trusted_proxys_own_requests_are_not_capped_per_address(upstream):
+    """Requests from a trusted proxy that name no client of their own (no
+    X-Forwarded-For) are all its clients: not capped as one address, as its
+    connections and tunnels are not."""
+    async with running_gateway(
+        upstream,
+        trusted_proxies=["127.0.0.0/8"],
+        upstream_pool_size=16,
+        max_exchanges_per_client=2,
+        upstream_timeout=10,
+    ) as gw:
+
+        async def one() -> bytes:
+            return await _request(
+                _port(gw), b"GET /slow?s=0.3 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+                ATTACKER,
+            )  # fmt: skip
+
+        replies = await asyncio.gather(*(one() for _ in range(24)))
+        assert all(r.startswith(b"HTTP/1.1 200") for r in replies), [r[:40] for r in replies]
+        assert gw.proxy.plane.exchanges == {} and gw.proxy.plane.exchanges_open == 0
