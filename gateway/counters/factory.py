@@ -174,8 +174,20 @@ def parse_counter_url(url: str) -> CounterUrl:
         return CounterUrl("memory")
     rest, _, fragment = rest.partition("#")
     if fragment:
+        if "@" in fragment:  # a '#' inside the password: not shown
+            raise _bad(
+                "a '?' (or '#') in the URL's user or password must be percent-encoded "
+                "(%3F, %23); the rest of the URL is not shown"
+            )
         raise _bad("a fragment is not allowed")
     rest, _, query = rest.partition("?")
+    if "@" in query:
+        # A '?' inside the password: what follows it would be read (and echoed in an
+        # error) as options. Say what to do without showing any of it.
+        raise _bad(
+            "a '?' (or '#') in the URL's user or password must be percent-encoded "
+            "(%3F, %23); the rest of the URL is not shown"
+        )
     options: list[tuple[str, str]] = []
     db = 0
     for key, value in parse_qsl(query, keep_blank_values=True):

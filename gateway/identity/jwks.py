@@ -22,6 +22,11 @@ from jwt.algorithms import ECAlgorithm, OKPAlgorithm, RSAAlgorithm
 
 MAX_JWKS_BYTES: Final = 512 * 1024
 MAX_KEYS: Final = 100
+# Signature checks one token may cost at most: a token whose kid names no key, or that
+# names none, was checked against every key without a kid (or every key), so a JWKS of
+# many such keys let each random token cost ~100 RSA verifications (~12 ms) before any
+# counting; keys without a kid past this many are skipped at load, and said.
+MAX_KEYS_TRIED: Final = 4
 MIN_RSA_BITS: Final = 2048
 RSA_ALGORITHMS: Final = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _CURVE_ALGORITHM: Final = {"secp256r1": "ES256", "secp384r1": "ES384", "secp521r1": "ES512"}
@@ -59,12 +64,15 @@ class KeySet:
 
     def for_kid(self, kid: str | None) -> tuple[VerificationKey, ...]:
         """The keys a token with this ``kid`` may be checked with: those with that kid,
-        else those with none (a PEM key claims no id); every key for a token without
-        one. Empty: the kid is unknown."""
+        else those with none (a PEM key claims no id); for a token without one, the
+        keys without one, else every key. At most MAX_KEYS_TRIED of them. Empty: the
+        kid is unknown."""
+        unnamed = tuple(k for k in self.keys if k.kid is None)
         if kid is None:
-            return self.keys
-        named = tuple(k for k in self.keys if k.kid == kid)
-        return named or tuple(k for k in self.keys if k.kid is None)
+            found = unnamed or self.keys
+        else:
+            found = tuple(k for k in self.keys if k.kid == kid) or unnamed
+        return found[:MAX_KEYS_TRIED]
 
 
 def parse_jwks(data: bytes, algorithms: Collection[str]) -> KeySet:
@@ -93,6 +101,15 @@ def parse_jwks(data: bytes, algorithms: Collection[str]) -> KeySet:
     if not keys:
         raise JwksError(
             "JWKS has no key usable with the configured algorithms: " + "; ".join(skipped)
+        )
+    unnamed = [k for k in keys if k.kid is None]
+    for extra in unnamed[MAX_KEYS_TRIED:]:
+        keys.remove(extra)
+    if len(unnamed) > MAX_KEYS_TRIED:
+        skipped.append(
+            f"{len(unnamed) - MAX_KEYS_TRIED} keys without a kid past the first "
+            f"{MAX_KEYS_TRIED} (a token is checked against at most {MAX_KEYS_TRIED}: give "
+            "every key a kid)"
         )
     return KeySet(tuple(keys), hashlib.sha256(data).hexdigest(), tuple(skipped))
 

@@ -9,12 +9,36 @@ replace.
 from __future__ import annotations
 
 from typing import Final
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from gateway.identity.jwks import MAX_JWKS_BYTES
 
 FETCH_TIMEOUT_SECONDS: Final = 10.0
+
+
+def display_url(url: str) -> str:
+    """``url`` as logs and ``/info`` show it: without a user, a password, a query or a
+    fragment, any of which may hold a secret (an IdP's basic auth, a token parameter).
+    Everything up to the last '@' is taken for credentials, whatever a parser would
+    make of it: a password holding an unencoded '/', '?' or '#' ends a URL parser's
+    authority early and would be shown as part of the path."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "(a URL that does not parse)"
+    hidden = "@" in rest
+    rest = rest.rpartition("@")[2]
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=-1)
+    tail = ""
+    if cut >= 0:
+        rest, tail = rest[:cut], "?***"
+    try:
+        parts = urlsplit(f"{scheme}://{rest}")
+    except ValueError:
+        return "(a URL that does not parse)"
+    host = f"***@{parts.netloc}" if hidden else parts.netloc
+    return f"{parts.scheme}://{host}{parts.path}{tail}"
 
 
 class JwksFetchError(Exception):
@@ -33,6 +57,7 @@ class JwksFetcher:
         max_bytes: int = MAX_JWKS_BYTES,
     ) -> None:
         self.url = url
+        self.shown = display_url(url)  # what messages say: never its credentials
         self._session = session
         self._own_session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=timeout)
@@ -49,19 +74,21 @@ class JwksFetcher:
                 headers={"Accept": "application/json, application/jwk-set+json"},
             ) as response:
                 if response.status != 200:
-                    raise JwksFetchError(f"HTTP {response.status} from {self.url}")
+                    raise JwksFetchError(f"HTTP {response.status} from {self.shown}")
                 declared = response.content_length
                 if declared is not None and declared > self._max_bytes:
-                    raise JwksFetchError(f"{self.url} answered {declared} bytes, over the bound")
+                    raise JwksFetchError(f"{self.shown} answered {declared} bytes, over the bound")
                 body = bytearray()
                 # Counted after decompression, so a small gzip bomb is stopped too.
                 async for chunk in response.content.iter_chunked(65536):
                     body += chunk
                     if len(body) > self._max_bytes:
-                        raise JwksFetchError(f"{self.url} answered over {self._max_bytes} bytes")
+                        raise JwksFetchError(f"{self.shown} answered over {self._max_bytes} bytes")
                 return bytes(body)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise JwksFetchError(f"cannot fetch {self.url}: {type(exc).__name__}: {exc}") from exc
+            # (aiohttp's own text may name the URL: shown, not as configured)
+            why = str(exc).replace(self.url, self.shown)
+            raise JwksFetchError(f"cannot fetch {self.shown}: {type(exc).__name__}: {why}") from exc
 
     def _own(self) -> aiohttp.ClientSession:
         if self._own_session is None or self._own_session.closed:

@@ -28,7 +28,7 @@ import jwt
 
 from gateway.identity.config import JwtConfig
 from gateway.identity.jwks import MAX_JWKS_BYTES, JwksError, KeySet, load_pem, parse_jwks
-from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError
+from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError, display_url
 from gateway.identity.keys import valid_name
 
 log = logging.getLogger("gateway.identity")
@@ -133,6 +133,9 @@ class JwtVerifier:
         self._kid_refresh_at = -math.inf
         self._last_refresh_ok = False
         self._refresh_lock = asyncio.Lock()
+        # Counts the key sets installed: a cache of verdicts kept elsewhere is stale once
+        # it moves (a removed key's tokens must stop working at once).
+        self.generation = 0
         if self._fetcher is None:
             self._install(self._parse(self._read_file()))
             self._last_refresh_ok = True
@@ -144,7 +147,11 @@ class JwtVerifier:
 
     @property
     def source(self) -> str:
-        return str(self.config.jwks_url or self.config.jwks_file or self.config.public_key_file)
+        """Where the keys come from, for logs and ``/info`` (a URL without credentials)."""
+        url = self.config.jwks_url
+        if url:
+            return display_url(url)
+        return str(self.config.jwks_file or self.config.public_key_file)
 
     # -- the request path --------------------------------------------------------------
 
@@ -326,7 +333,10 @@ class JwtVerifier:
             return
         self._keys = keys
         # Verdicts were reached with the old keys: a removed key's tokens must stop
-        # working, and tokens refused for an unknown kid may now verify.
+        # working, and tokens refused for an unknown kid may now verify. The request
+        # path's own cache of verified tokens (gateway.proxy.handler) follows
+        # ``generation``.
+        self.generation += 1
         self.clear_cache()
         kids = ", ".join(k.kid or "(no kid)" for k in keys.keys)
         log.info(

@@ -245,6 +245,7 @@ class Gateway:
     _paths: dict[bytes, str] = field(default_factory=dict)  # raw path -> normalised
     _counted: dict[str, str] = field(default_factory=dict)  # consumer -> its counted value
     _tokens: dict[bytes, VerifiedUser] = field(default_factory=dict)  # see _verify
+    _tokens_generation: int = -1  # the verifier's key set those verdicts were reached with
     # (trusted proxy, X-Forwarded-For as received) -> the client address it names: walking
     # the chain with ``ipaddress`` cost more than the rest of a request (+61 %
     # instructions, benchmarks/README.md "Shipped table"), and a proxy forwards the same
@@ -423,6 +424,12 @@ class Gateway:
             # token kept in clear): a dict lookup in compiled code until it expires (the
             # verifier's own cache, behind it, costs three Python calls a request).
             digest = _sha256(value).digest()
+            generation = verified.tokens.generation
+            if generation != self._tokens_generation:
+                # The keys changed: verdicts of the old ones are void (a token of a key
+                # removed from the JWKS must stop working now, not at its own exp).
+                self._tokens.clear()
+                self._tokens_generation = generation
             user = self._tokens.get(digest)
             if user is None or _time() >= user.expires:
                 try:

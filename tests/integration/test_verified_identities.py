@@ -421,3 +421,30 @@ async def test_a_repeated_token_is_verified_once_and_not_past_its_expiry(
             await asyncio.sleep(0.1)
         status, fields, _ = await _get(port, "/x", token)  # expired: never from a cache
         assert status == 401 and fields["www-authenticate"].startswith("Bearer")
+
+
+async def test_a_rotated_out_keys_tokens_stop_working_at_once(tmp_path, upstream, signing_key):
+    """The request path keeps its own cache of verified tokens (by their SHA-256); a
+    change of the keys voids it, as it voids the verifier's: a token of a key removed
+    from the key set is refused on its next use, not at its own exp (which may be far
+    off: a far-future token minted with a leaked key must die with the key)."""
+    private, _ = signing_key
+    async with running_gateway(upstream, config_file=_jwt_config(tmp_path)) as gw:
+        port = _port(gw)
+        token = b"Authorization: Bearer " + _token(private, exp=int(time.time()) + 10**8)
+        for _ in range(2):  # the second from the cache
+            status, fields, _ = await _get(port, "/x", token)
+            assert status == 200 and _remaining(fields)[0] == '"default-user"'
+        rotated = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        (tmp_path / "idp.pem").write_bytes(
+            rotated.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        verifier = gw.proxy.gateway.verified.tokens
+        assert await verifier.refresh()
+        status, fields, _ = await _get(port, "/x", token)
+        assert status == 401, fields
+        fresh = b"Authorization: Bearer " + _token(rotated)
+        status, fields, _ = await _get(port, "/x", fresh)
+        assert status == 200 and _remaining(fields)[0] == '"default-user"'
