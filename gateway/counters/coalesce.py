@@ -209,6 +209,7 @@ class _Round:
         failure = _store_timeout(owner._call_timeout)
         for item in self.items:
             item.settle(failure)
+        owner._fail_waiting(failure)
         owner._round_done(self)  # it no longer holds a slot; the reply is still awaited
         self.handle = loop.call_at(max(give_up, now), self._hard_bound)
 
@@ -279,6 +280,8 @@ class CoalescingBackend:
         # Round trips that ran past the store timeout, and checks that waited too long.
         self.wire_timeouts = 0
         self.queue_timeouts = 0
+        # Checks failed while queued because the round trip ahead of them timed out.
+        self.queue_failed = 0
 
     @property
     def name(self) -> str:
@@ -368,6 +371,18 @@ class CoalescingBackend:
             self._rounds.add(round_)
             round_.arm(loop)
 
+    def _fail_waiting(self, failure: Exception) -> None:
+        """A round trip ran out of time: the checks queued behind it fail with it. Sent
+        in the next round trip, they would wait for a store that answers no sooner, and
+        an outage would add up to two store timeouts to them, not one (SPEC 4: at most
+        the timeout; the breaker then answers the next ones without waiting)."""
+        pending = self._pending
+        while pending:
+            item = pending.popleft()
+            if item.wanted():
+                self.queue_failed += 1
+                item.settle(failure)
+
     def _round_done(self, round_: _Round) -> None:
         # A round answered or timed out: its slot is free for what queued meanwhile.
         if round_ in self._rounds:
@@ -422,9 +437,12 @@ class CoalescingBackend:
         if not task.cancelled():
             task.exception()  # retrieved here, since its caller may have gone
 
-    def _slot_freed(self, _: object) -> None:
-        # The single call answered or ran out of time (it may still be running).
+    def _slot_freed(self, verdict: asyncio.Future[bool]) -> None:
+        # The single call answered or ran out of time (it may still be running). Out of
+        # time: what queued behind it fails with it, before anything is sent again.
         self._draining -= 1
+        if not verdict.cancelled() and verdict.result() is False:
+            self._fail_waiting(_store_timeout(self._call_timeout))
         if self._pending and self._draining < self._max_in_flight and not self._closed:
             if self._send_many is not None:
                 self._flush()
@@ -481,6 +499,7 @@ class CoalescingBackend:
                 failure = _store_timeout(self._call_timeout)
                 for item in batch:
                     item.settle(failure)
+                self._fail_waiting(failure)
 
     async def _send(self, batch: list[_Pending]) -> None:
         try:
