@@ -248,22 +248,28 @@ class Forwarding(asyncio.Protocol):
         return False
 
     def _too_many_downloads(self, req: Incoming, upstream: Upstream) -> None:
-        self.gateway.metrics.upstream_errors.labels(upstream.name, "downloads_per_client").inc()
-        detail = (
+        self._client_busy(
+            req,
+            upstream,
+            "downloads_per_client",
             f"too many answers still streaming to this client (at most "
             f"{self.limits.max_downloads_per_client} at once); read them, or retry when "
-            "one has finished"
+            "one has finished",
         )
-        headers = [*req.rate_headers, ("Retry-After", "1")]
-        self._answer(req, Answer.error(429, detail, headers))
 
     def _too_many_exchanges(self, req: Incoming, upstream: Upstream) -> None:
-        self.gateway.metrics.upstream_errors.labels(upstream.name, "exchanges_per_client").inc()
-        detail = (
+        self._client_busy(
+            req,
+            upstream,
+            "exchanges_per_client",
             f"too many requests from this client still in progress upstream (at most "
             f"{self.limits.max_exchanges_per_client} at once while the upstream connections "
-            "are in demand); retry when one has finished"
+            "are in demand); retry when one has finished",
         )
+
+    def _client_busy(self, req: Incoming, upstream: Upstream, kind: str, detail: str) -> None:
+        """429 for a client holding its share of upstream connections, counted by kind."""
+        self.gateway.metrics.upstream_errors.labels(upstream.name, kind).inc()
         headers = [*req.rate_headers, ("Retry-After", "1")]
         self._answer(req, Answer.error(429, detail, headers))
 
