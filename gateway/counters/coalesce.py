@@ -33,7 +33,7 @@ from gateway.counters.base import (
     LimitCheck,
     hand_over,
 )
-from gateway.counters.errors import StoreTimeoutError, seconds_text
+from gateway.counters.errors import QueuedBehindTimeoutError, StoreTimeoutError, seconds_text
 
 __all__ = ["CoalescerOverloadedError", "CoalescingBackend", "StoreTimeoutError"]
 
@@ -209,7 +209,7 @@ class _Round:
         failure = _store_timeout(owner._call_timeout)
         for item in self.items:
             item.settle(failure)
-        owner._fail_waiting(failure)
+        owner._fail_waiting()
         owner._round_done(self)  # it no longer holds a slot; the reply is still awaited
         self.handle = loop.call_at(max(give_up, now), self._hard_bound)
 
@@ -371,14 +371,22 @@ class CoalescingBackend:
             self._rounds.add(round_)
             round_.arm(loop)
 
-    def _fail_waiting(self, failure: Exception) -> None:
+    def _fail_waiting(self) -> None:
         """A round trip ran out of time: the checks queued behind it fail with it. Sent
         in the next round trip, they would wait for a store that answers no sooner, and
         an outage would add up to two store timeouts to them, not one (SPEC 4: at most
-        the timeout; the breaker then answers the next ones without waiting)."""
-        pending = self._pending
-        while pending:
-            item = pending.popleft()
+        the timeout; the breaker then answers the next ones without waiting). Only the
+        checks queued now: one that a settled caller queues meanwhile (a pipelined
+        request starting) goes out as usual."""
+        if not self._pending:
+            return
+        waiting = list(self._pending)
+        self._pending.clear()
+        failure = QueuedBehindTimeoutError(
+            f"the counter store did not answer a round trip ahead of this check within "
+            f"{seconds_text(self._call_timeout)}s"
+        )
+        for item in waiting:
             if item.wanted():
                 self.queue_failed += 1
                 item.settle(failure)
@@ -441,8 +449,8 @@ class CoalescingBackend:
         # The single call answered or ran out of time (it may still be running). Out of
         # time: what queued behind it fails with it, before anything is sent again.
         self._draining -= 1
-        if not verdict.cancelled() and verdict.result() is False:
-            self._fail_waiting(_store_timeout(self._call_timeout))
+        if not verdict.cancelled() and not verdict.result():
+            self._fail_waiting()
         if self._pending and self._draining < self._max_in_flight and not self._closed:
             if self._send_many is not None:
                 self._flush()
@@ -499,7 +507,7 @@ class CoalescingBackend:
                 failure = _store_timeout(self._call_timeout)
                 for item in batch:
                     item.settle(failure)
-                self._fail_waiting(failure)
+                self._fail_waiting()
 
     async def _send(self, batch: list[_Pending]) -> None:
         try:

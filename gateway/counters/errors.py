@@ -9,6 +9,13 @@ class StoreTimeoutError(TimeoutError):
     """The store did not answer a round trip within the timeout after it was sent."""
 
 
+class QueuedBehindTimeoutError(StoreTimeoutError):
+    """A check never sent: the round trip ahead of it ran out of time, and it fails with
+    it rather than wait on the same store once more. Answered like a timeout (fallback,
+    or fail closed), but not counted by the breaker: that round trip's own checks are,
+    so one slow reply does not weigh as much as the checks that queued behind it."""
+
+
 class GivenUpError(ConnectionError):
     """The lean connection was dropped on purpose (a caller gave up, or the client
     closed): the round trips in flight on it are not worth sending again. A built-in

@@ -181,17 +181,17 @@ def parse_counter_url(url: str) -> CounterUrl:
             )
         raise _bad("a fragment is not allowed")
     rest, _, query = rest.partition("?")
-    if "@" in query:
-        # A '?' inside the password: what follows it would be read (and echoed in an
-        # error) as options. Say what to do without showing any of it.
-        raise _bad(
-            "a '?' (or '#') in the URL's user or password must be percent-encoded "
-            "(%3F, %23); the rest of the URL is not shown"
-        )
     options: list[tuple[str, str]] = []
     db = 0
     for key, value in parse_qsl(query, keep_blank_values=True):
         if key not in QUERY_KEYS:
+            if not key.isidentifier():
+                # Not an option's name: most likely the tail of a password holding a
+                # '?', which must not be shown. Say what to do instead.
+                raise _bad(
+                    "an option name that is not a word (a '?' or '#' in the user or "
+                    "password must be percent-encoded: %3F, %23; not shown)"
+                )
             raise _bad(f"unknown option {key!r} (known: {', '.join(sorted(QUERY_KEYS))})")
         if key == "db":
             db = _parse_db(value)

@@ -73,6 +73,7 @@ from gateway.counters.base import (
     NoEvents,
 )
 from gateway.counters.coalesce import CoalescerOverloadedError, CoalescingBackend
+from gateway.counters.errors import QueuedBehindTimeoutError
 from gateway.counters.memory import MemoryBackend
 
 log = logging.getLogger("gateway.counters")
@@ -404,6 +405,12 @@ class ResilientBackend:
             # Waited too long for a turn here: local overload, not the store's fault.
             self._breaker.release()
             self._note_overload()
+            return False
+        if isinstance(exc, QueuedBehindTimeoutError):
+            # Never sent: the round trip ahead of it timed out, and its own checks are
+            # what the breaker counts (one slow reply is one failure a check it carried,
+            # not one more for every check that happened to queue behind it).
+            self._breaker.release()
             return False
         kind = failure_kind(exc)
         self._last_failure = kind

@@ -63,16 +63,16 @@ class KeySet:
     skipped: tuple[str, ...] = ()  # why some entries were not loaded (kid and reason)
 
     def for_kid(self, kid: str | None) -> tuple[VerificationKey, ...]:
-        """The keys a token with this ``kid`` may be checked with: those with that kid,
-        else those with none (a PEM key claims no id); for a token without one, the
-        keys without one, else every key. At most MAX_KEYS_TRIED of them. Empty: the
-        kid is unknown."""
+        """The keys a token with this ``kid`` may be checked with, in the order to try
+        them: those with that kid, else those with none (a PEM key claims no id); for a
+        token without one, the keys without one first, then the others (a rotation
+        may overlap an old key without a kid and a new one with). The caller checks at
+        most MAX_KEYS_TRIED of those made for the token's algorithm. Empty: the kid is
+        unknown."""
         unnamed = tuple(k for k in self.keys if k.kid is None)
         if kid is None:
-            found = unnamed or self.keys
-        else:
-            found = tuple(k for k in self.keys if k.kid == kid) or unnamed
-        return found[:MAX_KEYS_TRIED]
+            return unnamed + tuple(k for k in self.keys if k.kid is not None)
+        return tuple(k for k in self.keys if k.kid == kid) or unnamed
 
 
 def parse_jwks(data: bytes, algorithms: Collection[str]) -> KeySet:
@@ -111,6 +111,13 @@ def parse_jwks(data: bytes, algorithms: Collection[str]) -> KeySet:
             f"{MAX_KEYS_TRIED} (a token is checked against at most {MAX_KEYS_TRIED}: give "
             "every key a kid)"
         )
+    for alg in sorted({a for k in keys for a in k.algorithms}):
+        reach = sum(alg in k.algorithms for k in keys)
+        if reach > MAX_KEYS_TRIED:
+            skipped.append(
+                f"none skipped, but a {alg} token without a kid is checked against only "
+                f"{MAX_KEYS_TRIED} of the {reach} keys for {alg}: give tokens a kid"
+            )
     return KeySet(tuple(keys), hashlib.sha256(data).hexdigest(), tuple(skipped))
 
 

@@ -21,24 +21,26 @@ FETCH_TIMEOUT_SECONDS: Final = 10.0
 def display_url(url: str) -> str:
     """``url`` as logs and ``/info`` show it: without a user, a password, a query or a
     fragment, any of which may hold a secret (an IdP's basic auth, a token parameter).
-    Everything up to the last '@' is taken for credentials, whatever a parser would
-    make of it: a password holding an unencoded '/', '?' or '#' ends a URL parser's
-    authority early and would be shown as part of the path."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "(a URL that does not parse)"
-    hidden = "@" in rest
-    rest = rest.rpartition("@")[2]
-    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=-1)
-    tail = ""
-    if cut >= 0:
-        rest, tail = rest[:cut], "?***"
+    A '@' after the host (Firebase's and Google's service-account JWKS paths hold one)
+    may also be the end of a password holding an unencoded '/', which a URL parser
+    takes for the end of the host: then the path is not shown, nor a host that has a
+    ':' (it may be ``user:password``)."""
     try:
-        parts = urlsplit(f"{scheme}://{rest}")
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises for a port that is not a number)
     except ValueError:
         return "(a URL that does not parse)"
-    host = f"***@{parts.netloc}" if hidden else parts.netloc
-    return f"{parts.scheme}://{host}{parts.path}{tail}"
+    netloc, path = parts.netloc, parts.path
+    if "@" in netloc:
+        shown = "***@" + netloc.rpartition("@")[2]
+    elif "@" in path or "@" in parts.query or "@" in parts.fragment:
+        shown = "***" if ":" in netloc else netloc
+        path = "/..." if path else ""
+    else:
+        shown = netloc
+    tail = "?***" if parts.query else ""
+    tail += "#***" if parts.fragment else ""
+    return f"{parts.scheme}://{shown}{path}{tail}"
 
 
 class JwksFetchError(Exception):

@@ -27,7 +27,14 @@ import aiohttp
 import jwt
 
 from gateway.identity.config import JwtConfig
-from gateway.identity.jwks import MAX_JWKS_BYTES, JwksError, KeySet, load_pem, parse_jwks
+from gateway.identity.jwks import (
+    MAX_JWKS_BYTES,
+    MAX_KEYS_TRIED,
+    JwksError,
+    KeySet,
+    load_pem,
+    parse_jwks,
+)
 from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError, display_url
 from gateway.identity.keys import valid_name
 
@@ -210,7 +217,10 @@ class JwtVerifier:
             raise InvalidToken("unknown_kid")
         # Only keys made for this algorithm: an RSA key never checks an ES* or HS*
         # signature, a P-256 key only ES256.
-        usable = [k for k in candidates if alg in k.algorithms]
+        # At most MAX_KEYS_TRIED signature checks a token, whatever the key set: random
+        # tokens must not each cost dozens of them (parse_jwks says at load when a token
+        # without a kid could not reach every key).
+        usable = [k for k in candidates if alg in k.algorithms][:MAX_KEYS_TRIED]
         if not usable:
             raise InvalidToken("algorithm")
         for key in usable:

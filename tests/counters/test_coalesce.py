@@ -246,3 +246,61 @@ async def test_a_full_queue_is_refused_as_overload() -> None:
         assert all(r.admitted for r in await asyncio.gather(slow, *queued))
     finally:
         await coalescing.close()
+
+
+class OnceSlow(FakeStore):
+    """A healthy store whose first round trip is slower than the timeout."""
+
+    async def _trip(self, batch):
+        self.round_trips.append([checks[0].key for checks in batch])
+        await asyncio.sleep(0.08 if len(self.round_trips) == 1 else 0.001)
+        return [HitResult(True, (), source="redis") for _ in batch]
+
+
+async def test_one_slow_reply_does_not_open_the_breaker_through_the_checks_queued_behind_it():
+    """The checks queued behind a timed-out round trip fail with it (an outage adds one
+    timeout), but the breaker counts that round trip's own checks only: with five
+    queued behind one slow reply it stays closed, and the next check goes to the store."""
+    from gateway.counters.resilient import ResilientBackend
+
+    store = OnceSlow()
+    coalescing = CoalescingBackend(store, call_timeout_seconds=0.05, queue_timeout_seconds=1.0)
+    resilient = ResilientBackend(
+        coalescing, timeout_seconds=0.05, failure_threshold=5, reset_seconds=1.0
+    )
+    try:
+        first = asyncio.ensure_future(resilient.hit(checks_named("first")[0]))
+        await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(resilient.hit(c)) for c in checks_named(*"abcde")]
+        await asyncio.gather(first, *rest)
+        assert coalescing.queue_failed == 5
+        assert resilient.breaker_state == "closed"
+        later = await resilient.hit(checks_named("later")[0])
+        assert later.source == "redis"
+    finally:
+        await coalescing.close()
+
+
+async def test_a_check_queued_while_the_waiting_ones_fail_goes_out():
+    """A caller answered by that failure may queue a new check at once (a pipelined
+    request starting): it is not failed with the ones that waited, it goes out."""
+    store = OnceSlow()
+    coalescing = CoalescingBackend(store, call_timeout_seconds=0.05, queue_timeout_seconds=1.0)
+    loop = asyncio.get_running_loop()
+    late: asyncio.Future[object] = loop.create_future()
+
+    def queued_failed(outcome: object) -> None:
+        if not late.done() and isinstance(outcome, Exception):
+            coalescing.submit(checks_named("late")[0], late.set_result)
+
+    try:
+        first = asyncio.ensure_future(coalescing.hit(checks_named("first")[0]))
+        await asyncio.sleep(0.01)
+        coalescing.submit(checks_named("queued")[0], queued_failed)
+        with pytest.raises(StoreTimeoutError):
+            await first
+        outcome = await asyncio.wait_for(late, 5.0)
+        assert isinstance(outcome, HitResult), outcome
+        assert ["late"] in store.round_trips
+    finally:
+        await coalescing.close()

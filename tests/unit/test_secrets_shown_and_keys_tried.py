@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import string
+import time
 
+import jwt
 import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -19,7 +21,7 @@ from gateway.counters.factory import parse_counter_url
 from gateway.identity.config import JwtConfig
 from gateway.identity.jwks import MAX_KEYS_TRIED, parse_jwks
 from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError, display_url
-from gateway.identity.jwt import JwtVerifier
+from gateway.identity.jwt import InvalidToken, JwtVerifier
 from tests.support.fuzz import fuzz
 from tests.support.gateway import running_app
 
@@ -34,8 +36,11 @@ SECRET = st.text(
 def test_a_shown_url_holds_no_credentials_nor_query(user, password, query):
     url = f"https://{user}:{password}@idp.example:8443/keys" + (f"?{query}" if query else "")
     shown = display_url(url)
-    assert password not in shown and f"{user}:" not in shown
-    assert shown.startswith("https://***@") and "?" not in shown.replace("?***", "")
+    after_scheme = shown.partition("://")[2]
+    assert password not in after_scheme and f"{user}:" not in after_scheme
+    # the host is shown only when nothing could be credentials read as a host
+    assert shown.startswith(("https://***", "(a URL that does not parse)")), shown
+    assert "?" not in shown.replace("?***", "") and "#" not in shown.replace("#***", "")
 
 
 @fuzz(200)
@@ -59,27 +64,50 @@ def test_the_reviewers_spelling_says_what_to_do():
     assert "retM" not in str(caught.value) and "%3F" in str(caught.value)
 
 
-def _jwk(kid: str | None) -> dict:
-    key = ECAlgorithm.to_jwk(ec.generate_private_key(ec.SECP256R1()).public_key(), as_dict=True)
+def _jwk(kid: str | None, private=None) -> dict:
+    private = private or ec.generate_private_key(ec.SECP256R1())
+    key = ECAlgorithm.to_jwk(private.public_key(), as_dict=True)
     return {**key, "use": "sig", **({"kid": kid} if kid else {})}
 
 
+def _verifier(tmp_path, keys: list[dict]) -> JwtVerifier:
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps({"keys": keys}))
+    settings = {"issuer": "https://idp.test", "audience": ("a",), "algorithms": ("ES256",)}
+    return JwtVerifier(JwtConfig(**settings, jwks_file=path))
+
+
+def _signed(private, kid: str | None) -> str:
+    claims = {"iss": "https://idp.test", "aud": "a", "sub": "u", "exp": time.time() + 300}
+    return jwt.encode(claims, private, algorithm="ES256", headers={"kid": kid} if kid else {})
+
+
 @pytest.mark.parametrize("keyed", [0, 3, 60])
-def test_a_token_is_checked_against_a_bounded_number_of_keys(keyed):
-    """Keys without a kid past MAX_KEYS_TRIED are skipped at load (and said); a kid that
-    names nothing, or no kid, meets at most MAX_KEYS_TRIED keys."""
-    doc = {"keys": [_jwk(None) for _ in range(30)] + [_jwk(f"k{n}") for n in range(keyed)]}
-    keys = parse_jwks(json.dumps(doc).encode(), ["ES256"])
+def test_a_token_is_checked_against_a_bounded_number_of_keys(tmp_path, keyed):
+    """Keys without a kid past MAX_KEYS_TRIED are skipped at load (and said); a token
+    whose kid names nothing, or that names none, costs at most MAX_KEYS_TRIED
+    signature checks, however many keys could take it."""
+    doc = [_jwk(None) for _ in range(30)] + [_jwk(f"k{n}") for n in range(keyed)]
+    keys = parse_jwks(json.dumps({"keys": doc}).encode(), ["ES256"])
     assert sum(k.kid is None for k in keys.keys) == MAX_KEYS_TRIED
     assert any("without a kid" in note for note in keys.skipped)
+    verifier = _verifier(tmp_path, doc)
+    stranger = ec.generate_private_key(ec.SECP256R1())
     for kid in (None, "nobody", "k0"):
-        assert 1 <= len(keys.for_kid(kid)) <= MAX_KEYS_TRIED
-    if keyed:
-        assert [k.kid for k in keys.for_kid("k1")] == ["k1"]
-    only_keyed = parse_jwks(json.dumps({"keys": [_jwk(f"k{n}") for n in range(20)]}).encode(),
-                            ["ES256"])  # fmt: skip
-    assert len(only_keyed.for_kid(None)) == MAX_KEYS_TRIED
-    assert only_keyed.for_kid("nobody") == ()
+        before = verifier.stats.signature_checks
+        with pytest.raises(InvalidToken):
+            verifier.verify(_signed(stranger, kid))
+        assert 1 <= verifier.stats.signature_checks - before <= MAX_KEYS_TRIED
+
+
+def test_a_rotation_overlap_verifies_tokens_without_a_kid(tmp_path):
+    """An old key without a kid beside a new one with: a token without a kid signed by
+    the new key still verifies (keys without a kid are tried first, then the others)."""
+    old, new = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    verifier = _verifier(tmp_path, [_jwk(None, old), _jwk("new", new)])
+    assert verifier.verify(_signed(new, None)).user == "u"
+    assert verifier.verify(_signed(old, None)).user == "u"
+    assert verifier.verify(_signed(new, "new")).user == "u"
 
 
 async def test_a_jwks_urls_credentials_appear_neither_in_errors_nor_in_the_source(tmp_path):
@@ -109,3 +137,25 @@ async def test_a_jwks_urls_credentials_appear_neither_in_errors_nor_in_the_sourc
             assert "***@127.0.0.1" in verifier.source
         finally:
             await verifier.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://idp.example/.well-known/jwks.json", "https://idp.example/.well-known/jwks.json"),
+        ("https://[::1]:8443/jwks", "https://[::1]:8443/jwks"),
+        ("https://u:p@idp.example:8443/keys?x=1#f", "https://***@idp.example:8443/keys?***#***"),
+        (  # Firebase's: a '@' in the path, no credentials
+            "https://www.googleapis.com/service_accounts/v1/jwk/securetoken@system.gserviceaccount.com",
+            "https://www.googleapis.com/...",
+        ),
+        ("https://A:00000/@idp.example:8443/keys", "https://***/..."),  # '/' in a password
+    ],
+)
+def test_shown_urls(url, shown):
+    assert display_url(url) == shown
+
+
+def test_an_at_sign_in_an_option_value_is_accepted():
+    parsed = parse_counter_url("rediss://h:6380/0?ssl_ca_certs=/etc/redis@main/ca.pem")
+    assert dict(parsed.options)["ssl_ca_certs"] == "/etc/redis@main/ca.pem"
