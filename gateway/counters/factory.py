@@ -18,7 +18,7 @@ import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import parse_qsl, unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -104,6 +104,13 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+# Where the rest of a URL may be a password's tail, it is not shown: what to do instead.
+_UNENCODED_CREDENTIALS: Final = (
+    "a '?' or '#' in the URL's user or password must be percent-encoded (%3F, %23); "
+    "the rest of the URL is not shown"
+)
+
+
 def _bad(message: str) -> ValueError:
     return ValueError(f"bad counter URL: {message}; accepted forms: {ACCEPTED_FORMS}")
 
@@ -174,11 +181,8 @@ def parse_counter_url(url: str) -> CounterUrl:
         return CounterUrl("memory")
     rest, _, fragment = rest.partition("#")
     if fragment:
-        if "@" in fragment:  # a '#' inside the password: not shown
-            raise _bad(
-                "a '?' (or '#') in the URL's user or password must be percent-encoded "
-                "(%3F, %23); the rest of the URL is not shown"
-            )
+        if "@" in fragment:  # a '#' inside the password
+            raise _bad(_UNENCODED_CREDENTIALS)
         raise _bad("a fragment is not allowed")
     rest, _, query = rest.partition("?")
     options: list[tuple[str, str]] = []
@@ -188,10 +192,7 @@ def parse_counter_url(url: str) -> CounterUrl:
             if not key.isidentifier():
                 # Not an option's name: most likely the tail of a password holding a
                 # '?', which must not be shown. Say what to do instead.
-                raise _bad(
-                    "an option name that is not a word (a '?' or '#' in the user or "
-                    "password must be percent-encoded: %3F, %23; not shown)"
-                )
+                raise _bad(_UNENCODED_CREDENTIALS)
             raise _bad(f"unknown option {key!r} (known: {', '.join(sorted(QUERY_KEYS))})")
         if key == "db":
             db = _parse_db(value)

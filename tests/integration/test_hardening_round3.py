@@ -20,9 +20,13 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gateway.proxy.server import FRAMING_PER_CHUNK
-from tests.support.gateway import running_gateway
+from gateway.proxy.server import FEED_SLICE, FRAMING_PER_CHUNK
+from tests.support.fuzz import fuzz
+from tests.support.gateway import running_app, running_gateway
+from tests.support.upstream import create_upstream_app
 
 ATTACKER = "127.0.0.2"
 SERVED = "127.0.0.3"
@@ -363,3 +367,59 @@ async def test_a_trusted_proxys_own_requests_are_not_capped_per_address(upstream
         replies = await asyncio.gather(*(one() for _ in range(24)))
         assert all(r.startswith(b"HTTP/1.1 200") for r in replies), [r[:40] for r in replies]
         assert gw.proxy.plane.exchanges == {} and gw.proxy.plane.exchanges_open == 0
+
+
+HEAD_BOUND = 64 * 1024  # PlaneLimits.max_head_bytes as running_gateway sets it
+
+
+def _chunked_framing(request: bytes, port: int, write_size: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), source_address=(ATTACKER, 0)) as sock:
+        sock.settimeout(10)
+        try:
+            for start in range(0, len(request), write_size):
+                sock.sendall(request[start : start + write_size])
+        except OSError:
+            pass  # refused and closed
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+    return data
+
+
+@fuzz(25)
+@given(
+    chunks=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 40)), min_size=1, max_size=40),
+    trailer=st.sampled_from([0, 100, 4_000, 40_000, 90_000, 100_000, 200_000]),
+    write_size=st.sampled_from([97, 1_500, 16_384, 1 << 20]),
+)
+def test_framing_bound_property(chunks, trailer, write_size):
+    """For any chunked body (chunk sizes, extension lengths, a trailer, read sizes): a
+    request whose non-body bytes stay well inside the bound is forwarded whole, and one
+    whose trailer alone is past the head's bound by more than the two uncounted read
+    slices is refused with 400, whatever the chunks before it earned for their lines."""
+    body = b"".join(
+        b"%x%s\r\n%s\r\n" % (size, b";" + b"e" * ext if ext else b"", b"z" * size)
+        for size, ext in chunks
+    )
+    field = b"X-T: " + b"t" * trailer + b"\r\n" if trailer else b""
+    request = POST + b"Connection: close\r\n\r\n" + body + b"0\r\n" + field + b"\r\n"
+    size = sum(s for s, _ in chunks)
+
+    async def check() -> None:
+        async with running_app(create_upstream_app()) as upstream_url:
+            async with running_gateway(upstream_url) as gw:
+                reply = await asyncio.get_running_loop().run_in_executor(
+                    None, _chunked_framing, request, _port(gw), write_size
+                )
+        if trailer + 64 * len(chunks) < HEAD_BOUND // 2:
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            assert b'"received": %d' % size in reply or b'"received":%d' % size in reply
+        elif trailer > HEAD_BOUND + 2 * FEED_SLICE + 100:
+            # (the read slice that ends the head and the one that ends the message are
+            # not counted: at most one 16 KiB slice at each end)
+            assert reply.startswith(b"HTTP/1.1 400") and b"framing" in reply, reply[:200]
+
+    asyncio.run(check())
