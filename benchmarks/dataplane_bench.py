@@ -58,6 +58,7 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -1279,6 +1280,71 @@ def markdown(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+# Issue 27's goals: (what, measured row, reference row, field, goal, higher is better).
+# The reference row is Envoy's or the bare 429's of the same pass, or for the Cluster goal
+# the standalone Redis row of the same pass and checkout.
+GOALS: list[tuple[str, str, str, str, float, bool]] = [
+    ("in-process, vs Envoy", "gateway-memory", "envoy", "rps", 1.2, True),
+    ("Redis, vs Envoy", "gateway-redis", "envoy", "rps", 1.0, True),
+    ("Cluster / standalone Redis", "gateway-redis-cluster", "gateway-redis", "rps", 0.8, True),
+    ("flood in-process, vs bare 429", "flood-gateway-memory", "flood-bare", "rps", 2.0, True),
+    ("flood Redis, vs bare 429", "flood-gateway-redis", "flood-bare", "rps", 2.0, True),
+    ("in-process p99, vs Envoy's", "gateway-memory", "envoy", "p99_ms", 1.5, False),
+    ("Redis p99, vs Envoy's", "gateway-redis", "envoy", "p99_ms", 1.5, False),
+]
+
+
+def goal_ratios(
+    results: list[Result], row: str, reference: str, field_name: str, source: str | None
+) -> list[float]:
+    """One ratio a pass: ``row`` of checkout ``source`` over ``reference`` of the same pass
+    (of the same checkout when the reference is a gateway row)."""
+    ratios = []
+    for r in results:
+        if r.error or r.name != row or r.source != source:
+            continue
+        ref_source = source if reference.startswith("gateway") else None
+        ref = next(
+            (
+                x
+                for x in results
+                if x.name == reference
+                and x.run == r.run
+                and not x.error
+                and (ref_source is None or x.source == ref_source)
+            ),
+            None,
+        )
+        mine, theirs = getattr(r, field_name), None if ref is None else getattr(ref, field_name)
+        if mine is not None and theirs:
+            ratios.append(mine / theirs)
+    return ratios
+
+
+def goals_summary(results: list[Result]) -> str:
+    """Each goal per checkout: the ratio of every pass, their median, and how many passes
+    met it. On a VM whose speed moves between passes the median of several passes is the
+    figure to judge by; the passes show the spread."""
+    sources = list(dict.fromkeys(r.source for r in results if r.target == "gateway"))
+    lines = [
+        "| goal | checkout | passes | median | met |",
+        "|---|---|---|---:|---:|",
+    ]
+    for what, row, reference, field_name, goal, higher in GOALS:
+        for source in sources:
+            ratios = goal_ratios(results, row, reference, field_name, source)
+            if not ratios:
+                continue
+            met = sum(1 for x in ratios if (x >= goal if higher else x <= goal))
+            passes = " / ".join(f"{x:.2f}" for x in ratios)
+            sign = ">=" if higher else "<="
+            lines.append(
+                f"| {what} ({sign} {goal}) | {source or 'this checkout'} | {passes} "
+                f"| {statistics.median(ratios):.2f} | {met} of {len(ratios)} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def chart(results: list[Result], path: Path, header: str) -> None:
     import matplotlib
 
@@ -1480,6 +1546,9 @@ def main() -> None:
         f"run took {elapsed:.0f} s",
     ]
     table = markdown(results)
+    summary = goals_summary(results)
+    if summary:
+        table += "\n\nIssue 27's goals, pass by pass:\n\n" + summary
     print("\n".join(header_lines) + "\n\n" + table)
 
     args.out.mkdir(parents=True, exist_ok=True)

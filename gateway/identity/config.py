@@ -26,6 +26,12 @@ MAX_LEEWAY_SECONDS: Final = 300.0
 MIN_REFRESH_SECONDS: Final = 1.0
 MAX_REFRESH_SECONDS: Final = 86_400.0
 MAX_CLAIM_NAME_CHARS: Final = 128
+# Signature checks a second (each a public-key operation, up to ~0.15 ms): per client
+# address and in all. A random token costs up to four (jwt.MAX_KEYS_TRIED) and is not
+# counted until it is checked, so without these one client could keep the worker busy.
+DEFAULT_CHECKS_PER_CLIENT: Final = 64
+DEFAULT_CHECKS: Final = 1024
+MAX_CHECKS_SETTING: Final = 1_000_000
 # An RFC 9110 field name (token), lower-cased when stored: the data plane matches
 # header names case-insensitively.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -59,6 +65,8 @@ class JwtConfig:
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
     leeway_seconds: float = 30.0
     jwks_refresh_seconds: float = 300.0
+    max_signature_checks_per_client: int = DEFAULT_CHECKS_PER_CLIENT  # a second
+    max_signature_checks: int = DEFAULT_CHECKS  # a second, all clients together
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +154,8 @@ _JWT_KEYS: Final = frozenset(
         "algorithms",
         "leeway_seconds",
         "jwks_refresh_seconds",
+        "max_signature_checks_per_client",
+        "max_signature_checks",
     }
 )
 
@@ -178,6 +188,10 @@ def _jwt(raw: Any, base_dir: Path) -> JwtConfig:
         jwks_refresh_seconds=_number(
             section, where, "jwks_refresh_seconds", 300.0, MIN_REFRESH_SECONDS, MAX_REFRESH_SECONDS
         ),
+        max_signature_checks_per_client=_count(
+            section, where, "max_signature_checks_per_client", DEFAULT_CHECKS_PER_CLIENT
+        ),
+        max_signature_checks=_count(section, where, "max_signature_checks", DEFAULT_CHECKS),
     )
 
 
@@ -302,6 +316,16 @@ def _number(
     if not low <= raw <= high:
         raise IdentityConfigError(f"{where}.{key}: must be between {low:g} and {high:g}")
     return float(raw)
+
+
+def _count(section: Mapping[str, Any], where: str, key: str, default: int) -> int:
+    raw = section.get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= MAX_CHECKS_SETTING:
+        raise IdentityConfigError(
+            f"{where}.{key}: expected a whole number of signature checks a second, "
+            f"1 to {MAX_CHECKS_SETTING:,} (default {default})"
+        )
+    return raw
 
 
 def _string(raw: Any, where: str, *, required: bool) -> str:

@@ -26,6 +26,7 @@ from typing import Any, Final, TypeGuard
 import aiohttp
 import jwt
 
+from gateway.identity.check_budget import CheckBudget
 from gateway.identity.config import JwtConfig
 from gateway.identity.jwks import (
     MAX_JWKS_BYTES,
@@ -59,6 +60,7 @@ REASONS: Final = frozenset(
         "malformed",
         "no_keys",
         "claim",
+        "throttled",  # not checked: the client's signature checks this second are spent
     }
 )
 # A not-yet-valid token becomes valid by itself: remembering its failure would refuse it
@@ -143,6 +145,9 @@ class JwtVerifier:
         # Counts the key sets installed: a cache of verdicts kept elsewhere is stale once
         # it moves (a removed key's tokens must stop working at once).
         self.generation = 0
+        self.budget = CheckBudget(
+            config.max_signature_checks_per_client, config.max_signature_checks
+        )
         if self._fetcher is None:
             self._install(self._parse(self._read_file()))
             self._last_refresh_ok = True
@@ -162,8 +167,10 @@ class JwtVerifier:
 
     # -- the request path --------------------------------------------------------------
 
-    def verify(self, token: str) -> VerifiedUser:
-        """The user of a valid token; ``InvalidToken(reason)`` otherwise."""
+    def verify(self, token: str, client: str = "") -> VerifiedUser:
+        """The user of a valid token; ``InvalidToken(reason)`` otherwise. ``client``: the
+        address its signature checks are counted against (``CheckBudget``); a token this
+        verifier knows the verdict of costs none and is answered whatever the budget."""
         if len(token) > MAX_TOKEN_BYTES or not token.isascii():
             raise InvalidToken("malformed")  # not cached: hashing it is the cost we avoid
         # Cached under the token's hash: bounded memory per entry, and no bearer token
@@ -182,6 +189,10 @@ class JwtVerifier:
                 self.stats.failure_cache_hits += 1
                 raise InvalidToken(failed[0])
             del self._failed[digest]
+        budget = self.budget
+        if not budget.allows(client, now):
+            raise InvalidToken("throttled")  # not remembered: the token was not checked
+        checks = self.stats.signature_checks
         try:
             user = self._verify_uncached(token, now)
         except InvalidToken as exc:
@@ -189,6 +200,8 @@ class JwtVerifier:
                 until = now + FAILED_CACHE_SECONDS
                 _bounded_put(self._failed, digest, (exc.reason, until), FAILED_CACHE_SIZE)
             raise
+        finally:
+            budget.spend(client, self.stats.signature_checks - checks, now)
         _bounded_put(self._verified, digest, user, VERIFIED_CACHE_SIZE)
         return user
 

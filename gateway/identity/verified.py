@@ -26,11 +26,24 @@ TOKEN_CHALLENGE: Final = 'Bearer realm="gateway", error="invalid_token"'  # noqa
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A request to answer 401 (once its per-address count has let it through)."""
+    """A request to answer 401, or 429 for a client whose token checks are spent (once
+    its per-address count has let it through)."""
 
     detail: str
-    challenge: str
+    fields: tuple[tuple[str, str], ...]  # WWW-Authenticate, or Retry-After
     reason: str  # for metrics: unknown_key, or the token's InvalidToken reason
+    status: int = 401
+
+
+# identity.user.jwt.max_signature_checks(_per_client) spent for this second (CheckBudget).
+THROTTLED: Final = Refusal(
+    "too many bearer tokens to check from this client address (or from all clients) "
+    "this second (identity.user.jwt.max_signature_checks_per_client, "
+    "max_signature_checks); send it again after Retry-After, and reuse tokens",
+    (("Retry-After", "1"),),
+    "throttled",
+    429,
+)
 
 
 class VerifiedIdentities:
@@ -65,18 +78,19 @@ class VerifiedIdentities:
             return None
         return Refusal(
             f"unknown API key in {self.config.api_key.header}; send a key this gateway knows",
-            KEY_CHALLENGE,
+            (("WWW-Authenticate", KEY_CHALLENGE),),
             "unknown_key",
         )
 
-    def user(self, value: bytes) -> VerifiedUser:
-        """The verified user of a token header's value; ``InvalidToken`` otherwise."""
+    def user(self, value: bytes, client: str = "") -> VerifiedUser:
+        """The verified user of a token header's value; ``InvalidToken`` otherwise.
+        ``client``: the address the token's signature checks are counted against."""
         if self.tokens is None:
             raise InvalidToken("no_keys")
         token = bearer_token(value)
         if token is None:
             raise InvalidToken("malformed")
-        return self.tokens.verify(token)
+        return self.tokens.verify(token, client)
 
     def status(self) -> dict[str, object]:
         """For the admin port's ``/info``: what is loaded and whether it is current
@@ -107,11 +121,15 @@ class VerifiedIdentities:
         return out
 
     def invalid_token(self, reason: str) -> Refusal | None:
+        if reason == "throttled":
+            # Whatever ``invalid`` says: the token was not checked, so it is neither
+            # valid nor invalid, and the client is told when to send it again.
+            return THROTTLED
         if not self.reject_invalid_tokens:
             return None
         return Refusal(
             f"the bearer token does not verify ({reason}); send a valid token",
-            TOKEN_CHALLENGE,
+            (("WWW-Authenticate", TOKEN_CHALLENGE),),
             reason,
         )
 
@@ -164,7 +182,6 @@ def describe(
             if tier is None:
                 tier = user.tier
             notes.append(
-                f"verified token of user {user.user}"
-                + (f", tier {user.tier}" if user.tier else "")
+                f"verified token of user {user.user}" + (f", tier {user.tier}" if user.tier else "")
             )
     return api_key, user_id, tier, notes

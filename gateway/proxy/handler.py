@@ -433,7 +433,7 @@ class Gateway:
             user = self._tokens.get(digest)
             if user is None or _time() >= user.expires:
                 try:
-                    user = verified.user(value)
+                    user = verified.user(value, req.client_ip)
                 except InvalidToken as exc:
                     self.metrics.child(self.metrics.token_failures, exc.reason).inc()
                     if req.refusal is None:
@@ -764,9 +764,7 @@ class Gateway:
             # Counted per client address like any request without an identity, and let
             # through by that count: answered here, never forwarded.
             self.metrics.child(self.metrics.identity_refusals, refusal.reason).inc()
-            return Answer.error(
-                401, refusal.detail, [*headers, ("WWW-Authenticate", refusal.challenge)]
-            )
+            return Answer.error(refusal.status, refusal.detail, [*headers, *refusal.fields])
         path = req.path
         if path == INFO_PATH and (req.method == "GET" or req.method == "HEAD"):
             return None
