@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from gateway import __version__, logs, native
 from gateway.counters.base import CounterBackend
 from gateway.counters.memory import MemoryBackend
+from gateway.explain import Reading, ReadRequest, Refused, identity_notes
 from gateway.identity.config import parse_identity_config
 from gateway.identity.jwt import JwtVerifier
 from gateway.identity.keys import KeySource
@@ -32,6 +34,7 @@ from gateway.metrics import (
     SharedMetricsWriter,
     write_recent,
 )
+from gateway.policy.model import RuleTable
 from gateway.proxy.access_log import AccessLogger
 from gateway.proxy.admin import create_admin_app
 from gateway.proxy.console import ConsoleSource, Recent
@@ -46,6 +49,7 @@ from gateway.proxy.readiness import (
     service_probe,
 )
 from gateway.proxy.reload import RuleSource
+from gateway.proxy.request import Incoming
 from gateway.proxy.routing import RegionMap, Router
 from gateway.proxy.tls import TlsListener, TlsReloader
 from gateway.proxy.tunnel import TunnelLimits
@@ -140,6 +144,110 @@ class Upstreams:
         return Router(routes, default)
 
 
+def new_gateway(
+    settings: Settings,
+    rules: RuleSource,
+    backends: dict[str, CounterBackend],
+    hasher: IdentityHasher,
+    router: Router,
+    metrics: Metrics,
+) -> Gateway:
+    """The request path's decisions as ``settings`` configure them: what ``Proxy.start``
+    serves, and what ``gateway rules explain`` reads a described request with
+    (``request_reader``)."""
+    regions = settings.region_table()
+    hosts = {host: r.name for r in regions for host in r.hosts}
+    return Gateway(
+        rules=rules,
+        # Redis Cluster cannot count keys of several hash tags in one script call: there
+        # a rule and its ceilings are counted in separate calls.
+        limiter=Limiter(
+            backends,
+            separate_calls=frozenset(
+                r.name for r in regions if r.counter_url and "+cluster://" in r.counter_url
+            ),
+        ),
+        backends=backends,
+        hasher=hasher,
+        addresses=ClientAddressPolicy.parse(settings.trusted_proxies, settings.ipv6_prefix),
+        regions=RegionMap(regions[0].name, hosts),
+        router=router,
+        metrics=metrics,
+        access_log=AccessLogger(settings.access_log),
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        keep_method_override=settings.keep_method_override,
+        rate_limit_headers=settings.rate_limit_headers,
+    )
+
+
+def request_reader(
+    settings: Settings,
+    table: RuleTable,
+    hasher: IdentityHasher,
+    verified: VerifiedIdentities | None,
+) -> ReadRequest:
+    """How the data plane reads a request, for ``gateway rules explain``: ``Gateway.begin``
+    (every check and identity up to the choice of a rule) on a gateway ``new_gateway``
+    builds from ``settings``, with ``verified`` as ``Proxy.start`` would load them. It
+    counts in throwaway in-process counters and forwards nothing."""
+    metrics = Metrics()
+    regions = [r.name for r in settings.region_table()]
+    backends: dict[str, CounterBackend] = {
+        name: MemoryBackend(max_keys=settings.memory_max_keys) for name in regions
+    }
+    rules = RuleSource((), regions, metrics, table)
+    gateway = new_gateway(settings, rules, backends, hasher, Router([], None), metrics)
+    gateway.readiness = lambda: (200, b'{"ready": true}')  # (served: answered by the gateway)
+    if verified is not None:
+        gateway.use_identities(verified)
+    key_header = b"x-api-key" if verified is None else verified.key_header
+
+    def read(method: str, target: bytes, headers: list[tuple[bytes, bytes]], peer: str) -> Reading:
+        req = Incoming()
+        req.method, req.target, req.headers = method, target, headers
+        failed = metrics.token_failures.children
+        before = {labels: child.value for labels, child in failed.items()}
+        answer = gateway.begin(req, gateway.peer(peer))
+        if answer is not None:
+            if answer.status >= 400:
+                raise Refused(answer.status, json.loads(answer.body)["detail"])
+            return Reading(req.method, req.path, None, own=answer.status)
+        assert req.record is not None and req.record.identities is not None
+        names = {name.lower() for name, _ in headers} - req.connection_tokens
+        # (the reason the data plane counted a token failure under, for this request)
+        failures = [r for (r,), c in failed.items() if c.value > before.get((r,), 0.0)]
+        token = (
+            verified is not None
+            and verified.tokens is not None
+            and bool(req.token_header is not None and verified.token_header in names)
+        )
+        refusal = req.refusal
+        notes = identity_notes(
+            verified,
+            key_sent=key_header in names,
+            key_counted=req.api_key is not None,
+            consumer=req.consumer,
+            consumer_tier=req.tier if req.consumer is not None else None,
+            user_dropped=req.drop_user_header and b"x-user-id" in names,
+            token_user=req.user_id if token and not failures else None,
+            token_tier=req.tier if req.consumer is None else None,
+            token_failure=failures[0] if token and failures else None,
+            refusal=refusal,
+        )
+        return Reading(
+            req.rule_method or req.method,
+            req.path,
+            req.record.identities,
+            req.tier,
+            notes,
+            None if refusal is None else (refusal.status, refusal.detail),
+            key_header=key_header.decode("latin-1"),
+        )
+
+    return read
+
+
 class Proxy:
     """The proxy port and what it owns: counter backends, the upstream pool, the rule
     watcher, the readiness checks. ``start`` opens them and listens; ``stop`` drains and
@@ -181,7 +289,6 @@ class Proxy:
         # before anything is opened.
         self.tls = tls_listener(settings, self.metrics)
         regions = settings.region_table()
-        hosts = {host: r.name for r in regions for host in r.hosts}
         backends = {
             r.name: open_backend(settings, r.name, r.counter_url, self.metrics) for r in regions
         }
@@ -189,27 +296,13 @@ class Proxy:
             start = getattr(backend, "start", None)
             if start is not None:
                 await start()
-        self.gateway = Gateway(
-            rules=self.rules,
-            # Redis Cluster cannot count keys of several hash tags in one script call: there
-            # a rule and its ceilings are counted in separate calls.
-            limiter=Limiter(
-                backends,
-                separate_calls=frozenset(
-                    r.name for r in regions if r.counter_url and "+cluster://" in r.counter_url
-                ),
-            ),
-            backends=backends,
-            hasher=IdentityHasher(self.secret),
-            addresses=ClientAddressPolicy.parse(settings.trusted_proxies, settings.ipv6_prefix),
-            regions=RegionMap(regions[0].name, hosts),
-            router=self.upstreams.router(settings),
-            metrics=self.metrics,
-            access_log=AccessLogger(settings.access_log),
-            max_header_bytes=settings.max_header_bytes,
-            max_headers=settings.max_headers,
-            keep_method_override=settings.keep_method_override,
-            rate_limit_headers=settings.rate_limit_headers,
+        self.gateway = new_gateway(
+            settings,
+            self.rules,
+            backends,
+            IdentityHasher(self.secret),
+            self.upstreams.router(settings),
+            self.metrics,
         )
         verified = await self._identities()
         if verified is not None:

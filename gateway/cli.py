@@ -7,9 +7,16 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway import __version__
+
+if TYPE_CHECKING:
+    from gateway.explain import ReadRequest
+    from gateway.identity.verified import VerifiedIdentities
+    from gateway.policy.model import RuleTable
+    from gateway.ratelimit.identity import IdentityHasher
+    from gateway.settings import Settings
 
 DESCRIPTION = """\
 A rate-limiting gateway. It counts requests per identity (API key, user + client
@@ -191,14 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="'NAME: VALUE'",
         help="request header, repeatable",
     )
-    explain.add_argument("--client-ip", default="203.0.113.7", help="client address")
+    explain.add_argument(
+        "--client-ip",
+        default="203.0.113.7",
+        help="the TCP peer's address: the client, unless it is a trusted proxy\n"
+        "(trusted_proxies), whose X-Forwarded-For then names the client",
+    )
     explain.add_argument("--rules", action="append", metavar="PATH", help="rule files")
     explain.add_argument("--region", help="only this region")
     explain.add_argument(
         "--config",
         metavar="FILE",
-        help="the gateway's config file: its identity: section says which consumer, tier\n"
-        "and user the key and token below are counted as (default: GATEWAY_CONFIG)",
+        help="the gateway's config file (default: GATEWAY_CONFIG), read with the\n"
+        "environment as 'gateway serve' reads them: verified identities (which consumer,\n"
+        "tier and user the key and token below are counted as), trusted proxies, method\n"
+        "overrides, header limits",
     )
     explain.add_argument("--api-key", metavar="KEY", help="the request's API key")
     explain.add_argument("--token", metavar="JWT", help="the request's bearer token")
@@ -345,21 +359,35 @@ def _rules_check(args: argparse.Namespace) -> int:
 def _rules_explain(args: argparse.Namespace) -> int:
     from gateway.explain import explain
     from gateway.policy.loader import RuleLoadError
-    from gateway.settings import Settings
+    from gateway.settings import load_settings
 
     try:
+        # As ``gateway serve`` reads them: the environment and the config file.
+        settings = load_settings({}, config_file=args.config)
+        verified = _explain_identities(settings)
         headers = list(args.header)
         if args.api_key:
-            headers.append(f"x-api-key: {args.api_key}")
-        resolved = _explain_identity(args, headers)
+            key_header = "x-api-key" if verified is None else verified.config.api_key.header
+            headers.append(f"{key_header}: {args.api_key}")
+        if args.token:
+            if verified is None or verified.token_header is None:
+                raise ValueError("--token needs --config (the identity.user.jwt it verifies with)")
+            headers.append(f"{verified.token_header.decode()}: Bearer {args.token}")
+
+        def reader(table: RuleTable, hasher: IdentityHasher) -> ReadRequest:
+            from gateway.app import request_reader
+
+            return request_reader(settings, table, hasher, verified)
+
         text = explain(
-            rules=args.rules or _rules_from_env() or Settings().rules,
+            rules=args.rules or list(settings.rules),
             method=args.method,
             target=args.target,
             headers=headers,
             client_ip=args.client_ip,
             region=args.region,
-            resolved=resolved,
+            reader=reader,
+            regions=[r.name for r in settings.region_table()],
         )
     except RuleLoadError as exc:
         print(f"the rules do not load:\n{exc}", file=sys.stderr)
@@ -374,50 +402,28 @@ def _rules_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain_identity(args: argparse.Namespace, headers: list[str]) -> Any:
-    """The config file's verified identities applied to the described request (None
-    without a config file or an identity: section). ``ValueError`` says what is wrong."""
+def _explain_identities(settings: Settings) -> VerifiedIdentities | None:
+    """The config file's verified identities, loaded as ``gateway serve`` loads them
+    (None without an identity: section). ``ValueError`` says what is wrong."""
     import asyncio
-    import os
     from pathlib import Path
 
-    from gateway.explain import ResolvedIdentity
-    from gateway.ratelimit.identity import valid_identity_header
-    from gateway.settings import load_settings
-
-    config = args.config or os.environ.get("GATEWAY_CONFIG")
-    if not config:
-        if args.token:
-            raise ValueError("--token needs --config (the identity.user.jwt it verifies with)")
-        return None
-    settings = load_settings({}, env={}, config_file=config)
     if not settings.identity:
         return None
     from gateway.identity.config import parse_identity_config
     from gateway.identity.jwt import JwtVerifier
     from gateway.identity.keys import KeySource
-    from gateway.identity.verified import VerifiedIdentities, describe
+    from gateway.identity.verified import VerifiedIdentities
 
-    identity = parse_identity_config(settings.identity, Path(config).parent)
+    base = Path(settings.config_file).parent if settings.config_file else Path.cwd()
+    identity = parse_identity_config(settings.identity, base)
     keys = None if identity.api_key.keys is None else KeySource(identity.api_key.keys)
     tokens = None
     if identity.user.jwt is not None:
         tokens = JwtVerifier(identity.user.jwt)
         if identity.user.jwt.jwks_url is not None:
             asyncio.run(tokens.start())
-    verified = VerifiedIdentities(identity, keys, tokens)
-    values: dict[str, str] = {}
-    for header in headers:
-        name, _, value = header.partition(":")
-        values[name.strip().lower()] = value.strip()
-    key = valid_identity_header(values.get(identity.api_key.header))
-    user = valid_identity_header(values.get("x-user-id"))
-    token = f"Bearer {args.token}".encode() if args.token else None
-    if token is None and verified.token_header is not None:
-        raw = values.get(verified.token_header.decode())
-        token = raw.encode() if raw else None
-    api_key, user_id, tier, notes = describe(verified, key, user, token)
-    return ResolvedIdentity(api_key, user_id, tier, tuple(notes))
+    return VerifiedIdentities(identity, keys, tokens)
 
 
 def _rules_simulate(args: argparse.Namespace) -> int:
@@ -464,11 +470,6 @@ def _rules_simulate(args: argparse.Namespace) -> int:
         print(f"report saved to {where}", file=sys.stderr)
     print(json.dumps(report, indent=2) if args.json else render_text(report))
     return 0
-
-
-def _rules_from_env() -> list[str]:
-    raw = os.environ.get("GATEWAY_RULES", "")
-    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
