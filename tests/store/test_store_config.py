@@ -17,6 +17,8 @@ def test_defaults(tmp_path: Path) -> None:
     assert config.refresh_ttl_on_read is True
     assert config.sweep_interval_seconds == 60.0
     assert config.max_body_bytes == 1_048_576
+    assert config.max_answer_bytes == 64 * 1_048_576
+    assert config.answer_bytes_in_flight == 4 * config.max_answer_bytes
     assert config.database_path == tmp_path / "store.sqlite3"
 
 
@@ -27,6 +29,8 @@ def test_every_key(tmp_path: Path) -> None:
             "refresh_ttl_on_read": False,
             "sweep_interval_seconds": 5,
             "max_body_bytes": 2048,
+            "max_answer_bytes": 4096,
+            "max_answer_bytes_in_flight": 10_000,
             "database_filename": "items.db",
             "sqlite_synchronous": "normal",
             "busy_timeout_seconds": 2.5,
@@ -38,6 +42,8 @@ def test_every_key(tmp_path: Path) -> None:
     assert config.refresh_ttl_on_read is False
     assert config.sweep_interval_seconds == 5.0
     assert config.max_body_bytes == 2048
+    assert config.max_answer_bytes == 4096
+    assert config.answer_bytes_in_flight == 10_000
     assert config.database_path == tmp_path / "items.db"
     assert config.sqlite_synchronous == "normal"
     assert config.busy_timeout_seconds == 2.5
@@ -59,6 +65,12 @@ def test_every_key(tmp_path: Path) -> None:
         ({"max_body_bytes": 0}, "max_body_bytes"),
         ({"max_body_bytes": 1.5}, "max_body_bytes"),
         ({"max_body_bytes": 10**12}, "max_body_bytes"),
+        ({"max_answer_bytes": 1000}, "max_answer_bytes"),  # below max_body_bytes
+        ({"max_answer_bytes": 2**40}, "max_answer_bytes"),
+        ({"max_answer_bytes": 2.5e6}, "max_answer_bytes"),
+        ({"max_answer_bytes_in_flight": 2_000_000}, "max_answer_bytes_in_flight"),
+        ({"max_answer_bytes_in_flight": 2**40}, "max_answer_bytes_in_flight"),
+        ({"max_answer_bytes_in_flight": "1G"}, "max_answer_bytes_in_flight"),
         ({"sqlite_synchronous": "off"}, "sqlite_synchronous"),
         ({"database_filename": "../escape.db"}, "database_filename"),
         ({"read_threads": 0}, "read_threads"),

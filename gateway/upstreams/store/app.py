@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -69,7 +69,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     """Every failure becomes ``{"detail": ...}`` JSON; no plain text, no traceback."""
     try:
         return await handler(request)
-    except (StoreRequestError, InvalidRequest) as exc:
+    except StoreRequestError as exc:
+        retry = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return _detail(exc.status, exc.detail, retry)
+    except InvalidRequest as exc:
         return _detail(exc.status, exc.detail)
     except DatabaseUnavailable as exc:
         return _detail(503, exc.detail, {"Retry-After": str(exc.retry_after)})
@@ -117,11 +120,23 @@ async def put_item(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+async def _sent(request: web.Request, response: web.Response) -> web.Response:
+    """``response``, sent: an answer's reservation of item bytes (``answers.py``) lasts
+    until its body has left (the transport's buffer drained), not only until it is built;
+    a client gone meanwhile ends the sending, quietly (aiohttp notes it)."""
+    with contextlib.suppress(ConnectionError):
+        await response.prepare(request)
+        await response.write_eof()
+    return response
+
+
 async def get_item(request: web.Request) -> web.Response:
     """GET /store/items?namespace=a.b&key=k: the item, or JSON null when absent."""
     query = READ.query(StoreGetQuery, request.query)
     storage = request.app[STORAGE_KEY]
-    return _json(await storage.get(query.labels(), query.key, query.refresh_ttl))
+    with storage.answers.budget() as budget:
+        item = await storage.get(query.labels(), query.key, query.refresh_ttl, budget)
+        return await _sent(request, _json(item))
 
 
 async def delete_item(request: web.Request) -> web.Response:
@@ -137,7 +152,12 @@ async def search_items(request: web.Request) -> web.Response:
     # Hook (issue 12): with an index, a query is ranked by meaning (vector or hybrid).
     semantic = request.app.get(SEMANTIC_KEY)
     ranker = None if semantic is None else await semantic.ranker(search)
-    return _json({"items": await request.app[STORAGE_KEY].search(search, ranker)})
+    storage = request.app[STORAGE_KEY]
+    # The answer's item bytes count against store.max_answer_bytes (422 past it, never a
+    # short page) and, until the answer is sent, against the bytes in flight (503).
+    with storage.answers.budget() as budget:
+        response = _json({"items": await storage.search(search, ranker, budget)})
+        return await _sent(request, response)
 
 
 async def list_namespaces(request: web.Request) -> web.Response:
@@ -163,10 +183,23 @@ API = Api(
 )
 _INVALID = Response("Validation error: the detail names the field", ErrorResponse)
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
-_BUSY = Response(
+_BUSY_TEXT = (
     "Store busy or its database unavailable (locked beyond the busy timeout, or "
     "PostgreSQL not answering in time: once found away, answered at once until it answers "
-    "again; Retry-After says when to try), or the embedding provider unavailable",
+    "again; Retry-After says when to try), or the embedding provider unavailable"
+)
+_BUSY = Response(_BUSY_TEXT, ErrorResponse)
+# Answers that carry items also count their values against the bytes in flight.
+_BUSY_ANSWERING = Response(
+    f"{_BUSY_TEXT}, or the answers being sent hold store.max_answer_bytes_in_flight bytes "
+    "of item values (Retry-After says when to try)",
+    ErrorResponse,
+)
+_INVALID_OR_TOO_MANY = Response(
+    "Validation error: the detail names the field; or the items asked for hold more than "
+    "store.max_answer_bytes bytes of values (detail 'limit: the answer would exceed "
+    "store.max_answer_bytes …'): ask for fewer items with a smaller limit and page with "
+    "offset. Never a shorter list than the items that exist",
     ErrorResponse,
 )
 _ERRORS = {422: _INVALID, 503: _BUSY}
@@ -174,12 +207,19 @@ _BODY_ERRORS = {413: _TOO_LARGE, **_ERRORS}
 
 
 def _body_route(
-    handler: Handler, method: Method, path: str, summary: str, answer: Response, body: Any
+    handler: Handler,
+    method: Method,
+    path: str,
+    summary: str,
+    answer: Response,
+    body: Any,
+    errors: Mapping[int, Response] | None = None,
 ) -> Route:
     """An operation that reads a JSON body ``body``, named after its handler: its answer
-    (200, or 204 when it has no model), or 413, 422 or 503."""
+    (200, or 204 when it has no model), or 413, 422 or 503 (``errors`` describes some of
+    them its own way)."""
     status = 200 if answer.model is not None else 204
-    answers = {status: answer, **_BODY_ERRORS}
+    answers = {status: answer, **_BODY_ERRORS, **(errors or {})}
     return Route(Operation(method, path, handler.__name__, summary, answers, body=body), handler)
 
 
@@ -198,7 +238,11 @@ ROUTES = (
             "/store/items",
             "get_item",
             "Retrieve a single item",
-            {200: Response("The item, or null when absent or expired", Item | None), **_ERRORS},
+            {
+                200: Response("The item, or null when absent or expired", Item | None),
+                **_ERRORS,
+                503: _BUSY_ANSWERING,
+            },
             query=StoreGetQuery,
         ),
         get_item,
@@ -218,6 +262,7 @@ ROUTES = (
         "List items under a namespace prefix (newest update first) or search them",
         Response("Matching items", SearchItemsResponse),
         StoreSearchRequest,
+        {422: _INVALID_OR_TOO_MANY, 503: _BUSY_ANSWERING},
     ),
     _body_route(
         list_namespaces,

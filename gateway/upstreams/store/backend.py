@@ -5,6 +5,10 @@
 given, so several gateways share one Store. The app, the sweeper and the benchmarks see
 only this Protocol.
 
+Every answer's item values are counted against ``answers`` (``answers.py``): ``get`` and
+``search`` take the ``AnswerBudget`` of the request (closed by the app once the answer is
+sent), or make their own when given none.
+
 The embedding index (issue 12) reaches storage through two optional arguments: ``put``'s
 ``vectors`` (written in the item's transaction) and ``search``'s ``ranker`` (ranks a query by
 meaning inside the search's read transaction), and runs its own SQL (re-indexing, leases,
@@ -18,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from gateway.upstreams.store.answers import AnswerBudget, AnswerBytes
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.hybrid import Ranker
 from gateway.upstreams.store.models import (
@@ -39,6 +44,8 @@ class StoreStorage(Protocol):
 
     # The embedding index's tables and parameter mark on this backend.
     vector_dialect: VectorDialect
+    # The bytes of item values the answers being built hold (store.max_answer_bytes*).
+    answers: AnswerBytes
 
     async def open(self) -> None: ...
 
@@ -47,13 +54,20 @@ class StoreStorage(Protocol):
     async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None: ...
 
     async def get(
-        self, namespace: Namespace, key: str, refresh_ttl: bool | None
+        self,
+        namespace: Namespace,
+        key: str,
+        refresh_ttl: bool | None,
+        budget: AnswerBudget | None = None,
     ) -> Item | None: ...
 
     async def delete(self, namespace: Namespace, key: str) -> None: ...
 
     async def search(
-        self, request: StoreSearchRequest, ranker: Ranker | None = None
+        self,
+        request: StoreSearchRequest,
+        ranker: Ranker | None = None,
+        budget: AnswerBudget | None = None,
     ) -> list[SearchItem]: ...
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]: ...

@@ -17,6 +17,9 @@ SynchronousMode = Literal["full", "normal"]
 # An item may live at most ~100 years; anything longer is a typo, not a retention policy.
 MAX_TTL_MINUTES = 52_560_000.0
 MAX_BODY_BYTES_CEILING = 64 * 1024 * 1024
+# The bounds of the bytes of item values answers may hold (see answers.py).
+MAX_ANSWER_BYTES_CEILING = 1024 * 1024 * 1024
+MAX_ANSWER_BYTES_IN_FLIGHT_CEILING = 16 * 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,14 @@ class StoreConfig:
     refresh_ttl_on_read: bool = True
     sweep_interval_seconds: float = 60.0
     max_body_bytes: int = 1_048_576
+    # The most bytes of item values (their JSON text, UTF-8) one answer (a search or a
+    # listing) may hold: beyond it the request is refused (422, ask for a smaller limit),
+    # never answered with fewer items than exist. At least max_body_bytes, so that any item
+    # can be read; an answer of one item is never refused.
+    max_answer_bytes: int = 64 * 1024 * 1024
+    # The most bytes of item values all the answers being read or sent at once may hold
+    # (503 with Retry-After beyond it); None: 4 x max_answer_bytes.
+    max_answer_bytes_in_flight: int | None = None
     database_filename: str = "store.sqlite3"
     # "full" fsyncs the WAL on every commit (survives power loss); "normal" survives a
     # killed process but may lose the last commits on power loss.
@@ -60,6 +71,19 @@ class StoreConfig:
                 f"store.max_body_bytes: must be between 1 and {MAX_BODY_BYTES_CEILING}, "
                 f"got {self.max_body_bytes}"
             )
+        if not self.max_body_bytes <= self.max_answer_bytes <= MAX_ANSWER_BYTES_CEILING:
+            raise ValueError(
+                f"store.max_answer_bytes: must be between store.max_body_bytes "
+                f"({self.max_body_bytes}, so that any item can be read) and "
+                f"{MAX_ANSWER_BYTES_CEILING}, got {self.max_answer_bytes}"
+            )
+        in_flight = self.answer_bytes_in_flight
+        if not self.max_answer_bytes <= in_flight <= MAX_ANSWER_BYTES_IN_FLIGHT_CEILING:
+            raise ValueError(
+                f"store.max_answer_bytes_in_flight: must be between store.max_answer_bytes "
+                f"({self.max_answer_bytes}) and {MAX_ANSWER_BYTES_IN_FLIGHT_CEILING}, "
+                f"got {in_flight}"
+            )
         if not 1 <= self.read_threads <= 64:
             raise ValueError(
                 f"store.read_threads: must be between 1 and 64, got {self.read_threads}"
@@ -72,6 +96,13 @@ class StoreConfig:
         name = self.database_filename
         if not name or "/" in name or "\\" in name or name in (".", ".."):
             raise ValueError(f"store.database_filename: must be a plain file name, got {name!r}")
+
+    @property
+    def answer_bytes_in_flight(self) -> int:
+        """``max_answer_bytes_in_flight``, or its default: four answers of the largest size."""
+        if self.max_answer_bytes_in_flight is None:
+            return min(4 * self.max_answer_bytes, MAX_ANSWER_BYTES_IN_FLIGHT_CEILING)
+        return self.max_answer_bytes_in_flight
 
     @property
     def database_path(self) -> Path:
@@ -123,6 +154,10 @@ def _integer(key: str, value: object) -> int:
     return value
 
 
+def _optional_integer(key: str, value: object) -> int | None:
+    return None if value is None else _integer(key, value)
+
+
 def _boolean(key: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"store.{key}: must be true or false, got {value!r}")
@@ -140,6 +175,8 @@ _READERS: dict[str, Any] = {
     "refresh_ttl_on_read": _boolean,
     "sweep_interval_seconds": _number,
     "max_body_bytes": _integer,
+    "max_answer_bytes": _integer,
+    "max_answer_bytes_in_flight": _optional_integer,
     "database_filename": _string,
     "sqlite_synchronous": _string,
     "busy_timeout_seconds": _number,

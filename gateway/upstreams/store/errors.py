@@ -1,12 +1,20 @@
 """Errors a Store request can end in besides an invalid request (``InvalidRequest``, 422):
-a body over the size limit (413), a busy database and a read over its time budget (503).
-Each becomes a JSON ``{"detail": ...}`` response."""
+a body over the size limit (413), an answer over its size bound (422), a busy database, a
+read over its time budget and answers holding their in-flight bound (503). Each becomes a
+JSON ``{"detail": ...}`` response, with ``Retry-After`` when the error names one."""
 
 from __future__ import annotations
+
+# How long a client told the answers in flight are full should wait (seconds): answers give
+# their bytes back as soon as they are sent.
+BUSY_RETRY_AFTER_SECONDS = 1
 
 
 class StoreRequestError(Exception):
     """A request the Store refuses, with the HTTP status and a detail naming the field."""
+
+    # Seconds for a Retry-After header (None: no header).
+    retry_after: int | None = None
 
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
@@ -35,3 +43,45 @@ class StoreQueryTimeoutError(StoreRequestError):
             f"the search ran longer than the store's {seconds:g} s budget per query and was "
             "stopped; narrow namespace_prefix or the filter, or lower limit and offset",
         )
+
+
+class AnswerTooLargeError(StoreRequestError):
+    """The values of the items asked for exceed ``store.max_answer_bytes``: 422, since the
+    same request is refused every time; a smaller ``limit`` fits."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            422,
+            f"limit: the answer would exceed store.max_answer_bytes ({limit} bytes of item "
+            "values); ask for fewer items with a smaller limit and page through the rest "
+            "with offset",
+        )
+
+
+class AnswersBusyError(StoreRequestError):
+    """The answers being built hold ``store.max_answer_bytes_in_flight``: 503, retry."""
+
+    retry_after = BUSY_RETRY_AFTER_SECONDS
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            503,
+            "the store is busy: the answers it is sending hold store.max_answer_bytes_in_flight "
+            f"({limit} bytes of values); retry shortly, or ask for fewer items",
+        )
+
+
+class AnswerClosedError(StoreRequestError):
+    """A read went on after its answer was given up (the request was cancelled)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the answer was given up while it was being read")
+
+
+class PageChangedError(StoreRequestError):
+    """A PostgreSQL page's values kept growing between its reads (busy writers)."""
+
+    retry_after = BUSY_RETRY_AFTER_SECONDS
+
+    def __init__(self) -> None:
+        super().__init__(503, "the items changed while they were being read; retry")

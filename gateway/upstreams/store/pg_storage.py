@@ -15,8 +15,16 @@ one transaction there; a ranked search runs in one REPEATABLE READ snapshot ther
 mirror's catch-up, the scope and the word ranking all see the same state.
 
 Answers are built by the same code as SQLite's (``_Row``), from the value's JSON text as
-written. What differs is listed in docs/store.md: the search score (``ts_rank``, not BM25),
-and that U+0000 cannot be stored.
+written. libpq receives a statement's whole result before any row can be looked at, so a
+page of items is read with ``_within_cutoff``: the database sends the page's values only
+when they total at most the bytes the answer reserved beforehand (``answers.PageLoad``); a
+larger page is read again once its exact size is reserved, or refused (422 over
+``store.max_answer_bytes``, 503 over the bytes in flight). Its rows are ordered, limited and
+offset with the value still a reference to its stored (TOASTed) datum; only the page's
+values are turned into text.
+
+What differs from SQLite is listed in docs/store.md: the search score (``ts_rank``, not
+BM25), and that U+0000 cannot be stored.
 """
 
 from __future__ import annotations
@@ -42,6 +50,15 @@ from gateway.upstreams.postgres.connection import (
 )
 from gateway.upstreams.postgres.migrations import migrate
 from gateway.upstreams.store import pg_schema
+from gateway.upstreams.store.answers import (
+    FIRST_READ_BYTES,
+    AnswerBudget,
+    AnswerBytes,
+    answer_budget,
+    aread_page,
+    read_page,
+    value_bytes,
+)
 from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.errors import StoreRequestError
 from gateway.upstreams.store.hybrid import Ranker
@@ -60,6 +77,7 @@ from gateway.upstreams.store.rows import (
     _dotted,
     _namespace_matches,
     _Row,
+    answer_items,
 )
 from gateway.upstreams.store.text_index import query_terms, searchable_text
 from gateway.upstreams.store.vector_dialect import POSTGRES, IndexConnection, VectorDialect
@@ -71,6 +89,11 @@ T = TypeVar("T")
 _FAILURES: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, TimeoutError)
 
 _COLUMNS = "i.namespace, i.key, i.value::text, i.created_at, i.updated_at, i.id, i.ttl_minutes"
+# A page's columns before ``_within_cutoff``: the value as stored (json; its text, an I/O
+# conversion that reads the whole datum, is made for the page's rows only).
+_PAGE_COLUMNS = "i.namespace, i.key, i.value, i.created_at, i.updated_at, i.id, i.ttl_minutes"
+_BY_RECENCY = "page.updated_at DESC, page.id DESC"
+_BY_RANK = f"page.rank DESC, {_BY_RECENCY}"
 _LIVE = "(i.expires_at IS NULL OR i.expires_at > %s)"
 _DOC = "(i.value::jsonb)"
 # ts_rank normalisation 0 (no length penalty): with 1 (divide by 1 + log(length)) a short
@@ -117,6 +140,14 @@ class PostgresStorage:
         if config.database_url is None:
             raise ValueError("PostgresStorage needs config.database_url")
         self._config = config
+        self.answers = AnswerBytes(config.max_answer_bytes, config.answer_bytes_in_flight)
+        # What a page read may receive before its size is known (answers.PageLoad): as
+        # many reads as the pools run at once then hold at most half the bytes in flight,
+        # so that those allowances alone never make the others' exact reservations busy.
+        readers = config.database_pool_size + _index_pool_size(config)
+        self.first_read_bytes = max(
+            1, min(FIRST_READ_BYTES, self.answers.in_flight // (2 * readers))
+        )
         self._url = check_url(config.database_url)
         self._clock = clock
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
@@ -161,7 +192,7 @@ class PostgresStorage:
                 self._url,
                 kwargs=kwargs,
                 min_size=1,
-                max_size=max(2, self._config.database_pool_size // 2),
+                max_size=_index_pool_size(self._config),
                 timeout=self._timeout,
                 reconnect_timeout=0,
                 name="store-index",
@@ -301,23 +332,36 @@ class PostgresStorage:
 
         await self.write(put_with_vectors)
 
-    async def get(self, namespace: Namespace, key: str, refresh_ttl: bool | None) -> Item | None:
-        """The live item, or None; optionally pushes its expiry forward."""
+    async def get(
+        self,
+        namespace: Namespace,
+        key: str,
+        refresh_ttl: bool | None,
+        budget: AnswerBudget | None = None,
+    ) -> Item | None:
+        """The live item, or None; optionally pushes its expiry forward.
+
+        ``budget``: what the answer may hold (one item always fits; 503 when the answers in
+        flight hold their bound); without it, the read makes its own.
+        """
         dotted = _dotted(namespace)
         if "\x00" in dotted or "\x00" in key:
             return None  # nothing stored can have it
         now = self._clock()
-        rows = await self._fetch(
-            f"SELECT {_COLUMNS} FROM store_items AS i "
-            f"WHERE i.namespace = %s AND i.key = %s AND {_LIVE}",
-            (dotted, key, now),
-        )
-        if not rows:
-            return None
-        row = _Row(*rows[0])
-        if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
-            await self._refresh_rows([row.id], now)
-        return row.as_item()
+        with answer_budget(self.answers, budget) as held:
+            rows = await self._fetch(
+                f"SELECT {_COLUMNS} FROM store_items AS i "
+                f"WHERE i.namespace = %s AND i.key = %s AND {_LIVE}",
+                (dotted, key, now),
+            )
+            if not rows:
+                return None
+            row = _Row(*rows[0])
+            # One item: it arrived whole (a single row is never more than one value).
+            held.take(value_bytes(row.value))
+            if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
+                await self._refresh_rows([row.id], now)
+            return row.as_item()
 
     def _refresh(self, requested: bool | None) -> bool:
         return self._config.refresh_ttl_on_read if requested is None else requested
@@ -339,12 +383,18 @@ class PostgresStorage:
         )
 
     async def search(
-        self, request: StoreSearchRequest, ranker: Ranker | None = None
+        self,
+        request: StoreSearchRequest,
+        ranker: Ranker | None = None,
+        budget: AnswerBudget | None = None,
     ) -> list[SearchItem]:
         """Listing (newest update first) or, with a query, ranked matches (best first)
         followed by the items no query can match (score null, newest update first).
 
         ``ranker``: ranks a query by meaning (vectors or hybrid) instead, see ``_ranked``.
+        ``budget``: what the answer's values may hold (``AnswerTooLargeError``, 422, past
+        store.max_answer_bytes; ``AnswersBusyError``, 503, past the bytes in flight);
+        without it, the search makes its own.
         """
         now = self._clock()
         prefix = request.prefix()
@@ -356,29 +406,60 @@ class PostgresStorage:
         scope_params = [*prefix_params, now, *filter_params]
         query = request.search_query()
         rows: list[tuple[_Row, float | None]]
-        if query is None:
-            rows = await self._unscored(scope, scope_params, "TRUE", request.offset, request.limit)
-        elif ranker is not None:  # ranked by meaning even when no word is searchable
-            rows = await self.read(
-                functools.partial(
-                    self._ranked, request, query_terms(query), prefix_sql, prefix_params, ranker
+        with answer_budget(self.answers, budget) as held:
+            if query is None:
+                rows = await self._unscored(
+                    scope, scope_params, "TRUE", request.offset, request.limit, held
                 )
-            )
-        else:
-            rows = await self._by_words(request, query_terms(query), scope, scope_params)
-        if self._refresh(request.refresh_ttl):
-            expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
-            if expiring:
-                await self._refresh_rows(expiring, now)
-        return [row.as_search_item(score) for row, score in rows]
+            elif ranker is not None:  # ranked by meaning even when no word is searchable
+                rows = await self.read(
+                    functools.partial(
+                        self._ranked,
+                        request,
+                        query_terms(query),
+                        prefix_sql,
+                        prefix_params,
+                        ranker,
+                        held,
+                    )
+                )
+            else:
+                rows = await self._by_words(request, query_terms(query), scope, scope_params, held)
+            if self._refresh(request.refresh_ttl):
+                expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
+                if expiring:
+                    await self._refresh_rows(expiring, now)
+            return answer_items(rows)
+
+    async def _page(
+        self, sql: str, params: list[Any], order: str, budget: AnswerBudget
+    ) -> list[tuple[Any, ...]]:
+        """The rows of the page ``sql`` (``_PAGE_COLUMNS`` [, rank]) with their values, within
+        ``budget`` (``_within_cutoff``)."""
+        within = _within_cutoff(sql, order)
+
+        async def call(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+            async def fetch(cutoff: int) -> list[tuple[Any, ...]]:
+                cursor = await conn.execute(within, [cutoff, *params])
+                return await cursor.fetchall()
+
+            return await aread_page(budget, fetch, self.first_read_bytes)
+
+        return await self._run(call)
 
     async def _unscored(
-        self, scope: str, scope_params: list[Any], condition: str, offset: int, limit: int
+        self,
+        scope: str,
+        scope_params: list[Any],
+        condition: str,
+        offset: int,
+        limit: int,
+        budget: AnswerBudget,
     ) -> list[tuple[_Row, float | None]]:
         """Items in ``scope`` meeting ``condition``, newest update first, score null: the
         listing (condition ``TRUE``), or the items a query cannot score after its ranking."""
         sql, params = _unscored_sql(scope, scope_params, condition, offset, limit)
-        return [(_Row(*r), None) for r in await self._fetch(sql, params)]
+        return [(_Row(*r[:7]), None) for r in await self._page(sql, params, _BY_RECENCY, budget)]
 
     async def _by_words(
         self,
@@ -386,14 +467,16 @@ class PostgresStorage:
         terms: list[str],
         scope: str,
         scope_params: list[Any],
+        budget: AnswerBudget,
     ) -> list[tuple[_Row, float | None]]:
         """The word ranking's page, then the items without searchable text (score null)."""
         page: list[tuple[_Row, float | None]] = []
         ranked = 0
         if terms:
-            sql, params = _word_ranking(terms, scope, scope_params)
-            found = await self._fetch(sql, (*params, request.limit, request.offset))
-            page = [(_Row(*r[:-1]), float(r[-1])) for r in found]
+            sql, params = _word_ranking(terms, scope, scope_params, _PAGE_COLUMNS)
+            params_page = [*params, request.limit, request.offset]
+            found = await self._page(sql, params_page, _BY_RANK, budget)
+            page = [(_Row(*r[:7]), float(r[7])) for r in found]
             if len(page) == request.limit:
                 return page
             if page:
@@ -411,6 +494,7 @@ class PostgresStorage:
             "i.search_text IS NULL",
             max(0, request.offset - ranked),
             request.limit - len(page),
+            budget,
         )
         return page + tail
 
@@ -421,6 +505,7 @@ class PostgresStorage:
         prefix_sql: str,
         prefix_params: list[Any],
         ranker: Ranker,
+        budget: AnswerBudget,
         conn: IndexConnection,
         now: float,
     ) -> list[tuple[_Row, float | None]]:
@@ -433,15 +518,17 @@ class PostgresStorage:
         scope_params = [*prefix_params, now, *filter_params]
 
         def by_words(depth: int) -> list[tuple[int, float]]:
+            # Ids and scores only: the values are read for the page alone.
             if not terms:
                 return []
-            sql, params = _word_ranking(terms, scope, scope_params)
+            sql, params = _word_ranking(terms, scope, scope_params, "i.id")
             found = conn.execute(sql, (*params, depth, 0)).fetchall()
-            return [(int(r[5]), float(r[-1])) for r in found]  # r[5]: i.id in _COLUMNS
+            return [(int(r[0]), float(r[-1])) for r in found]
 
         depth = request.offset + request.limit
         ranking = ranker(conn, scope, scope_params, by_words, depth)
-        page = _rows_by_id(conn, ranking[request.offset :])
+        first_read = self.first_read_bytes
+        page = _rows_by_id(conn, ranking[request.offset :], budget, first_read)
         if len(ranking) == depth:
             return page
         sql, params = _unscored_sql(
@@ -451,7 +538,8 @@ class PostgresStorage:
             max(0, request.offset - len(ranking)),
             request.limit - len(page),
         )
-        return page + [(_Row(*r), None) for r in conn.execute(sql, params).fetchall()]
+        tail = _page_on(conn, sql, params, _BY_RECENCY, budget, first_read)
+        return page + [(_Row(*r[:7]), None) for r in tail]
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
@@ -520,10 +608,12 @@ class PostgresStorage:
 __all__ = ["DatabaseUnavailable", "PostgresStorage"]
 
 
-def _word_ranking(terms: list[str], scope: str, scope_params: list[Any]) -> tuple[str, list[Any]]:
+def _word_ranking(
+    terms: list[str], scope: str, scope_params: list[Any], columns: str
+) -> tuple[str, list[Any]]:
     """The matches of ``terms`` in ``scope`` (SQL over ``store_items AS i``) ranked by
     words, best first: SQL whose last two parameters (LIMIT, OFFSET) the caller appends,
-    and the parameters before them. Rows are ``_COLUMNS`` and the score."""
+    and the parameters before them. Rows are ``columns`` and the score (``rank``)."""
     # Terms are letters and digits only (text_index._TERM): no tsquery syntax.
     tsquery = " | ".join(terms)
     config = pg_schema.TEXT_SEARCH_CONFIG
@@ -547,7 +637,7 @@ def _word_ranking(terms: list[str], scope: str, scope_params: list[Any]) -> tupl
             SELECT count(*) AS df FROM store_items s WHERE s.search_tsv @@ term.q
         ) AS d
     )
-    SELECT {_COLUMNS},
+    SELECT {columns},
            (SELECT sum(w.idf * ts_rank(i.search_tsv, w.q, {_RANK_NORMALIZATION}))
             FROM weight AS w) AS rank
     FROM store_items AS i, to_tsquery('{config}', %s) AS q
@@ -560,25 +650,70 @@ def _word_ranking(terms: list[str], scope: str, scope_params: list[Any]) -> tupl
 def _unscored_sql(
     scope: str, scope_params: list[Any], condition: str, offset: int, limit: int
 ) -> tuple[str, list[Any]]:
-    """Rows (``_COLUMNS``) in ``scope`` meeting ``condition``, newest update first."""
+    """Rows (``_PAGE_COLUMNS``) in ``scope`` meeting ``condition``, newest update first."""
     return (
-        f"SELECT {_COLUMNS} FROM store_items AS i WHERE {scope} AND {condition} "
+        f"SELECT {_PAGE_COLUMNS} FROM store_items AS i WHERE {scope} AND {condition} "
         "ORDER BY i.updated_at DESC, i.id DESC LIMIT %s OFFSET %s",
         [*scope_params, limit, offset],
     )
 
 
+def _within_cutoff(page_sql: str, order: str) -> str:
+    """The rows of ``page_sql`` (``_PAGE_COLUMNS`` as named there [, ``rank``]) as
+    ``_COLUMNS`` [, rank], then the page's values total (UTF-8 bytes of their text), in
+    ``order`` (``_BY_RECENCY``, ``_BY_RANK`` with the rank column, or empty: any). Each
+    value's text is sent only when that total is at most the first parameter, the cutoff
+    (the page's own parameters follow it): a page over what the answer reserved costs the
+    database a look at each of its values, not their transfer.
+
+    The page is ordered, limited and offset on the stored datum (for a TOASTed value, a
+    reference: neither the scan nor a sort copies the value), and only the page's values
+    are turned into text. One query level: the two identical window sums are computed once,
+    and ``order``, the page's own, needs no second sort (which would carry the values)."""
+    total = "sum(octet_length(page.value::text)) OVER ()"
+    rank = ", page.rank" if order == _BY_RANK else ""
+    return f"""
+    SELECT page.namespace, page.key, CASE WHEN {total} <= %s THEN page.value::text END,
+           page.created_at, page.updated_at, page.id, page.ttl_minutes{rank}, {total}
+    FROM ({page_sql}) AS page
+    {"ORDER BY " + order if order else ""}
+    """
+
+
+def _page_on(
+    conn: IndexConnection,
+    sql: str,
+    params: list[Any],
+    order: str,
+    budget: AnswerBudget,
+    first_read: int,
+) -> list[tuple[Any, ...]]:
+    """``PostgresStorage._page`` on a blocking connection (the embedding index's pool)."""
+    within = _within_cutoff(sql, order)
+    return read_page(
+        budget,
+        lambda cutoff: list(conn.execute(within, [cutoff, *params]).fetchall()),
+        first_read,
+    )
+
+
 def _rows_by_id(
-    conn: IndexConnection, page: Sequence[tuple[int, float]]
+    conn: IndexConnection,
+    page: Sequence[tuple[int, float]],
+    budget: AnswerBudget,
+    first_read: int,
 ) -> list[tuple[_Row, float | None]]:
     """The item rows of a ranked page of ids, in the page's order."""
     if not page:
         return []
-    found = {
-        int(values[5]): _Row(*values)
-        for values in conn.execute(
-            f"SELECT {_COLUMNS} FROM store_items AS i WHERE i.id = ANY(%s)",
-            ([item for item, _ in page],),
-        ).fetchall()
-    }
+    sql = f"SELECT {_PAGE_COLUMNS} FROM store_items AS i WHERE i.id = ANY(%s)"
+    rows = _page_on(conn, sql, [[item for item, _ in page]], "", budget, first_read)
+    found = {int(values[5]): _Row(*values[:7]) for values in rows}
     return [(found[item], score) for item, score in page if item in found]
+
+
+def _index_pool_size(config: StoreConfig) -> int:
+    """The embedding index's pool of blocking connections (none without ``store.index``)."""
+    if config.index is None:
+        return 0
+    return max(2, config.database_pool_size // 2)

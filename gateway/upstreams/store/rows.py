@@ -41,6 +41,17 @@ class _Row:
         return {**self.as_item(), "score": score}
 
 
+def answer_items(rows: list[tuple[_Row, float | None]]) -> list[SearchItem]:
+    """The answer's items, best first, from ``rows`` (emptied on the way: each row's JSON
+    text is dropped once parsed, so an answer never holds both in full)."""
+    rows.reverse()
+    items: list[SearchItem] = []
+    while rows:
+        row, score = rows.pop()
+        items.append(row.as_search_item(score))
+    return items
+
+
 def _iso(epoch_seconds: float) -> str:
     return datetime.fromtimestamp(epoch_seconds, tz=UTC).isoformat()
 

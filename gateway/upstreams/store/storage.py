@@ -3,17 +3,26 @@ words, the namespaces listing, the TTL sweep) and the plans that keep them cheap
 
 ``SQLiteStorage`` runs these statements on the worker threads of ``SQLiteConnections``
 (``sqlite_connections.py``): reads on a reader thread, writes in the writer's group commit.
+
+Reads of item rows go through ``_read_rows``: the cursor is walked row by row and each
+value's bytes are taken from the answer's ``AnswerBudget`` as it is read, so a search over
+``store.max_answer_bytes`` stops at the first row past it (422) with no more than that in
+memory, and the bytes answers hold in all stay within ``store.max_answer_bytes_in_flight``.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
 import sqlite3
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from gateway.upstreams.store.answers import AnswerBudget, AnswerBytes, answer_budget, value_bytes
+from gateway.upstreams.store.config import StoreConfig
 from gateway.upstreams.store.filters import compile_filter
 
 # Hook (issue 12): `hybrid` and `vectors` are the embedding index's modules.
@@ -32,6 +41,7 @@ from gateway.upstreams.store.rows import (
     _dotted,
     _namespace_matches,
     _Row,
+    answer_items,
 )
 from gateway.upstreams.store.sqlite_connections import SQLiteConnections, _snapshot
 from gateway.upstreams.store.text_index import match_expression, searchable_text
@@ -41,6 +51,8 @@ from gateway.upstreams.store.vectors import ItemVectors, item_id
 _ITEM_COLUMNS = "i.namespace, i.key, i.value, i.created_at, i.updated_at, i.id, i.ttl_minutes"
 _LIVE = "(i.expires_at IS NULL OR i.expires_at > ?)"
 _LIVE_S = "(s.expires_at IS NULL OR s.expires_at > ?)"
+# BM25 order: FTS5's bm25() is lower-is-better (the API's score, its negation, higher).
+_BY_RANK = "ORDER BY rank, i.updated_at DESC, i.id DESC"
 # A search under a namespace prefix holding at most this many live items ranks only those
 # items (see SQLiteStorage._search); above it, the prefix is checked on each match instead.
 # Crossover measured at 1M items: ~0.8 us per prefix item against ~1.8 us per store-wide match.
@@ -146,6 +158,10 @@ class SQLiteStorage(SQLiteConnections):
     # Hook (issue 12): the embedding index's SQL names these tables.
     vector_dialect: VectorDialect = SQLITE
 
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(config, clock)
+        self.answers = AnswerBytes(config.max_answer_bytes, config.answer_bytes_in_flight)
+
     # -- operations ---------------------------------------------------------------
 
     async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None:
@@ -175,29 +191,39 @@ class SQLiteStorage(SQLiteConnections):
         )
         await self._write(functools.partial(_put, params=params, vectors=vectors))
 
-    async def get(self, namespace: Namespace, key: str, refresh_ttl: bool | None) -> Item | None:
-        """The live item, or None; optionally pushes its expiry forward."""
-        now = self._clock()
-        row = await self._run(
-            self._readers, functools.partial(self._get, _dotted(namespace), key, now)
-        )
-        if row is None:
-            return None
-        if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
-            await self._write(functools.partial(_refresh_rows, ids=[row.id], now=now))
-        return row.as_item()
+    async def get(
+        self,
+        namespace: Namespace,
+        key: str,
+        refresh_ttl: bool | None,
+        budget: AnswerBudget | None = None,
+    ) -> Item | None:
+        """The live item, or None; optionally pushes its expiry forward.
 
-    def _get(self, namespace: str, key: str, now: float) -> _Row | None:
-        found = (
-            self._connection()
-            .execute(
-                f"SELECT {_ITEM_COLUMNS} FROM items AS i "
-                f"WHERE i.namespace = ? AND i.key = ? AND {_LIVE}",
-                (namespace, key, now),
+        ``budget``: what the answer may hold (one item always fits; 503 when the answers in
+        flight hold their bound); without it, the read makes its own.
+        """
+        now = self._clock()
+        with answer_budget(self.answers, budget) as held:
+            rows = await self._run(
+                self._readers, functools.partial(self._get, _dotted(namespace), key, now, held)
             )
-            .fetchone()
+            if not rows:
+                return None
+            row = rows[0][0]
+            if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
+                await self._write(functools.partial(_refresh_rows, ids=[row.id], now=now))
+            return row.as_item()
+
+    def _get(
+        self, namespace: str, key: str, now: float, budget: AnswerBudget
+    ) -> list[tuple[_Row, float | None]]:
+        cursor = self._connection().execute(
+            f"SELECT {_ITEM_COLUMNS} FROM items AS i "
+            f"WHERE i.namespace = ? AND i.key = ? AND {_LIVE}",
+            (namespace, key, now),
         )
-        return None if found is None else _Row(*found)
+        return _read_rows(cursor, budget)
 
     def _refresh(self, requested: bool | None) -> bool:
         return self._config.refresh_ttl_on_read if requested is None else requested
@@ -207,24 +233,37 @@ class SQLiteStorage(SQLiteConnections):
         await self._write(functools.partial(_delete, namespace=_dotted(namespace), key=key))
 
     async def search(
-        self, request: StoreSearchRequest, ranker: Ranker | None = None
+        self,
+        request: StoreSearchRequest,
+        ranker: Ranker | None = None,
+        budget: AnswerBudget | None = None,
     ) -> list[SearchItem]:
         """Listing (newest update first) or, with a query, BM25-ranked matches (best first)
         followed by the items no query can match (score null, newest update first).
 
         ``ranker`` (issue 12 hook): ranks a query by meaning (vectors or hybrid) instead.
+        ``budget``: what the answer's values may hold (``AnswerTooLargeError``, 422, past
+        store.max_answer_bytes; ``AnswersBusyError``, 503, past the bytes in flight);
+        without it, the search makes its own.
         """
         now = self._clock()
-        rows = await self._run(self._readers, functools.partial(self._search, request, now, ranker))
-        if self._refresh(request.refresh_ttl):
-            expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
-            if expiring:
-                await self._write(functools.partial(_refresh_rows, ids=expiring, now=now))
-        # Listing mode reports score null, as the API schema has it.
-        return [row.as_search_item(score) for row, score in rows]
+        with answer_budget(self.answers, budget) as held:
+            rows = await self._run(
+                self._readers, functools.partial(self._search, request, now, held, ranker)
+            )
+            if self._refresh(request.refresh_ttl):
+                expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
+                if expiring:
+                    await self._write(functools.partial(_refresh_rows, ids=expiring, now=now))
+            # Listing mode reports score null, as the API schema has it.
+            return answer_items(rows)
 
     def _search(
-        self, request: StoreSearchRequest, now: float, ranker: Ranker | None = None
+        self,
+        request: StoreSearchRequest,
+        now: float,
+        budget: AnswerBudget,
+        ranker: Ranker | None = None,
     ) -> list[tuple[_Row, float | None]]:
         with _snapshot(self._connection()) as connection:
             bounds = _prefix_bounds(connection, request.prefix())
@@ -235,25 +274,27 @@ class SQLiteStorage(SQLiteConnections):
             scope_params = [*prefix_params, now, *filter_params]
             if request.search_query() is None:
                 return _unscored(
-                    connection, scope, scope_params, "1", request.offset, request.limit
+                    connection, scope, scope_params, "1", request.offset, request.limit, budget
                 )
             if ranker is not None:
                 # Hook (issue 12): the ranker gets the scope as SQL over `items AS i` and
                 # the BM25 ranking (id, score) to any depth, and answers (id, score) best
-                # first, to the depth of the page's end.
+                # first, to the depth of the page's end. Only ids and scores: the values
+                # are read for the page alone.
                 def bm25(depth: int) -> list[tuple[int, float]]:
-                    ranked = self._bm25(connection, request, bounds, now, depth, 0)
-                    return [(row.id, score or 0.0) for row, score in ranked]
+                    return self._bm25_ranking(connection, request, bounds, now, depth)
 
                 depth = request.offset + request.limit
                 ranking = ranker(connection, scope, scope_params, bm25, depth)
-                page = _rows_by_id(connection, ranking[request.offset :])
+                page = _rows_by_id(connection, ranking[request.offset :], budget)
                 if len(ranking) == depth:
                     return page
                 ranked = len(ranking)
                 unscored = ranker.unscored(SQLITE)
             else:
-                page = self._bm25(connection, request, bounds, now, request.limit, request.offset)
+                page = self._bm25(
+                    connection, request, bounds, now, request.limit, request.offset, budget
+                )
                 if len(page) == request.limit:
                     return page
                 # Matches before the page: all of them when it holds some, else up to offset.
@@ -270,6 +311,7 @@ class SQLiteStorage(SQLiteConnections):
                 unscored,
                 max(0, request.offset - ranked),
                 request.limit - len(page),
+                budget,
             )
 
     def _bm25(
@@ -280,6 +322,7 @@ class SQLiteStorage(SQLiteConnections):
         now: float,
         limit: int,
         offset: int,
+        budget: AnswerBudget,
     ) -> list[tuple[_Row, float | None]]:
         """BM25-ranked matches of the request's query, page [offset, offset + limit)."""
         matches = self._bm25_matches(connection, request, bounds, now)
@@ -287,12 +330,29 @@ class SQLiteStorage(SQLiteConnections):
             return []
         sql, params = matches
         cursor = connection.execute(
-            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank {sql} "
-            "ORDER BY rank, i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
+            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank {sql} {_BY_RANK} LIMIT ? OFFSET ?",
             (*params, limit, offset),
         )
-        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
-        return [(_Row(*found[:-1]), -float(found[-1])) for found in cursor]
+        return _read_rows(cursor, budget, ranked=True)
+
+    def _bm25_ranking(
+        self,
+        connection: sqlite3.Connection,
+        request: StoreSearchRequest,
+        bounds: list[str] | None,
+        now: float,
+        depth: int,
+    ) -> list[tuple[int, float]]:
+        """The first ``depth`` (item id, score) of the BM25 ranking, without the values."""
+        matches = self._bm25_matches(connection, request, bounds, now)
+        if matches is None:
+            return []
+        sql, params = matches
+        cursor = connection.execute(
+            f"SELECT i.id, bm25(items_fts) AS rank {sql} {_BY_RANK} LIMIT ?", (*params, depth)
+        )
+        # -0.0 (a bm25 of 0) becomes 0.0, as the score of a row read whole.
+        return [(int(item), -float(rank) or 0.0) for item, rank in cursor]
 
     def _bm25_count(
         self,
@@ -462,23 +522,36 @@ def _put(
         vectors.write(connection, item_id(connection, params[0], params[1]), SQLITE)
 
 
+def _read_rows(
+    cursor: sqlite3.Cursor, budget: AnswerBudget, *, ranked: bool = False
+) -> list[tuple[_Row, float | None]]:
+    """The item rows ``cursor`` yields (``_ITEM_COLUMNS``, then the bm25 rank when
+    ``ranked``), each value's bytes taken from ``budget`` as its row is read: over the
+    answer's bound (or the bytes in flight) the read stops there, with that error."""
+    rows: list[tuple[_Row, float | None]] = []
+    with contextlib.closing(cursor):
+        for found in cursor:
+            budget.take(value_bytes(found[2]))  # i.value
+            if ranked:
+                # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
+                rows.append((_Row(*found[:-1]), -float(found[-1])))
+            else:
+                rows.append((_Row(*found), None))
+    return rows
+
+
 def _rows_by_id(
-    connection: sqlite3.Connection, page: Sequence[tuple[int, float]]
+    connection: sqlite3.Connection, page: Sequence[tuple[int, float]], budget: AnswerBudget
 ) -> list[tuple[_Row, float | None]]:
     """The item rows of a ranked page of ids, in the page's order (issue 12 hook)."""
     if not page:
         return []
     marks = ",".join("?" * len(page))
-    found = {
-        row.id: row
-        for row in (
-            _Row(*values)
-            for values in connection.execute(
-                f"SELECT {_ITEM_COLUMNS} FROM items AS i WHERE i.id IN ({marks})",
-                [item for item, _ in page],
-            )
-        )
-    }
+    cursor = connection.execute(
+        f"SELECT {_ITEM_COLUMNS} FROM items AS i WHERE i.id IN ({marks})",
+        [item for item, _ in page],
+    )
+    found = {row.id: row for row, _ in _read_rows(cursor, budget)}
     return [(found[item], score) for item, score in page if item in found]
 
 
@@ -489,6 +562,7 @@ def _unscored(
     condition: str,
     offset: int,
     limit: int,
+    budget: AnswerBudget,
 ) -> list[tuple[_Row, float | None]]:
     """Items in ``scope`` meeting ``condition``, newest update first, score null: the
     listing (condition ``1``), or the items a query cannot score after its ranking."""
@@ -497,7 +571,7 @@ def _unscored(
         "ORDER BY i.updated_at DESC, i.id DESC LIMIT ? OFFSET ?",
         (*scope_params, limit, offset),
     )
-    return [(_Row(*found), None) for found in cursor]
+    return _read_rows(cursor, budget)
 
 
 def _delete(connection: sqlite3.Connection, *, namespace: str, key: str) -> None:
