@@ -7,10 +7,12 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -187,10 +189,14 @@ def request_reader(
     hasher: IdentityHasher,
     verified: VerifiedIdentities | None,
 ) -> ReadRequest:
-    """How the data plane reads a request, for ``gateway rules explain``: ``Gateway.begin``
-    (every check and identity up to the choice of a rule) on a gateway ``new_gateway``
-    builds from ``settings``, with ``verified`` as ``Proxy.start`` would load them. It
-    counts in throwaway in-process counters and forwards nothing."""
+    """How the data plane reads a request, for ``gateway rules explain`` and the console's
+    explain form: ``Gateway.begin`` (every check and identity up to the choice of a rule)
+    on a gateway ``new_gateway`` builds from ``settings``, with ``verified`` as
+    ``Proxy.start`` loads them (the console: the running gateway's own). It counts in
+    throwaway in-process counters, forwards nothing, starts no task and opens no file:
+    its access log is off (``begin`` writes no line anyway; the operator's log file is
+    opened by ``configure_logging`` alone, which explain never calls)."""
+    settings = dataclasses.replace(settings, access_log="off")
     metrics = Metrics()
     regions = [r.name for r in settings.region_table()]
     backends: dict[str, CounterBackend] = {
@@ -691,6 +697,47 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
+class ConsoleIdentities:
+    """The config's verified identities for a console whose process serves no request
+    (the supervisor of ``--workers``; a gateway process's console reads with its data
+    plane's own): loaded at the first explained request, the key file read again when it
+    changed on disk, a JWKS URL fetched then and again once ``jwks_refresh_seconds`` old
+    (its HTTP session closed after each fetch). Nothing runs between requests."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._verified: VerifiedIdentities | None = None
+        self._fetched_at = -math.inf
+        self._lock = asyncio.Lock()
+
+    async def current(self) -> VerifiedIdentities | None:
+        """``ValueError`` or ``OSError``: the identity files cannot be used."""
+        settings = self.settings
+        if not settings.identity:
+            return None
+        async with self._lock:
+            verified = self._verified
+            if verified is None:
+                base = Path(settings.config_file).parent if settings.config_file else Path.cwd()
+                config = parse_identity_config(settings.identity, base)
+                keys = None if config.api_key.keys is None else KeySource(config.api_key.keys)
+                tokens = None if config.user.jwt is None else JwtVerifier(config.user.jwt)
+                verified = self._verified = VerifiedIdentities(config, keys, tokens)
+            elif verified.keys is not None and verified.keys.changed_on_disk():
+                verified.keys.reload("changed, read for the console")
+            tokens = verified.tokens
+            if tokens is not None and tokens.config.jwks_url is not None:
+                now = time.monotonic()
+                age = now - self._fetched_at
+                if tokens.keys is None or age >= tokens.config.jwks_refresh_seconds:
+                    self._fetched_at = now
+                    try:
+                        await tokens.refresh()  # (never raises: a failure keeps the keys)
+                    finally:
+                        await tokens.close()
+            return verified
+
+
 def console_source(
     settings: Settings,
     rules: RuleSource,
@@ -698,16 +745,32 @@ def console_source(
     registry: CollectorRegistry,
     recent: Callable[[], list[Recent]],
     secret: bytes,
+    gateway: Gateway | None = None,
 ) -> ConsoleSource:
-    """What the operator console reads, in a gateway process or a supervisor."""
+    """What the operator console reads, in a gateway process or a supervisor.
+
+    ``gateway``: the process's data plane, whose settings and verified identities the
+    explain form reads a described request with (``request_reader``); without one (a
+    supervisor of workers), the config's identities are loaded for the form alone
+    (``ConsoleIdentities``)."""
+    hasher = IdentityHasher(secret)
+    loaded = ConsoleIdentities(settings)  # (used without a gateway only)
+
+    async def reader(table: RuleTable) -> ReadRequest:
+        # Built for each explained request (the form is rare): the table it is explained
+        # with, throwaway counters and caches, nothing kept or started.
+        verified = await loaded.current() if gateway is None else gateway.verified
+        return request_reader(settings, table, hasher, verified)
+
     return ConsoleSource(
         table=lambda: rules.table,
         last_reload_error=lambda: rules.last_error,
         regions=regions,
         registry=registry,
         recent=recent,
-        hasher=IdentityHasher(secret),
+        hasher=hasher,
         secret_source="this gateway's identity secret",  # noqa: S106 - a description
+        reader=reader,
         data_dir=Path(settings.data_dir),
         admin_host=settings.admin_host,
         admin_token=settings.admin_token,
@@ -819,7 +882,7 @@ async def serve(
 
             console = console_source(
                 settings, rules, regions, metrics.registry, lambda: list(reversed(recent)),
-                secret,
+                secret, gateway,
             )  # fmt: skip
             # Hook (issue 12): the admin /info also shows the Store's embedding index.
             info = _with_store_index(proxy.info, embedded)

@@ -1,12 +1,14 @@
-"""``gateway rules explain``: which rule a request hits, and why earlier ones did not.
+"""``gateway rules explain`` and the console's explain form: which rule a request hits,
+and why earlier ones did not.
 
 What a request's headers mean (an identity, none, an unknown key, a refusal) is never
 judged here a second time: the described request is parsed by llhttp (httptools, the
 data plane's parser) and read by the data plane's own code, ``Gateway.begin`` up to the
 choice of its rule (``gateway.app.request_reader``, a ``ReadRequest``), on a gateway built
-from the same settings as ``gateway serve``'s. This module words what it decided: the
-rule ``select`` chooses in each region (the data plane's matcher), why each earlier rule
-did not apply, and the answer the gateway gives besides the rule's count (401 ...).
+from the same settings as ``gateway serve``'s (the console's: the running gateway's
+settings, secret and verified identities). This module words what it decided: the rule
+``select`` chooses in each region (the data plane's matcher), why each earlier rule did
+not apply, and the answer the gateway gives besides the rule's count (401 ...).
 """
 
 from __future__ import annotations
@@ -23,13 +25,8 @@ from gateway.identity.verified import Refusal, VerifiedIdentities
 from gateway.policy.loader import DEFAULT_REGIONS, load_rules
 from gateway.policy.matcher import Selection, select
 from gateway.policy.model import IdentityKind, Rule, RuleTable
-from gateway.policy.paths import PathError, normalise_path, split_target
-from gateway.ratelimit.identity import (
-    ClientAddressPolicy,
-    IdentityHasher,
-    RequestIdentity,
-    valid_identity_header,
-)
+from gateway.policy.paths import split_target
+from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
 
 HEADER_FOR = {IdentityKind.API_KEY: "x-api-key", IdentityKind.USER_IP: "x-user-id"}
 DEFAULT_HOST = "localhost"  # the Host of a described request that names none
@@ -65,6 +62,8 @@ class Reading:
 # (method, request target, header (name, value) pairs as llhttp delivers them, TCP peer
 # address) -> the data plane's reading; ``Refused`` when it answers before any rule.
 ReadRequest = Callable[[str, bytes, list[tuple[bytes, bytes]], str], Reading]
+# The data plane's reading for a loaded table and hasher (``gateway.app.request_reader``).
+ReaderFor = Callable[[RuleTable, IdentityHasher], ReadRequest]
 
 
 def _secret() -> tuple[bytes, str]:
@@ -84,19 +83,19 @@ def explain(
     headers: Sequence[str],
     client_ip: str,
     region: str | None = None,
-    reader: Callable[[RuleTable, IdentityHasher], ReadRequest] | None = None,
+    *,
+    reader: ReaderFor,
     regions: Iterable[str] = (),
 ) -> str:
     """A human-readable account of how the table treats the described request.
-    ``reader``: the data plane's reading for the loaded table and hasher (without one,
-    headers are read as claimed, ``read_as_claimed``); ``regions``: names the rule
-    files may use besides the defaults."""
+    ``reader``: the data plane's reading for the loaded table and hasher; ``regions``:
+    names the rule files may use besides the defaults."""
     table = load_rules(rules, DEFAULT_REGIONS | set(regions) | ({region} if region else set()))
     secret, secret_source = _secret()
     hasher = IdentityHasher(secret)
-    read = None if reader is None else reader(table, hasher)
+    read = reader(table, hasher)
     return explain_request(
-        table, hasher, secret_source, method, target, headers, client_ip, region, read
+        table, hasher, secret_source, method, target, headers, client_ip, region, read=read
     )
 
 
@@ -109,17 +108,17 @@ def explain_request(
     headers: Sequence[str],
     client_ip: str,
     region: str | None = None,
-    read: ReadRequest | None = None,
+    *,
+    read: ReadRequest,
 ) -> str:
-    """``explain`` for a loaded table and hasher (the admin console's explain form).
+    """``explain`` for a loaded table and hasher (the admin console's explain form), the
+    request read with ``read`` (the data plane's reading for that table and hasher).
     ``ValueError`` names what is wrong with the described request; ``Refused`` (one)
     says the gateway answers it itself before any rule."""
     if region is not None and region not in table.regions:
         raise ValueError(f"unknown region {region!r}")
     method, wire_target, fields = described_request(method, target, headers)
     raw_path, _ = split_target(target)
-    if read is None:
-        read = read_as_claimed(hasher)
     reading = read(method, wire_target, fields, client_ip)
     path = reading.path
     lines = [
@@ -211,35 +210,6 @@ class _Parsed:
 
     def on_headers_complete(self) -> None:
         self.complete = True
-
-
-def read_as_claimed(hasher: IdentityHasher) -> ReadRequest:
-    """A reading without the data plane (the admin console's explain form, which is not
-    given one): x-api-key and x-user-id as claimed, the peer as the client. Verified
-    identities, trusted proxies, method overrides and the data plane's header checks
-    ('_' spellings, repeats, Connection) are not applied: ``gateway rules explain``
-    applies them."""
-    addresses = ClientAddressPolicy()
-
-    def read(method: str, target: bytes, headers: list[tuple[bytes, bytes]], peer: str) -> Reading:
-        raw_path = target.partition(b"?")[0].decode("latin-1")
-        try:
-            path = normalise_path(raw_path)
-        except PathError as exc:
-            raise Refused(400, str(exc)) from exc
-        values = {name.lower(): value for name, value in headers}
-        found: list[str | None] = []
-        for name in ("x-api-key", "x-user-id"):
-            try:
-                found.append(valid_identity_header(values.get(name.encode())))
-            except ValueError as exc:
-                raise Refused(400, f"the {name} header {exc}") from exc
-        client = addresses.client_address(peer, None)
-        notes = ("headers read as claimed, without the data plane's checks",)
-        return Reading(method, path, RequestIdentity(hasher, client, found[0], found[1]), None,
-                       notes)  # fmt: skip
-
-    return read
 
 
 def identity_notes(

@@ -7,7 +7,8 @@ time (a selector; ``?region=``), and the rules a text filter leaves (``?rule=``)
 rules in table order, each with a chart of its allowed / limited / shadow-limited rate
 over the last ten minutes; the counter stores' health now and over the same window; the
 identities limited most in it (hashed, as logged, with their consumer and tier when
-known); an explain form; and the last replay report saved with
+known); an explain form (the described request read as the data plane reads it:
+``ConsoleSource.reader``); and the last replay report saved with
 ``gateway rules simulate --save``. The history is sampled server-side into a bounded ring
 (``console_history.py``) while the admin application runs.
 
@@ -42,7 +43,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from gateway.explain import explain_request
+from gateway.explain import ReadRequest, explain_request
 from gateway.identity.keys import Consumer
 from gateway.identity.verified import VerifiedIdentities
 from gateway.policy.model import Rule, RuleTable
@@ -90,6 +91,10 @@ class ConsoleSource:
     recent: Callable[[], list[Recent]]
     hasher: IdentityHasher
     secret_source: str
+    # The data plane's reading of a request for a loaded table (``Gateway.begin`` on the
+    # gateway's settings, ``hasher`` and verified identities: ``gateway.app``'s
+    # ``request_reader``), for the explain form.
+    reader: Callable[[RuleTable], Awaitable[ReadRequest]]
     data_dir: Path
     admin_host: str
     admin_token: str | None
@@ -574,13 +579,18 @@ async def _explain(request: web.Request) -> web.Response:
             return _json_error(422, f"{name} must be a string of at most 8192 characters")
         fields[name] = value
     headers = [line for line in fields["headers"].splitlines() if line.strip()]
+    table = source.table()
+    try:
+        read = await source.reader(table)
+    except (ValueError, OSError) as exc:  # (the identity files, for a supervisor's console)
+        return _json_error(503, f"cannot read requests as the data plane does: {exc}")
     try:
         text = explain_request(
-            source.table(), source.hasher, source.secret_source, fields["method"],
+            table, source.hasher, source.secret_source, fields["method"],
             fields["path"] or "/", headers, fields["client_ip"] or "203.0.113.7",
-            fields["region"] or None,
+            fields["region"] or None, read=read,
         )  # fmt: skip
-    except ValueError as exc:
+    except ValueError as exc:  # (a Refused too: the gateway answers it before any rule)
         return _json_error(422, str(exc))
     return web.json_response({"text": text})
 

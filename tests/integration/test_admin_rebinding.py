@@ -26,11 +26,15 @@ from aiohttp import web
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from gateway.app import request_reader
+from gateway.explain import ReadRequest
 from gateway.metrics import Metrics
 from gateway.policy.loader import load_rules_from_texts
+from gateway.policy.model import RuleTable
 from gateway.proxy.admin import create_admin_app
 from gateway.proxy.console import ConsoleSource
 from gateway.ratelimit.identity import IdentityHasher
+from gateway.settings import Settings
 from tests.support.fuzz import fuzz
 
 RULES = """
@@ -61,6 +65,9 @@ def _source(
     async def regions() -> list[dict[str, object]]:
         return [{"name": "us", "counter_backend": "memory", "healthy": True}]
 
+    async def reader(table: RuleTable) -> ReadRequest:  # the data plane's reading
+        return request_reader(Settings(), table, IdentityHasher(b"s" * 32), None)
+
     return ConsoleSource(
         table=lambda: table,
         last_reload_error=lambda: None,
@@ -69,6 +76,7 @@ def _source(
         recent=lambda: [(1_795_428_000.0, "us", "q-key", "api_key:0123456789ab")],
         hasher=IdentityHasher(b"s" * 32),
         secret_source="a test secret",
+        reader=reader,
         data_dir=tmp_path,
         admin_host=host,
         admin_token=token,

@@ -11,12 +11,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.app import request_reader
+from gateway.explain import ReadRequest
 from gateway.metrics import Metrics
 from gateway.policy.loader import load_rules_from_texts
+from gateway.policy.model import RuleTable
 from gateway.proxy.admin import create_admin_app
 from gateway.proxy.console import CSP, ConsoleSource, RateSampler
 from gateway.ratelimit.identity import IdentityHasher
 from gateway.replay.saved import save_report
+from gateway.settings import Settings
 from tests.support.gateway import running_app
 
 RULES = """
@@ -50,6 +54,15 @@ async def _history(http, url, query="", until=lambda data: True):
         await asyncio.sleep(0.2)
 
 
+def data_plane_reader(hasher: IdentityHasher, settings: Settings | None = None, verified=None):
+    """``ConsoleSource.reader``: the data plane's reading, as ``gateway.app`` wires it."""
+
+    async def reader(table: RuleTable) -> ReadRequest:
+        return request_reader(settings or Settings(), table, hasher, verified)
+
+    return reader
+
+
 def _source(tmp_path: Path, metrics: Metrics, host: str, token: str | None) -> ConsoleSource:
     table = load_rules_from_texts([("rules/a.yaml", RULES)])
     refused_at = time.time()  # within the console's ten minutes
@@ -68,6 +81,7 @@ def _source(tmp_path: Path, metrics: Metrics, host: str, token: str | None) -> C
         recent=lambda: [(refused_at, "us", "q-key", "api_key:0123456789ab")],
         hasher=IdentityHasher(b"s" * 32),
         secret_source="a test secret",
+        reader=data_plane_reader(IdentityHasher(b"s" * 32)),
         data_dir=tmp_path,
         admin_host=host,
         admin_token=token,
@@ -286,6 +300,7 @@ async def test_top_limited_identities_show_the_consumer_and_tier_of_a_known_key(
             recent=lambda: list(reversed(refusals)),
             hasher=IdentityHasher(SECRET),
             secret_source="the test gateway's secret",
+            reader=data_plane_reader(IdentityHasher(SECRET), gw.settings, gw.gateway.verified),
             data_dir=tmp_path,
             admin_host="127.0.0.1",
             admin_token=None,
