@@ -26,12 +26,12 @@ MAX_LEEWAY_SECONDS: Final = 300.0
 MIN_REFRESH_SECONDS: Final = 1.0
 MAX_REFRESH_SECONDS: Final = 86_400.0
 MAX_CLAIM_NAME_CHARS: Final = 128
-# Signature checks a second (each a public-key operation, up to ~0.15 ms): per client
-# address and in all. A random token costs up to four (jwt.MAX_KEYS_TRIED) and is not
-# counted until it is checked, so without these one client could keep the worker busy.
-DEFAULT_CHECKS_PER_CLIENT: Final = 64
-DEFAULT_CHECKS: Final = 1024
-MAX_CHECKS_SETTING: Final = 1_000_000
+# CPU milliseconds a second that verifying tokens that fail may take (VerifyBudget), per
+# client address and in all: a fresh random token is verified before its request is
+# counted, so without these one client could keep the worker busy. 1000 is a whole core.
+DEFAULT_VERIFY_MS_PER_CLIENT: Final = 10.0
+DEFAULT_VERIFY_MS: Final = 100.0
+MAX_VERIFY_MS: Final = 1000.0
 # An RFC 9110 field name (token), lower-cased when stored: the data plane matches
 # header names case-insensitively.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -65,8 +65,8 @@ class JwtConfig:
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
     leeway_seconds: float = 30.0
     jwks_refresh_seconds: float = 300.0
-    max_signature_checks_per_client: int = DEFAULT_CHECKS_PER_CLIENT  # a second
-    max_signature_checks: int = DEFAULT_CHECKS  # a second, all clients together
+    max_failed_verify_ms_per_client: float = DEFAULT_VERIFY_MS_PER_CLIENT  # a second
+    max_failed_verify_ms: float = DEFAULT_VERIFY_MS  # a second, all clients together
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +154,8 @@ _JWT_KEYS: Final = frozenset(
         "algorithms",
         "leeway_seconds",
         "jwks_refresh_seconds",
-        "max_signature_checks_per_client",
-        "max_signature_checks",
+        "max_failed_verify_ms_per_client",
+        "max_failed_verify_ms",
     }
 )
 
@@ -188,10 +188,12 @@ def _jwt(raw: Any, base_dir: Path) -> JwtConfig:
         jwks_refresh_seconds=_number(
             section, where, "jwks_refresh_seconds", 300.0, MIN_REFRESH_SECONDS, MAX_REFRESH_SECONDS
         ),
-        max_signature_checks_per_client=_count(
-            section, where, "max_signature_checks_per_client", DEFAULT_CHECKS_PER_CLIENT
+        max_failed_verify_ms_per_client=_milliseconds(
+            section, where, "max_failed_verify_ms_per_client", DEFAULT_VERIFY_MS_PER_CLIENT
         ),
-        max_signature_checks=_count(section, where, "max_signature_checks", DEFAULT_CHECKS),
+        max_failed_verify_ms=_milliseconds(
+            section, where, "max_failed_verify_ms", DEFAULT_VERIFY_MS
+        ),
     )
 
 
@@ -318,14 +320,19 @@ def _number(
     return float(raw)
 
 
-def _count(section: Mapping[str, Any], where: str, key: str, default: int) -> int:
+def _milliseconds(section: Mapping[str, Any], where: str, key: str, default: float) -> float:
     raw = section.get(key, default)
-    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= MAX_CHECKS_SETTING:
+    if (
+        isinstance(raw, bool)
+        or not isinstance(raw, int | float)
+        or not math.isfinite(raw)
+        or not 0 < raw <= MAX_VERIFY_MS
+    ):
         raise IdentityConfigError(
-            f"{where}.{key}: expected a whole number of signature checks a second, "
-            f"1 to {MAX_CHECKS_SETTING:,} (default {default})"
+            f"{where}.{key}: expected milliseconds of CPU a second, more than 0 and at most "
+            f"{MAX_VERIFY_MS:g} (a whole core; default {default:g})"
         )
-    return raw
+    return float(raw)
 
 
 def _string(raw: Any, where: str, *, required: bool) -> str:

@@ -26,7 +26,6 @@ from typing import Any, Final, TypeGuard
 import aiohttp
 import jwt
 
-from gateway.identity.check_budget import CheckBudget
 from gateway.identity.config import JwtConfig
 from gateway.identity.jwks import (
     MAX_JWKS_BYTES,
@@ -38,6 +37,7 @@ from gateway.identity.jwks import (
 )
 from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError, display_url
 from gateway.identity.keys import valid_name
+from gateway.identity.verify_budget import VerifyBudget
 
 log = logging.getLogger("gateway.identity")
 
@@ -60,7 +60,7 @@ REASONS: Final = frozenset(
         "malformed",
         "no_keys",
         "claim",
-        "throttled",  # not checked: the client's signature checks this second are spent
+        "throttled",  # not verified: the client's budget of failed verification is spent
     }
 )
 # A not-yet-valid token becomes valid by itself: remembering its failure would refuse it
@@ -91,6 +91,8 @@ class VerifierStats:
     """Plain counters, for metrics collected at scrape time."""
 
     signature_checks: int = 0
+    failed_seconds: float = 0.0  # CPU time of verifications that failed (VerifyBudget)
+    throttled: int = 0  # tokens not verified: their client's budget was spent
     cache_hits: int = 0
     failure_cache_hits: int = 0
     refreshes: int = 0
@@ -114,6 +116,7 @@ class JwtVerifier:
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.time,
         kid_refresh_seconds: float | None = None,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         """Key files are read now (``JwksError`` or ``OSError`` if unusable); a JWKS URL
         is fetched by ``start()``. ``session``: the process's HTTP client, if it has one."""
@@ -121,6 +124,7 @@ class JwtVerifier:
         self.stats = VerifierStats()
         self.last_error: str | None = None
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._leeway = config.leeway_seconds
         self._algorithms = frozenset(config.algorithms)
         self._audience = list(config.audience)
@@ -145,8 +149,8 @@ class JwtVerifier:
         # Counts the key sets installed: a cache of verdicts kept elsewhere is stale once
         # it moves (a removed key's tokens must stop working at once).
         self.generation = 0
-        self.budget = CheckBudget(
-            config.max_signature_checks_per_client, config.max_signature_checks
+        self.budget = VerifyBudget(
+            config.max_failed_verify_ms_per_client / 1000, config.max_failed_verify_ms / 1000
         )
         if self._fetcher is None:
             self._install(self._parse(self._read_file()))
@@ -169,8 +173,9 @@ class JwtVerifier:
 
     def verify(self, token: str, client: str = "") -> VerifiedUser:
         """The user of a valid token; ``InvalidToken(reason)`` otherwise. ``client``: the
-        address its signature checks are counted against (``CheckBudget``); a token this
-        verifier knows the verdict of costs none and is answered whatever the budget."""
+        address a failed verification's CPU time is charged to (``VerifyBudget``); a token
+        this verifier knows the verdict of costs nothing and is answered whatever the
+        budget."""
         if len(token) > MAX_TOKEN_BYTES or not token.isascii():
             raise InvalidToken("malformed")  # not cached: hashing it is the cost we avoid
         # Cached under the token's hash: bounded memory per entry, and no bearer token
@@ -191,17 +196,21 @@ class JwtVerifier:
             del self._failed[digest]
         budget = self.budget
         if not budget.allows(client, now):
-            raise InvalidToken("throttled")  # not remembered: the token was not checked
-        checks = self.stats.signature_checks
+            self.stats.throttled += 1
+            raise InvalidToken("throttled")  # not remembered: the token was not verified
+        started = self._cpu_clock()
         try:
             user = self._verify_uncached(token, now)
         except InvalidToken as exc:
+            # All of it charged: parsing (PyJWT's pure-Python base64 pass, once per key
+            # tried) costs as much as the signature checks, and fails before them too.
+            spent = self._cpu_clock() - started
+            self.stats.failed_seconds += spent
+            budget.spend(client, spent, now)
             if exc.reason not in _NOT_REMEMBERED:
                 until = now + FAILED_CACHE_SECONDS
                 _bounded_put(self._failed, digest, (exc.reason, until), FAILED_CACHE_SIZE)
             raise
-        finally:
-            budget.spend(client, self.stats.signature_checks - checks, now)
         _bounded_put(self._verified, digest, user, VERIFIED_CACHE_SIZE)
         return user
 

@@ -35,11 +35,11 @@ class Refusal:
     status: int = 401
 
 
-# identity.user.jwt.max_signature_checks(_per_client) spent for this second (CheckBudget).
+# identity.user.jwt.max_failed_verify_ms(_per_client) spent for this second (VerifyBudget).
 THROTTLED: Final = Refusal(
-    "too many bearer tokens to check from this client address (or from all clients) "
-    "this second (identity.user.jwt.max_signature_checks_per_client, "
-    "max_signature_checks); send it again after Retry-After, and reuse tokens",
+    "too many bearer tokens that do not verify from this client address (or from all "
+    "clients) this second (identity.user.jwt.max_failed_verify_ms_per_client, "
+    "max_failed_verify_ms); send a valid token again after Retry-After",
     (("Retry-After", "1"),),
     "throttled",
     429,
@@ -114,6 +114,8 @@ class VerifiedIdentities:
                 "last_error": self.tokens.last_error,
                 "invalid": self.config.user.invalid,
                 "signature_checks": stats.signature_checks,
+                "failed_verification_ms": round(stats.failed_seconds * 1000, 1),
+                "throttled": stats.throttled,
                 "cache_hits": stats.cache_hits,
                 "refreshes": stats.refreshes,
                 "refresh_failures": stats.refresh_failures,
@@ -121,12 +123,12 @@ class VerifiedIdentities:
         return out
 
     def invalid_token(self, reason: str) -> Refusal | None:
-        if reason == "throttled":
-            # Whatever ``invalid`` says: the token was not checked, so it is neither
-            # valid nor invalid, and the client is told when to send it again.
-            return THROTTLED
         if not self.reject_invalid_tokens:
-            return None
+            return None  # counted as a request without a user, throttled or not
+        if reason == "throttled":
+            # Not verified, so neither valid nor invalid: the client is told when to send
+            # it again rather than that it is wrong.
+            return THROTTLED
         return Refusal(
             f"the bearer token does not verify ({reason}); send a valid token",
             (("WWW-Authenticate", TOKEN_CHALLENGE),),

@@ -92,13 +92,13 @@ def test_defaults_of_the_jwt_section():
     assert jwt.header == "authorization" and jwt.claim == "sub" and jwt.tier_claim is None
     assert jwt.algorithms == ("RS256", "ES256", "EdDSA")
     assert jwt.leeway_seconds == 30 and jwt.jwks_refresh_seconds == 300
-    assert jwt.max_signature_checks_per_client == 64 and jwt.max_signature_checks == 1024
+    assert jwt.max_failed_verify_ms_per_client == 10 and jwt.max_failed_verify_ms == 100
     assert parse_identity_config(jwt_section(), BASE).user.invalid == "reject"
     tuned = parse_identity_config(
-        jwt_section(max_signature_checks_per_client=5, max_signature_checks=50), BASE
+        jwt_section(max_failed_verify_ms_per_client=2.5, max_failed_verify_ms=50), BASE
     ).user.jwt
     assert tuned is not None
-    assert tuned.max_signature_checks_per_client == 5 and tuned.max_signature_checks == 50
+    assert tuned.max_failed_verify_ms_per_client == 2.5 and tuned.max_failed_verify_ms == 50
 
 
 def test_header_from_trusted_without_jwt():
@@ -169,10 +169,11 @@ def test_each_mistake_is_named_by_its_key_path(raw, message):
         ({"jwks_refresh_seconds": 0}, "identity.user.jwt.jwks_refresh_seconds: must be between"),
         ({"header": "x-api-key"}, "identity.user.jwt.header: 'x-api-key' is also"),
         ({"secret": "s3cr3t"}, "identity.user.jwt.secret: unknown key"),
-        ({"max_signature_checks": 0}, "identity.user.jwt.max_signature_checks: expected a whole"),
-        ({"max_signature_checks": 1.5}, "max_signature_checks: expected a whole number"),
-        ({"max_signature_checks": True}, "max_signature_checks: expected a whole number"),
-        ({"max_signature_checks_per_client": 10**7}, "per_client: expected a whole number"),
+        ({"max_failed_verify_ms": 0}, "identity.user.jwt.max_failed_verify_ms: expected milli"),
+        ({"max_failed_verify_ms": "5"}, "max_failed_verify_ms: expected milliseconds"),
+        ({"max_failed_verify_ms": True}, "max_failed_verify_ms: expected milliseconds"),
+        ({"max_failed_verify_ms": float("inf")}, "max_failed_verify_ms: expected milliseconds"),
+        ({"max_failed_verify_ms_per_client": 1001}, "per_client: expected milliseconds"),
     ],
 )
 def test_each_jwt_mistake_is_named_by_its_key_path(overrides, message):
@@ -205,7 +206,7 @@ def test_the_pure_identity_modules_import_no_network_or_counting_code():
         "key_edit.py",
         "safe_yaml.py",
         "jwks.py",
-        "check_budget.py",
+        "verify_budget.py",
     ):
         tree = ast.parse((package / name).read_text())
         imported = {
