@@ -142,12 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="peer networks whose X-Forwarded-For is believed, repeatable",
     )
     add("--access-log", choices=["plain", "json", "off"], help="access log format (default: plain)")
-    add("--access-log-file", metavar="PATH",
+    add(
+        "--access-log-file",
+        metavar="PATH",
         help="where access lines go, nothing else (default: - for stdout); reopened after "
-        "a rotation and on SIGUSR1")
+        "a rotation and on SIGUSR1",
+    )
     add("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
-    add("--log-format", choices=["text", "json"],
-        help="the gateway's own logs on stderr: text (default) or JSON lines")
+    add(
+        "--log-format",
+        choices=["text", "json"],
+        help="the gateway's own logs on stderr: text (default) or JSON lines",
+    )
     add(
         "--shutdown-timeout",
         type=float,
@@ -264,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--save",
         action="store_true",
-        help="also keep the report as the last replay in the data dir (the admin console "
-        "shows it)",
+        help="also keep the report as the last replay in the data dir (the admin console shows it)",
     )
     simulate.add_argument("--data-dir", metavar="DIR", help="(default: GATEWAY_DATA_DIR or ./data)")
     simulate.set_defaults(func=_rules_simulate)
@@ -357,6 +362,8 @@ def _rules_check(args: argparse.Namespace) -> int:
 
 
 def _rules_explain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from gateway.explain import explain
     from gateway.policy.loader import RuleLoadError
     from gateway.settings import load_settings
@@ -388,6 +395,8 @@ def _rules_explain(args: argparse.Namespace) -> int:
             region=args.region,
             reader=reader,
             regions=[r.name for r in settings.region_table()],
+            identity_secret=settings.identity_secret,
+            data_dir=Path(settings.data_dir),
         )
     except RuleLoadError as exc:
         print(f"the rules do not load:\n{exc}", file=sys.stderr)
@@ -422,7 +431,14 @@ def _explain_identities(settings: Settings) -> VerifiedIdentities | None:
     if identity.user.jwt is not None:
         tokens = JwtVerifier(identity.user.jwt)
         if identity.user.jwt.jwks_url is not None:
-            asyncio.run(tokens.start())
+
+            async def fetch(verifier: JwtVerifier) -> None:
+                try:
+                    await verifier.start()
+                finally:
+                    await verifier.close()  # its HTTP session: nothing is fetched again
+
+            asyncio.run(fetch(tokens))
     return VerifiedIdentities(identity, keys, tokens)
 
 

@@ -13,7 +13,6 @@ not apply, and the answer the gateway gives besides the rule's count (401 ...).
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from gateway.policy.matcher import Selection, select
 from gateway.policy.model import IdentityKind, Rule, RuleTable
 from gateway.policy.paths import split_target
 from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
+from gateway.secrets import SECRET_FILE
 
 HEADER_FOR = {IdentityKind.API_KEY: "x-api-key", IdentityKind.USER_IP: "x-user-id"}
 DEFAULT_HOST = "localhost"  # the Host of a described request that names none
@@ -66,11 +66,13 @@ ReadRequest = Callable[[str, bytes, list[tuple[bytes, bytes]], str], Reading]
 ReaderFor = Callable[[RuleTable, IdentityHasher], ReadRequest]
 
 
-def _secret() -> tuple[bytes, str]:
-    configured = os.environ.get("GATEWAY_IDENTITY_SECRET")
+def _secret(configured: str | None, data_dir: Path) -> tuple[bytes, str]:
+    """The deployment's identity secret as ``gateway serve`` finds it (the setting
+    ``identity_secret``, from the config file or ``GATEWAY_IDENTITY_SECRET``, else the file
+    in ``data_dir``), read only: explaining never creates one."""
     if configured:
-        return configured.encode(), "GATEWAY_IDENTITY_SECRET"
-    path = Path(os.environ.get("GATEWAY_DATA_DIR", "data")) / "identity-secret"
+        return configured.encode(), "identity_secret"
+    path = data_dir / SECRET_FILE
     if path.is_file():
         return path.read_bytes().strip(), str(path)
     return secrets.token_hex(32).encode(), "a throwaway secret (no deployment secret found)"
@@ -86,12 +88,15 @@ def explain(
     *,
     reader: ReaderFor,
     regions: Iterable[str] = (),
+    identity_secret: str | None = None,
+    data_dir: Path = Path("data"),
 ) -> str:
     """A human-readable account of how the table treats the described request.
     ``reader``: the data plane's reading for the loaded table and hasher; ``regions``:
-    names the rule files may use besides the defaults."""
+    names the rule files may use besides the defaults; ``identity_secret`` and
+    ``data_dir``: the settings the hashes are keyed with, as the gateway keys them."""
     table = load_rules(rules, DEFAULT_REGIONS | set(regions) | ({region} if region else set()))
-    secret, secret_source = _secret()
+    secret, secret_source = _secret(identity_secret, data_dir)
     hasher = IdentityHasher(secret)
     read = reader(table, hasher)
     return explain_request(

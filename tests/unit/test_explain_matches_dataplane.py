@@ -499,3 +499,44 @@ def test_described_headers_are_the_bytes_llhttp_reads():
             described_request("GET", "/", bad)
     with pytest.raises(ValueError, match="line break"):
         described_request("GET", "/\r\nx-api-key: a", [])
+
+
+def test_explain_keys_its_hashes_as_the_gateway_does(tmp_path, monkeypatch):
+    """The identity secret comes from the config file (or GATEWAY_IDENTITY_SECRET), else
+    from the data dir's file, as ``gateway serve`` finds it, and explaining never makes
+    one: the hashes it prints are those of the gateway's logs."""
+    from gateway.policy.model import IdentityKind
+    from gateway.ratelimit.identity import IdentityHasher
+
+    monkeypatch.delenv("GATEWAY_IDENTITY_SECRET", raising=False)
+    monkeypatch.delenv("GATEWAY_DATA_DIR", raising=False)
+    secret = "0123456789abcdef0123456789abcdef"
+    key = "sk-explained-key"
+
+    def explained(config_text: str) -> str:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(config_text)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["rules", "explain", "GET", "/repos/a", "--api-key", key,
+                         "--region", "us", "--config", str(config)])  # fmt: skip
+        assert code == 0, out.getvalue()
+        return out.getvalue()
+
+    text = explained(f'identity_secret: "{secret}"\ndata_dir: {tmp_path / "d1"}\n')
+    assert "identity hashes keyed with identity_secret" in text
+    assert IdentityHasher(secret.encode()).digest(IdentityKind.API_KEY, key) in text
+    assert not (tmp_path / "d1").exists()  # nothing made
+
+    data_dir = tmp_path / "d2"
+    data_dir.mkdir()
+    (data_dir / "identity-secret").write_text("fedcba9876543210fedcba9876543210\n")
+    text = explained(f"data_dir: {data_dir}\n")
+    assert f"identity hashes keyed with {data_dir / 'identity-secret'}" in text
+    assert (
+        IdentityHasher(b"fedcba9876543210fedcba9876543210").digest(IdentityKind.API_KEY, key)
+        in text
+    )
+
+    text = explained(f"data_dir: {tmp_path / 'd3'}\n")
+    assert "a throwaway secret" in text and not (tmp_path / "d3").exists()
