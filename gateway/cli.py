@@ -366,6 +366,7 @@ def _rules_explain(args: argparse.Namespace) -> int:
 
     from gateway.explain import explain
     from gateway.policy.loader import RuleLoadError
+    from gateway.secrets import existing_identity_secret
     from gateway.settings import load_settings
 
     try:
@@ -395,8 +396,7 @@ def _rules_explain(args: argparse.Namespace) -> int:
             region=args.region,
             reader=reader,
             regions=[r.name for r in settings.region_table()],
-            identity_secret=settings.identity_secret,
-            data_dir=Path(settings.data_dir),
+            secret=existing_identity_secret(settings.identity_secret, Path(settings.data_dir)),
         )
     except RuleLoadError as exc:
         print(f"the rules do not load:\n{exc}", file=sys.stderr)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import httptools
 
@@ -26,7 +25,6 @@ from gateway.policy.matcher import Selection, select
 from gateway.policy.model import IdentityKind, Rule, RuleTable
 from gateway.policy.paths import split_target
 from gateway.ratelimit.identity import IdentityHasher, RequestIdentity
-from gateway.secrets import SECRET_FILE
 
 HEADER_FOR = {IdentityKind.API_KEY: "x-api-key", IdentityKind.USER_IP: "x-user-id"}
 DEFAULT_HOST = "localhost"  # the Host of a described request that names none
@@ -66,18 +64,6 @@ ReadRequest = Callable[[str, bytes, list[tuple[bytes, bytes]], str], Reading]
 ReaderFor = Callable[[RuleTable, IdentityHasher], ReadRequest]
 
 
-def _secret(configured: str | None, data_dir: Path) -> tuple[bytes, str]:
-    """The deployment's identity secret as ``gateway serve`` finds it (the setting
-    ``identity_secret``, from the config file or ``GATEWAY_IDENTITY_SECRET``, else the file
-    in ``data_dir``), read only: explaining never creates one."""
-    if configured:
-        return configured.encode(), "identity_secret"
-    path = data_dir / SECRET_FILE
-    if path.is_file():
-        return path.read_bytes().strip(), str(path)
-    return secrets.token_hex(32).encode(), "a throwaway secret (no deployment secret found)"
-
-
 def explain(
     rules: Sequence[str],
     method: str,
@@ -88,16 +74,19 @@ def explain(
     *,
     reader: ReaderFor,
     regions: Iterable[str] = (),
-    identity_secret: str | None = None,
-    data_dir: Path = Path("data"),
+    secret: tuple[bytes, str] | None = None,
 ) -> str:
     """A human-readable account of how the table treats the described request.
     ``reader``: the data plane's reading for the loaded table and hasher; ``regions``:
-    names the rule files may use besides the defaults; ``identity_secret`` and
-    ``data_dir``: the settings the hashes are keyed with, as the gateway keys them."""
+    names the rule files may use besides the defaults; ``secret``: the deployment's
+    identity secret and where it was found (``gateway.secrets.existing_identity_secret``),
+    else the hashes are keyed with a throwaway one."""
     table = load_rules(rules, DEFAULT_REGIONS | set(regions) | ({region} if region else set()))
-    secret, secret_source = _secret(identity_secret, data_dir)
-    hasher = IdentityHasher(secret)
+    key, secret_source = secret or (
+        secrets.token_hex(32).encode(),
+        "a throwaway secret (no deployment secret found)",
+    )
+    hasher = IdentityHasher(key)
     read = reader(table, hasher)
     return explain_request(
         table, hasher, secret_source, method, target, headers, client_ip, region, read=read

@@ -12,19 +12,27 @@ log = logging.getLogger("gateway")
 SECRET_FILE = "identity-secret"  # noqa: S105 - a file name, not a secret
 
 
+def existing_identity_secret(configured: str | None, data_dir: Path) -> tuple[bytes, str] | None:
+    """The secret ``identity_secret`` would return and where it comes from, read only
+    (``gateway rules explain``: explaining never makes one); None when there is none yet."""
+    if configured:
+        return configured.encode(), "identity_secret"
+    path = data_dir / SECRET_FILE
+    if path.is_file():
+        return path.read_bytes().strip(), str(path)
+    return None
+
+
 def identity_secret(configured: str | None, data_dir: Path) -> bytes:
     """The configured secret, else one kept (mode 0600) in the data dir, made on first use.
 
     Every instance that shares counters must use the same secret, or one API key would
     hash to different counters on different instances: set ``GATEWAY_IDENTITY_SECRET``.
     """
-    if configured:
-        return configured.encode()
+    found = existing_identity_secret(configured, data_dir)
+    if found is not None:
+        return found[0]
     path = data_dir / SECRET_FILE
-    try:
-        return path.read_bytes().strip()
-    except FileNotFoundError:
-        pass
     data_dir.mkdir(parents=True, exist_ok=True)
     value = secrets.token_hex(32).encode()
     try:
