@@ -159,6 +159,14 @@ def test_answer_bytes_settings(tmp_path: Path) -> None:
         StoreConfig(data_dir=tmp_path, max_answer_bytes_in_flight=2**40)
     with pytest.raises(ValueError, match=r"store\.max_answer_bytes: must be an integer"):
         StoreConfig.from_mapping({"max_answer_bytes": "64M"}, tmp_path)
+    assert config.answer_send_timeout_seconds == 30.0
+    config = StoreConfig.from_mapping({"answer_send_timeout_seconds": 2}, tmp_path)
+    assert config.answer_send_timeout_seconds == 2.0
+    for bad in (0, -1, float("nan"), 3601):
+        with pytest.raises(ValueError, match=r"store\.answer_send_timeout_seconds: must be"):
+            StoreConfig(data_dir=tmp_path, answer_send_timeout_seconds=bad)
+    with pytest.raises(ValueError, match=r"store\.answer_send_timeout_seconds: must be a number"):
+        StoreConfig.from_mapping({"answer_send_timeout_seconds": "30s"}, tmp_path)
 
 
 # -- one answer ---------------------------------------------------------------------------
@@ -336,31 +344,53 @@ async def test_a_search_ranked_by_meaning_is_bounded_the_same_way(
 async def test_answers_past_the_bytes_in_flight_get_503_with_retry_after_until_room_is_back(
     tmp_path: Path, store_database_url: str | None
 ) -> None:
+    """Past the bytes in flight a search or GET gets 503 with Retry-After (the detail fits
+    the operation), except an answer of at most SMALL_ANSWER_BYTES, always served."""
+    assert MiB == answers.SMALL_ANSWER_BYTES
     config = _config(
-        tmp_path, store_database_url, max_answer_bytes=MiB, max_answer_bytes_in_flight=MiB
+        tmp_path,
+        store_database_url,
+        max_body_bytes=2 * MiB,
+        max_answer_bytes=4 * MiB,
+        max_answer_bytes_in_flight=4 * MiB,
     )
     store = await start_store(config)
     storage = store.app[STORAGE_KEY]
     pool = storage.answers
     try:
-        await _fill(storage, ["f"], [64 * KiB] * 10)  # 640 KiB
+        await _fill(storage, ["f"], [256 * KiB] * 10)  # 2.5 MiB
+        await _fill(storage, ["g"], [3 * MiB // 2])  # one item over the small answers
+        get_small = {"namespace": "f", "key": "k0001", "refresh_ttl": "false"}
+        get_large = {"namespace": "g", "key": "k0000", "refresh_ttl": "false"}
         async with aiohttp.ClientSession(store.url) as http:
-            other = pool.budget()  # another answer, holding 600 KiB
-            other.take(600 * KiB)
+            other = pool.budget()  # another answer, holding 2 MiB
+            other.take(2 * MiB)
             status, body, headers = await _search(http, {"namespace_prefix": ["f"], "limit": 10})
             assert status == 503, body
             assert headers["Retry-After"] == "1"
             assert "store.max_answer_bytes_in_flight" in body["detail"]
-            assert pool.held == 600 * KiB and pool.open_answers == 1
+            assert "store.answer_send_timeout_seconds" in body["detail"]
+            assert "smaller limit" in body["detail"]
+            assert pool.held == 2 * MiB and pool.open_answers == 1
             # What still fits is served: 5 items, one GET.
             status, body, _ = await _search(http, {"namespace_prefix": ["f"], "limit": 5})
             assert status == 200 and len(body["items"]) == 5
-            async with http.get("/store/items", params={"namespace": "f", "key": "k0001"}) as got:
+            async with http.get("/store/items", params=get_large) as got:
                 assert got.status == 200
-            other.take(400 * KiB)  # 1000 KiB held: not even one item fits now
-            async with http.get("/store/items", params={"namespace": "f", "key": "k0001"}) as got:
+            other.take(2 * MiB)  # 4 MiB held: only small answers are served now
+            async with http.get("/store/items", params=get_large) as got:
                 assert got.status == 503
                 assert got.headers["Retry-After"] == "1"
+                detail = (await got.json())["detail"]
+                assert "store.max_answer_bytes_in_flight" in detail
+                assert "retry shortly" in detail and "limit" not in detail
+            status, body, _ = await _search(http, {"namespace_prefix": ["f"], "limit": 5})
+            assert status == 503, body
+            async with http.get("/store/items", params=get_small) as got:
+                assert got.status == 200
+            status, body, _ = await _search(http, {"namespace_prefix": ["f"], "limit": 4})
+            assert status == 200 and len(body["items"]) == 4  # 1 MiB: small
+            assert pool.held == 4 * MiB
             other.close()
             assert _idle(pool)
             status, body, _ = await _search(http, {"namespace_prefix": ["f"], "limit": 10})
@@ -370,7 +400,9 @@ async def test_answers_past_the_bytes_in_flight_get_503_with_retry_after_until_r
         await store.runner.cleanup()
 
 
-async def _stalled_search(url: str, body: dict[str, Any]) -> asyncio.StreamWriter:
+async def _stalled_search(
+    url: str, body: dict[str, Any]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Send a search on a connection that never reads its answer (a tiny receive buffer,
     so the answer cannot hide in the kernel)."""
     parts = urlsplit(url)
@@ -378,7 +410,7 @@ async def _stalled_search(url: str, body: dict[str, Any]) -> asyncio.StreamWrite
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * KiB)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
-    _, writer = await asyncio.open_connection(sock=sock)
+    reader, writer = await asyncio.open_connection(sock=sock)
     raw = json.dumps(body).encode()
     writer.write(
         b"POST /store/items/search HTTP/1.1\r\nHost: store\r\n"
@@ -386,7 +418,7 @@ async def _stalled_search(url: str, body: dict[str, Any]) -> asyncio.StreamWrite
         b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw
     )
     await writer.drain()
-    return writer
+    return reader, writer
 
 
 async def test_an_answer_holds_its_bytes_until_sent_and_a_client_gone_gives_them_back(
@@ -408,7 +440,7 @@ async def test_an_answer_holds_its_bytes_until_sent_and_a_client_gone_gives_them
     try:
         await _fill(storage, ["big"], [256 * KiB] * 60)  # 15 MiB
         search = {"namespace_prefix": ["big"], "limit": 60, "refresh_ttl": False}
-        writer = await _stalled_search(store.url, search)
+        _, writer = await _stalled_search(store.url, search)
         try:
             await _until(lambda: pool.held >= answer)
             await asyncio.sleep(0.3)
@@ -424,6 +456,68 @@ async def test_an_answer_holds_its_bytes_until_sent_and_a_client_gone_gives_them
                 await _until(lambda: _idle(pool))
                 status, body, _ = await _search(http, search)
                 assert status == 200 and len(body["items"]) == 60
+            assert _idle(pool)
+        finally:
+            writer.close()
+    finally:
+        await store.runner.cleanup()
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """Read what the server sent until the connection ends: True once it has."""
+    try:
+        while await reader.read(MiB):
+            pass
+    except ConnectionError:
+        pass
+    return True
+
+
+async def test_a_client_that_stalls_is_cut_off_after_the_send_timeout_and_small_answers_go_on(
+    tmp_path: Path, store_database_url: str | None
+) -> None:
+    """A client that does not read a large answer holds every byte in flight; a GET and a
+    one-item listing are still answered 200 meanwhile (small answers skip the in-flight
+    check), a larger search 503; after store.answer_send_timeout_seconds the stalled
+    connection is aborted and its bytes given back."""
+    config = _config(
+        tmp_path,
+        store_database_url,
+        max_answer_bytes=16 * MiB,
+        max_answer_bytes_in_flight=16 * MiB,
+        answer_send_timeout_seconds=1.5,
+    )
+    store = await start_store(config)
+    storage = store.app[STORAGE_KEY]
+    pool = storage.answers
+    answer = 64 * 256 * KiB  # all 16 MiB in flight
+    try:
+        await _fill(storage, ["big"], [256 * KiB] * 64)
+        await _fill(storage, ["tiny"], [7 + _EMPTY])
+        search = {"namespace_prefix": ["big"], "limit": 64, "refresh_ttl": False}
+        reader, writer = await _stalled_search(store.url, search)
+        try:
+            await _until(lambda: pool.held >= answer)
+            async with aiohttp.ClientSession(store.url) as http:
+                params = {"namespace": "big", "key": "k0003", "refresh_ttl": "false"}
+                async with http.get("/store/items", params=params) as got:
+                    assert got.status == 200
+                    assert (await got.json())["key"] == "k0003"
+                params = {"namespace": "tiny", "key": "k0000", "refresh_ttl": "false"}
+                async with http.get("/store/items", params=params) as got:
+                    assert got.status == 200
+                status, body, _ = await _search(http, {**search, "limit": 1})
+                assert status == 200 and len(body["items"]) == 1
+                status, body, headers = await _search(http, {**search, "limit": 8})
+                assert status == 503, body  # 2 MiB: not small
+                assert headers["Retry-After"] == "1"
+                # All of that while the stalled answer was still held.
+                assert pool.held == answer and pool.open_answers == 1
+                await _until(lambda: _idle(pool), seconds=15.0)
+                async with asyncio.timeout(15.0):
+                    assert await _closed(reader)  # the server cut the connection
+                status, body, _ = await _search(http, search)
+                assert status == 200 and len(body["items"]) == 64
             assert _idle(pool)
         finally:
             writer.close()
@@ -478,7 +572,7 @@ async def test_a_request_cancelled_while_its_items_are_read_leaves_nothing_reser
                 return await read_page(budget, fetch_later, first_read)
 
             monkeypatch.setattr(pg_storage, "aread_page", read_then_wait)
-        writer = await _stalled_search(url, {"namespace_prefix": ["c"], "limit": 20})
+        _, writer = await _stalled_search(url, {"namespace_prefix": ["c"], "limit": 20})
         await asyncio.to_thread(reading.wait, 30)
         assert pool.held > 0 and pool.open_answers == 1
         writer.close()
@@ -582,6 +676,7 @@ def _cases(draw: st.DrawFn) -> dict[str, Any]:
         "in_flight": per_answer + draw(st.integers(0, 12_000)),
         "others": others,
         "first_read": draw(st.sampled_from([1, 700, 4 * MiB])),
+        "small": draw(st.sampled_from([0, 0, 500, 5_000])),
     }
 
 
@@ -592,7 +687,7 @@ def test_an_answer_is_complete_or_refused_never_short(
     other answers and first PostgreSQL read: the answer is exactly the unbounded one, or 422
     exactly when it holds more than one item and more than the per-answer bound, or 503
     exactly when other answers hold bytes and it would take the total past the in-flight
-    bound (an empty answer takes nothing). Never fewer items."""
+    bound and it is not small (an empty answer takes nothing). Never fewer items."""
     index = IndexConfig(model="test-embed", dims=8, url="http://127.0.0.1:1/v1")
     config = _config(tmp_path, store_database_url, index=index)
     loop = asyncio.new_event_loop()
@@ -638,7 +733,7 @@ def test_an_answer_is_complete_or_refused_never_short(
         use = ranker if case["mode"] == "ranked" else None
         reference = loop.run_until_complete(storage.search(request, use))
         total = sum(value_bytes(_text(item["value"])) for item in reference)
-        pool = AnswerBytes(case["per_answer"], case["in_flight"])
+        pool = AnswerBytes(case["per_answer"], case["in_flight"], small=case["small"])
         other = pool.budget()
         if case["others"]:
             other.take(case["others"])
@@ -657,7 +752,12 @@ def test_an_answer_is_complete_or_refused_never_short(
         assert _idle(pool)
         fits_answer = len(reference) <= 1 or total <= case["per_answer"]
         others = case["others"]
-        fits_flight = others == 0 or not reference or others + total <= case["in_flight"]
+        fits_flight = (
+            others == 0
+            or not reference
+            or total <= case["small"]
+            or others + total <= case["in_flight"]
+        )
         if outcome == 422:
             assert not fits_answer
         elif outcome == 503:
@@ -675,7 +775,7 @@ def test_an_answer_is_complete_or_refused_never_short(
 
 
 def test_answer_budget_unit_rules() -> None:
-    pool = AnswerBytes(100, 150)
+    pool = AnswerBytes(100, 150, small=0)
     with pool.budget() as one:
         one.take(500)  # one item alone always fits
         with pytest.raises(AnswerTooLargeError):
@@ -699,6 +799,23 @@ def test_answer_budget_unit_rules() -> None:
         b.take(1)
     with pytest.raises(AnswerClosedError):
         b.grant(1)
+    # Answers of at most `small` bytes skip the in-flight check (still counted).
+    pool = AnswerBytes(100, 150, small=20)
+    a, d, b, c = pool.budget(), pool.budget(), pool.budget(get=True), pool.budget()
+    a.take(90)
+    d.take(60)
+    assert pool.held == 150
+    b.take(15)
+    assert c.grant(1000) == 20 and pool.held == 185
+    c.settle(20, 5, 1)
+    with pytest.raises(AnswersBusyError, match=r"retry shortly$"):
+        b.take(6)  # 21 bytes: no longer small
+    c.take(15)  # 20: small
+    with pytest.raises(AnswersBusyError, match="smaller limit"):
+        c.take(1)
+    for budget in (a, d, b, c):
+        budget.close()
+    assert _idle(pool)
 
 
 def test_postgres_first_reads_leave_half_the_bytes_in_flight(tmp_path: Path) -> None:
@@ -713,6 +830,47 @@ def test_postgres_first_reads_leave_half_the_bytes_in_flight(tmp_path: Path) -> 
         small, index=IndexConfig(model="m", dims=8, url="http://127.0.0.1:1/v1")
     )
     assert PostgresStorage(indexed).first_read_bytes == 4 * MiB // (2 * (10 + 5))
+
+
+async def test_a_postgres_page_read_again_gets_the_time_of_its_second_statement(
+    tmp_path: Path, pg_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page larger than its first reservation is read twice: two statements of about the
+    statement timeout each (here a little more) must not run past the call's deadline
+    (2 x database_timeout) and be counted as an outage (the breaker opened); the re-read is
+    given one statement's time more."""
+    timeout = 1.0
+    config = _config(tmp_path, pg_database_url, database_timeout_seconds=timeout)
+    store = await start_store(config)
+    storage = store.app[STORAGE_KEY]
+    assert isinstance(storage, PostgresStorage)
+    storage.first_read_bytes = 1  # every page that holds a value is read twice
+    reads: list[int] = []
+    real = pg_storage.aread_page
+
+    async def slow_page(
+        budget: AnswerBudget, fetch: Callable[[int], Any], first_read: int
+    ) -> list[Any]:
+        async def slow(cutoff: int) -> list[Any]:
+            reads.append(cutoff)
+            rows: list[Any] = await fetch(cutoff)
+            await asyncio.sleep(timeout * 1.1)  # a statement as slow as it may be (and more)
+            return rows
+
+        return await real(budget, slow, first_read)
+
+    monkeypatch.setattr(pg_storage, "aread_page", slow_page)
+    try:
+        await _fill(storage, ["slow"], [4 * KiB] * 3)
+        async with aiohttp.ClientSession(store.url) as http:
+            status, body, _ = await _search(http, {"namespace_prefix": ["slow"], "limit": 3})
+            assert status == 200, body
+            assert len(body["items"]) == 3
+        assert len(reads) == 2 and reads[0] == 1 and reads[1] == 3 * 4 * KiB
+        assert storage.breaker.state == "closed"
+        assert _idle(storage.answers)
+    finally:
+        await store.runner.cleanup()
 
 
 # -- the document -------------------------------------------------------------------------

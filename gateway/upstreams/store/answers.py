@@ -16,10 +16,21 @@ and never by answering fewer items than exist, which a client paging with ``limi
   are reserved as they are read and given back when the answer has been sent or has failed
   (``AnswerBudget.close``); a read that would take the total over it is refused, ``503``
   with ``Retry-After`` (``AnswersBusyError``), unless no other answer holds anything (an
-  answer alone always proceeds, within its own bound).
+  answer alone always proceeds, within its own bound) or the answer is small: one whose
+  values total at most ``SMALL_ANSWER_BYTES`` is never refused for the bytes in flight (it
+  is still counted while held), so answers that are large and slow to send cannot starve
+  the small ones. An answer's bytes are held until it is sent, at most
+  ``store.answer_send_timeout_seconds`` (app.py ``_sent``; then its connection is closed).
 
-A value's size is its JSON text as stored, in UTF-8 bytes: what the answer carries (the
-answer's parsed values and its JSON are a small multiple of it).
+A value's size is its JSON text as stored, in UTF-8 bytes: what the answer carries. That is
+not a bound on the memory an answer takes: the values are parsed (``rows.py``,
+``json.loads``) before the answer is serialised, and parsed values take more than their
+text; for adversarial shapes (lists of empty containers, ``[[],[],…]``) about 24 times as
+much (a tracemalloc peak of 23 MB measured for 0.98 MB of text). The real fix, splicing the
+stored JSON text into the answer instead of parsing it, is not done. The one item an answer
+always may hold is bounded only by how it was stored: a value is re-serialised when stored
+and can be about 3.8 times its request body (``1e15`` is stored as
+``1000000000000000.0``), or larger than ``max_body_bytes`` if that was lowered since.
 
 Reads run on worker threads (SQLite readers, PostgreSQL's index pool) and on the event loop,
 so the counter takes a lock. ``AnswerBudget.close`` gives back everything and makes any
@@ -49,6 +60,12 @@ Row = TypeVar("Row", bound=Sequence[Any])
 # PostgresStorage), the answer's own bound and the room left. Larger pages are read again
 # with exactly their size reserved (one more statement).
 FIRST_READ_BYTES = 4 * 1024 * 1024
+# Answers whose values total at most this many bytes are never refused for the bytes in
+# flight (they still count while held): a GET or a short listing must not wait behind large
+# answers whose clients read slowly. 1 MiB is the default max_body_bytes (any one item as
+# written), a small share of the default in-flight bound (256 MiB); many of them at once are
+# bounded by the connections the gateway serves and by the send timeout.
+SMALL_ANSWER_BYTES = 1024 * 1024
 # The most times a page is read (its values may grow between two reads: busy writers).
 _PAGE_READS = 4
 
@@ -61,11 +78,13 @@ def value_bytes(text: str) -> int:
 class AnswerBytes:
     """The bytes of values all answers being built hold, and the bound of each answer."""
 
-    def __init__(self, per_answer: int, in_flight: int) -> None:
+    def __init__(self, per_answer: int, in_flight: int, small: int = SMALL_ANSWER_BYTES) -> None:
         if not 1 <= per_answer <= in_flight:
             raise ValueError("AnswerBytes: needs 1 <= per_answer <= in_flight")
         self.per_answer = per_answer
         self.in_flight = in_flight
+        # Answers of at most this many bytes skip the in-flight check (SMALL_ANSWER_BYTES).
+        self.small = small
         self._lock = threading.Lock()
         self._held = 0
         self._open = 0
@@ -80,19 +99,21 @@ class AnswerBytes:
         """Answers whose budget is not closed yet."""
         return self._open
 
-    def budget(self) -> AnswerBudget:
-        """A budget for one answer; close it (or use ``with``) once the answer is sent."""
+    def budget(self, *, get: bool = False) -> AnswerBudget:
+        """A budget for one answer (``get``: of a GET, else of a search: the 503's detail
+        says what to do); close it (or use ``with``) once the answer is sent."""
         with self._lock:
             self._open += 1
-        return AnswerBudget(self)
+        return AnswerBudget(self, get=get)
 
 
 class AnswerBudget:
     """What one answer holds of ``AnswerBytes``: reserved as its rows are read, all given
     back by ``close`` (the answer was sent, or failed, or its request was cancelled)."""
 
-    def __init__(self, pool: AnswerBytes) -> None:
+    def __init__(self, pool: AnswerBytes, *, get: bool = False) -> None:
         self._pool = pool
+        self._get = get
         self._bytes = 0
         self._items = 0
         self._closed = False
@@ -131,7 +152,8 @@ class AnswerBudget:
             room = min(
                 want,
                 max(0, pool.per_answer - self._bytes),
-                max(0, pool.in_flight - pool._held),
+                # A small answer may take its bytes even when the bytes in flight are full.
+                max(0, pool.in_flight - pool._held, pool.small - self._bytes),
             )
             self._bytes += room
             pool._held += room
@@ -156,9 +178,11 @@ class AnswerBudget:
         alone = self._items == 0 and items == 1  # an answer's one item always fits
         if self._bytes + size > pool.per_answer and not alone:
             raise AnswerTooLargeError(pool.per_answer)
+        if self._bytes + size <= pool.small:
+            return  # a small answer: counted, never refused for the bytes in flight
         others = pool._held - self._bytes
         if others > 0 and pool._held + size > pool.in_flight:
-            raise AnswersBusyError(pool.in_flight)
+            raise AnswersBusyError(pool.in_flight, small=pool.small, get=self._get)
 
     def close(self) -> None:
         """Give back every byte; any later reservation raises ``AnswerClosedError``."""

@@ -123,10 +123,25 @@ async def put_item(request: web.Request) -> web.Response:
 async def _sent(request: web.Request, response: web.Response) -> web.Response:
     """``response``, sent: an answer's reservation of item bytes (``answers.py``) lasts
     until its body has left (the transport's buffer drained), not only until it is built;
-    a client gone meanwhile ends the sending, quietly (aiohttp notes it)."""
-    with contextlib.suppress(ConnectionError):
-        await response.prepare(request)
-        await response.write_eof()
+    a client gone meanwhile ends the sending, quietly (aiohttp notes it). A client that
+    has not read the answer within ``store.answer_send_timeout_seconds`` is cut off (its
+    connection aborted), so that it cannot keep the bytes from the other answers."""
+    seconds = request.app[CONFIG_KEY].answer_send_timeout_seconds
+    try:
+        async with asyncio.timeout(seconds):
+            await response.prepare(request)
+            await response.write_eof()
+    except ConnectionError:
+        pass
+    except TimeoutError:
+        log.warning(
+            "store answer to %s %s not read within %g s; connection closed",
+            request.method,
+            request.path,
+            seconds,
+        )
+        if request.transport is not None:
+            request.transport.abort()
     return response
 
 
@@ -134,7 +149,7 @@ async def get_item(request: web.Request) -> web.Response:
     """GET /store/items?namespace=a.b&key=k: the item, or JSON null when absent."""
     query = READ.query(StoreGetQuery, request.query)
     storage = request.app[STORAGE_KEY]
-    with storage.answers.budget() as budget:
+    with storage.answers.budget(get=True) as budget:
         item = await storage.get(query.labels(), query.key, query.refresh_ttl, budget)
         return await _sent(request, _json(item))
 
@@ -192,7 +207,9 @@ _BUSY = Response(_BUSY_TEXT, ErrorResponse)
 # Answers that carry items also count their values against the bytes in flight.
 _BUSY_ANSWERING = Response(
     f"{_BUSY_TEXT}, or the answers being sent hold store.max_answer_bytes_in_flight bytes "
-    "of item values (Retry-After says when to try)",
+    "of item values (Retry-After says when to try; an answer of at most 1 MiB of values is "
+    "always served, and an answer not read within store.answer_send_timeout_seconds is "
+    "cut off)",
     ErrorResponse,
 )
 _INVALID_OR_TOO_MANY = Response(

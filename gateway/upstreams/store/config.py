@@ -39,6 +39,10 @@ class StoreConfig:
     # The most bytes of item values all the answers being read or sent at once may hold
     # (503 with Retry-After beyond it); None: 4 x max_answer_bytes.
     max_answer_bytes_in_flight: int | None = None
+    # The longest an answer carrying items (a search, a GET) may take to be sent: its bytes
+    # count against max_answer_bytes_in_flight until its client has read it, so a client
+    # that stops reading is cut off (its connection aborted) and the bytes given back.
+    answer_send_timeout_seconds: float = 30.0
     database_filename: str = "store.sqlite3"
     # "full" fsyncs the WAL on every commit (survives power loss); "normal" survives a
     # killed process but may lose the last commits on power loss.
@@ -65,6 +69,9 @@ class StoreConfig:
         _check_positive("sweep_interval_seconds", self.sweep_interval_seconds, upper=86_400.0)
         _check_positive("busy_timeout_seconds", self.busy_timeout_seconds, upper=600.0)
         _check_positive("query_timeout_seconds", self.query_timeout_seconds, upper=600.0)
+        _check_positive(
+            "answer_send_timeout_seconds", self.answer_send_timeout_seconds, upper=3600.0
+        )
         _check_positive("database_retry_seconds", self.database_retry_seconds, upper=3600.0)
         if not 1 <= self.max_body_bytes <= MAX_BODY_BYTES_CEILING:
             raise ValueError(
@@ -181,6 +188,7 @@ _READERS: dict[str, Any] = {
     "sqlite_synchronous": _string,
     "busy_timeout_seconds": _number,
     "query_timeout_seconds": _number,
+    "answer_send_timeout_seconds": _number,
     "read_threads": _integer,
     # Hook (issue 12): the API key is read from the environment, never from the file.
     "index": lambda key, value: IndexConfig.from_mapping(value, os.environ),

@@ -59,16 +59,25 @@ class AnswerTooLargeError(StoreRequestError):
 
 
 class AnswersBusyError(StoreRequestError):
-    """The answers being built hold ``store.max_answer_bytes_in_flight``: 503, retry."""
+    """The answers being built hold ``store.max_answer_bytes_in_flight``: 503, retry. The
+    detail fits the request: a GET can only retry, a search may also ask for fewer items."""
 
     retry_after = BUSY_RETRY_AFTER_SECONDS
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            503,
+    def __init__(self, limit: int, *, small: int, get: bool = False) -> None:
+        busy = (
             "the store is busy: the answers it is sending hold store.max_answer_bytes_in_flight "
-            f"({limit} bytes of values); retry shortly, or ask for fewer items",
+            f"({limit} bytes of values) until their clients have read them (at most "
+            "store.answer_send_timeout_seconds each); "
         )
+        if get:
+            todo = "retry shortly"
+        else:
+            todo = (
+                "retry shortly, or ask for fewer items with a smaller limit (an answer of at "
+                f"most {small} bytes of values is always served)"
+            )
+        super().__init__(503, busy + todo)
 
 
 class AnswerClosedError(StoreRequestError):

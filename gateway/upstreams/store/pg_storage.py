@@ -30,6 +30,7 @@ BM25), and that U+0000 cannot be stored.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import logging
@@ -87,6 +88,13 @@ log = logging.getLogger("gateway.store.postgres")
 T = TypeVar("T")
 # What a call may fail with when the database is away or slow (answered 503).
 _FAILURES: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, TimeoutError)
+
+# The deadline of the ``_run`` in progress in this task: a page read again (answers.PageLoad)
+# runs one statement more, and is given one statement's time more (``_more_time``), so that
+# a re-read within the statement timeout never turns into a timeout counted as an outage.
+_DEADLINE: contextvars.ContextVar[asyncio.Timeout | None] = contextvars.ContextVar(
+    "store_pg_deadline", default=None
+)
 
 _COLUMNS = "i.namespace, i.key, i.value::text, i.created_at, i.updated_at, i.id, i.ttl_minutes"
 # A page's columns before ``_within_cutoff``: the value as stored (json; its text, an I/O
@@ -263,22 +271,34 @@ class PostgresStorage:
             raise RuntimeError("the store is not open")
         self.breaker.refuse_unless_closed()
         try:
-            async with asyncio.timeout(self._timeout * 2):
-                for attempt in (1, 2):
-                    async with self._pool.connection() as conn:
-                        try:
-                            return await call(conn)
-                        except psycopg.OperationalError:
-                            # A pooled connection the database closed (it restarted): the
-                            # pool drops it; try once more on a fresh one. Every Store
-                            # statement is idempotent (upsert, delete, refresh, sweep).
-                            if not conn.broken or attempt == 2:
-                                raise
-                raise AssertionError("unreachable")
+            async with asyncio.timeout(self._timeout * 2) as deadline:
+                token = _DEADLINE.set(deadline)
+                try:
+                    for attempt in (1, 2):
+                        async with self._pool.connection() as conn:
+                            try:
+                                return await call(conn)
+                            except psycopg.OperationalError:
+                                # A pooled connection the database closed (it restarted):
+                                # the pool drops it; try once more on a fresh one. Every
+                                # Store statement is idempotent (upsert, delete, refresh,
+                                # sweep).
+                                if not conn.broken or attempt == 2:
+                                    raise
+                    raise AssertionError("unreachable")
+                finally:
+                    _DEADLINE.reset(token)
         except _FAILURES as exc:
             failure = unavailable("store", exc)
             self._failed(failure, exc)
             raise failure from exc
+
+    def _more_time(self) -> None:
+        """Give the ``_run`` in progress one statement's time more (a page read again)."""
+        deadline = _DEADLINE.get()
+        when = None if deadline is None else deadline.when()
+        if deadline is not None and when is not None:
+            deadline.reschedule(when + self._timeout)
 
     def _failed(self, failure: DatabaseUnavailable, exc: BaseException) -> None:
         if not failure.outage:
@@ -439,7 +459,13 @@ class PostgresStorage:
         within = _within_cutoff(sql, order)
 
         async def call(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+            reads = 0
+
             async def fetch(cutoff: int) -> list[tuple[Any, ...]]:
+                nonlocal reads
+                reads += 1
+                if reads > 1:
+                    self._more_time()  # read again: one statement more
                 cursor = await conn.execute(within, [cutoff, *params])
                 return await cursor.fetchall()
 
