@@ -26,8 +26,8 @@ TOKEN_CHALLENGE: Final = 'Bearer realm="gateway", error="invalid_token"'  # noqa
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A request to answer 401, or 429 for a client whose token checks are spent (once
-    its per-address count has let it through)."""
+    """A request to answer 401, or 429 for a client whose budget of failed token
+    verification is spent (once its per-address count has let it through)."""
 
     detail: str
     fields: tuple[tuple[str, str], ...]  # WWW-Authenticate, or Retry-After
@@ -84,7 +84,7 @@ class VerifiedIdentities:
 
     def user(self, value: bytes, client: str = "") -> VerifiedUser:
         """The verified user of a token header's value; ``InvalidToken`` otherwise.
-        ``client``: the address the token's signature checks are counted against."""
+        ``client``: the address a failed verification's CPU time is charged to."""
         if self.tokens is None:
             raise InvalidToken("no_keys")
         token = bearer_token(value)
