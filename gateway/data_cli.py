@@ -55,7 +55,7 @@ def _copy(args: argparse.Namespace) -> int:
 
     print(f"copying {data_dir} into {redact(url)}")
     try:
-        report = copy_to_postgres(data_dir, url)
+        report = copy_to_postgres(data_dir, url, lambda line: print(line, flush=True))
     except SchemaTooNew as exc:
         print(f"gateway data copy: {exc}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ the next run). The target is migrated first, as at gateway start.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,14 @@ from gateway.upstreams.postgres.migrations import migrate
 from gateway.upstreams.store import pg_schema
 from gateway.upstreams.store.config import StoreConfig
 
+# A batch (one transaction, and what is held in memory at once) ends at BATCH rows or
+# once its values reach BATCH_BYTES, whichever comes first: a Store item may hold up to
+# max_body_bytes (1 MiB by default) of value and as much search text, so 1,000 rows alone
+# could be gigabytes.
 BATCH = 1000
+BATCH_BYTES = 8 * 1024 * 1024
+# A line of progress at least this often (rows copied of the table), on long copies.
+PROGRESS_EVERY = 50_000
 _ITEM_COLUMNS = (
     "namespace", "key", "value", "search_text", "created_at", "updated_at",
     "ttl_minutes", "expires_at",
@@ -119,13 +126,58 @@ def _read_only(path: Path) -> sqlite3.Connection:
     return connection
 
 
-def _batches(cursor: sqlite3.Cursor) -> Iterator[list[sqlite3.Row]]:
-    while rows := cursor.fetchmany(BATCH):
+def _row_bytes(row: sqlite3.Row) -> int:
+    return sum(len(v) for v in row if isinstance(v, str | bytes))
+
+
+def _batches(
+    cursor: sqlite3.Cursor, max_rows: int | None = None, max_bytes: int | None = None
+) -> Iterator[list[sqlite3.Row]]:
+    """The cursor's rows in batches of at most ``max_rows`` rows (BATCH), each ending once
+    its values reach ``max_bytes`` (BATCH_BYTES; a single larger row is a batch of its
+    own)."""
+    max_rows = BATCH if max_rows is None else max_rows
+    max_bytes = BATCH_BYTES if max_bytes is None else max_bytes
+    rows: list[sqlite3.Row] = []
+    size = 0
+    for row in cursor:
+        rows.append(row)
+        size += _row_bytes(row)
+        if len(rows) >= max_rows or size >= max_bytes:
+            yield rows
+            rows, size = [], 0
+    if rows:
         yield rows
 
 
-def copy_to_postgres(data_dir: Path, url: str) -> CopyReport:
-    """Copy both SQLite databases under ``data_dir`` into ``url``; returns the counts."""
+Progress = Callable[[str], None]
+
+
+def _silent(line: str) -> None:
+    pass
+
+
+def _copy_rows(
+    cursor: sqlite3.Cursor,
+    target: psycopg.Connection[Any],
+    sql: str,
+    table: str,
+    count: TableCopy,
+    progress: Progress,
+) -> None:
+    """Every row of ``cursor`` upserted batch by batch, a progress line every
+    PROGRESS_EVERY rows."""
+    said = 0
+    for rows in _batches(cursor):
+        _upsert(target, sql, rows, count)
+        if count.read - said >= PROGRESS_EVERY:
+            said = count.read
+            progress(f"{table}: {count.read:,} row(s) read so far")
+
+
+def copy_to_postgres(data_dir: Path, url: str, progress: Progress = _silent) -> CopyReport:
+    """Copy both SQLite databases under ``data_dir`` into ``url``; returns the counts.
+    ``progress`` gets a line now and then on a long copy."""
     report = CopyReport()
     migrate(url, pg_schema.COMPONENT, pg_schema.STEPS)
     migrate(url, cp_pg.COMPONENT, cp_pg.STEPS)
@@ -133,26 +185,28 @@ def copy_to_postgres(data_dir: Path, url: str) -> CopyReport:
     cp_file = data_dir / CP_FILE
     with psycopg.connect(url) as target:
         if store_file.is_file():
-            _copy_items(_read_only(store_file), target, report)
+            _copy_items(_read_only(store_file), target, report, progress)
         else:
             report.missing_files.append(str(store_file))
         if cp_file.is_file():
-            _copy_control_plane(_read_only(cp_file), target, report)
+            _copy_control_plane(_read_only(cp_file), target, report, progress)
         else:
             report.missing_files.append(str(cp_file))
     return report
 
 
 def _copy_items(
-    source: sqlite3.Connection, target: psycopg.Connection[Any], report: CopyReport
+    source: sqlite3.Connection,
+    target: psycopg.Connection[Any],
+    report: CopyReport,
+    progress: Progress,
 ) -> None:
     sql = _upsert_sql("store_items", _ITEM_COLUMNS, ("namespace", "key"))
     count = report.tables["store items"] = TableCopy()
     with source:
         source.execute("BEGIN")  # one snapshot of the file
         cursor = source.execute(f"SELECT {', '.join(_ITEM_COLUMNS)} FROM items ORDER BY id")
-        for rows in _batches(cursor):
-            _upsert(target, sql, rows, count)
+        _copy_rows(cursor, target, sql, "store items", count, progress)
     source.close()
     row = target.execute("SELECT count(*) FROM store_items").fetchone()
     count.in_target = int(row[0]) if row else 0
@@ -160,7 +214,10 @@ def _copy_items(
 
 
 def _copy_control_plane(
-    source: sqlite3.Connection, target: psycopg.Connection[Any], report: CopyReport
+    source: sqlite3.Connection,
+    target: psycopg.Connection[Any],
+    report: CopyReport,
+    progress: Progress,
 ) -> None:
     with source:
         source.execute("BEGIN")
@@ -169,8 +226,7 @@ def _copy_control_plane(
             sql = _upsert_sql(table, columns, (key,))
             count = report.tables[table] = TableCopy()
             cursor = source.execute(f"SELECT {', '.join(columns)} FROM {table}")
-            for rows in _batches(cursor):
-                _upsert(target, sql, rows, count)
+            _copy_rows(cursor, target, sql, table, count, progress)
             if "seq" in columns:
                 # New rows must get ids after the copied ones.
                 target.execute(

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import aiohttp
 import psycopg
+import pytest
 
+from gateway.upstreams import data_copy
 from gateway.upstreams.store.config import StoreConfig
 from tests.control_plane.support import (
     deployment_body,
@@ -101,3 +103,24 @@ async def test_a_second_copy_adds_nothing_and_a_third_counts_only_the_changes(
     with psycopg.connect(pg_database_url) as db:
         row = db.execute("SELECT value::text FROM store_items WHERE key = 'k1'").fetchone()
     assert row is not None and json.loads(row[0]) == {"text": "note 100", "n": 100}
+
+
+async def test_a_long_copy_says_how_far_it_got(
+    pg_database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small batches and a progress line every two rows stand in for a large Store.
+    monkeypatch.setattr(data_copy, "BATCH", 2)
+    monkeypatch.setattr(data_copy, "PROGRESS_EVERY", 2)
+    data_dir = tmp_path / "data"
+    store = await start_store(StoreConfig(data_dir=data_dir, refresh_ttl_on_read=False))
+    try:
+        async with aiohttp.ClientSession() as http:
+            for n in range(5):
+                await _put(http, store.url, f"k{n}", n)
+        said: list[str] = []
+        report = data_copy.copy_to_postgres(data_dir, pg_database_url, said.append)
+    finally:
+        await store.runner.cleanup()
+    assert said == ["store items: 2 row(s) read so far", "store items: 4 row(s) read so far"]
+    items = report.tables["store items"]
+    assert (items.read, items.added, items.in_target) == (5, 5, 5)
