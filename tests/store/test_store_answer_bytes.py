@@ -613,7 +613,7 @@ async def test_a_failed_answer_gives_its_bytes_back(
             def broken(self: _Row, score: float | None) -> Any:
                 raise RuntimeError("cannot build the item")
 
-            monkeypatch.setattr(_Row, "as_search_item", broken)
+            monkeypatch.setattr(_Row, "search_item_json", broken)
             status, body, _ = await _search(http, {"namespace_prefix": ["e"], "limit": 10})
             assert status == 500, body
             assert _idle(storage.answers)

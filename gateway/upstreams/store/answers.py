@@ -2,7 +2,7 @@
 
 A search may ask for 1000 items of up to ``max_body_bytes`` each (more, even: a number such
 as ``1e15`` is stored as ``1000000000000000.0``), so one answer could hold gigabytes, all of
-it in memory at once (the rows, the parsed values, the JSON). ``AnswerBytes`` bounds that
+it in memory at once (the rows, then the answer's bytes). ``AnswerBytes`` bounds that
 and never by answering fewer items than exist, which a client paging with ``limit`` and
 ``offset`` would read as the end of the results:
 
@@ -22,14 +22,14 @@ and never by answering fewer items than exist, which a client paging with ``limi
   the small ones. An answer's bytes are held until it is sent, at most
   ``store.answer_send_timeout_seconds`` (app.py ``_sent``; then its connection is closed).
 
-A value's size is its JSON text as stored, in UTF-8 bytes: what the answer carries. That is
-not a bound on the memory an answer takes: the values are parsed (``rows.py``,
-``json.loads``) before the answer is serialised, and parsed values take more than their
-text; for adversarial shapes (lists of empty containers, ``[[],[],…]``) about 24 times as
-much (a tracemalloc peak of 23 MB measured for 0.98 MB of text). The real fix, splicing the
-stored JSON text into the answer instead of parsing it, is not done. The one item an answer
-always may hold is bounded only by how it was stored: a value is re-serialised when stored
-and can be about 3.8 times its request body (``1e15`` is stored as
+A value's size is its JSON text as stored, in UTF-8 bytes: what the answer carries. The
+answer splices that text in as it is, never parsing it (``rows.py``: parsed values would
+take up to about 24 times their text, for adversarial shapes such as ``[[],[],…]``), so
+building an answer takes memory in proportion to the bytes counted here: the rows' text,
+then the answer's own bytes, each row dropped once encoded (a tracemalloc peak of about 3
+times the values' text, measured with the client in the same process). The one item an
+answer always may hold is bounded only by how it was stored: a value is re-serialised when
+stored and can be about 3.8 times its request body (``1e15`` is stored as
 ``1000000000000000.0``), or larger than ``max_body_bytes`` if that was lowered since.
 
 Reads run on worker threads (SQLite readers, PostgreSQL's index pool) and on the event loop,

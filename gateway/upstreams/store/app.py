@@ -34,6 +34,7 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
+from gateway.upstreams.store.rows import check_search_depth, item_answer, search_answer
 from gateway.upstreams.store.semantic import SemanticIndex
 from gateway.upstreams.store.sweeper import sweep_forever
 
@@ -49,11 +50,15 @@ READ = ModelReader(PATTERNS)
 
 
 def _json(data: Any, status: int = 200, *, ascii_only: bool = False) -> web.Response:
-    return web.Response(
-        body=json.dumps(data, ensure_ascii=ascii_only, separators=(",", ":")).encode(),
-        status=status,
-        content_type="application/json",
+    return _json_body(
+        json.dumps(data, ensure_ascii=ascii_only, separators=(",", ":")).encode(), status
     )
+
+
+def _json_body(body: bytes, status: int = 200) -> web.Response:
+    """A JSON answer already encoded: the item answers (``rows.search_answer`` and
+    ``rows.item_answer``), which splice each value's stored JSON text in unparsed."""
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 def _detail(status: int, detail: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -150,8 +155,8 @@ async def get_item(request: web.Request) -> web.Response:
     query = READ.query(StoreGetQuery, request.query)
     storage = request.app[STORAGE_KEY]
     with storage.answers.budget(get=True) as budget:
-        item = await storage.get(query.labels(), query.key, query.refresh_ttl, budget)
-        return await _sent(request, _json(item))
+        row = await storage.get_row(query.labels(), query.key, query.refresh_ttl, budget)
+        return await _sent(request, _json_body(item_answer(row)))
 
 
 async def delete_item(request: web.Request) -> web.Response:
@@ -164,6 +169,8 @@ async def delete_item(request: web.Request) -> web.Response:
 async def search_items(request: web.Request) -> web.Response:
     """POST /store/items/search: listing mode, or ranked search when ``query`` is given."""
     search = READ.body(StoreSearchRequest, await _body(request))
+    # Before the query is embedded: a page too deep is refused without a provider call.
+    check_search_depth(search, request.app[CONFIG_KEY].max_search_depth)
     # Hook (issue 12): with an index, a query is ranked by meaning (vector or hybrid).
     semantic = request.app.get(SEMANTIC_KEY)
     ranker = None if semantic is None else await semantic.ranker(search)
@@ -171,8 +178,8 @@ async def search_items(request: web.Request) -> web.Response:
     # The answer's item bytes count against store.max_answer_bytes (422 past it, never a
     # short page) and, until the answer is sent, against the bytes in flight (503).
     with storage.answers.budget() as budget:
-        response = _json({"items": await storage.search(search, ranker, budget)})
-        return await _sent(request, response)
+        rows = await storage.search_rows(search, ranker, budget)
+        return await _sent(request, _json_body(search_answer(rows)))
 
 
 async def list_namespaces(request: web.Request) -> web.Response:

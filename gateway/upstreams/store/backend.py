@@ -5,9 +5,12 @@
 given, so several gateways share one Store. The app, the sweeper and the benchmarks see
 only this Protocol.
 
-Every answer's item values are counted against ``answers`` (``answers.py``): ``get`` and
-``search`` take the ``AnswerBudget`` of the request (closed by the app once the answer is
-sent), or make their own when given none.
+Every answer's item values are counted against ``answers`` (``answers.py``): ``get_row``
+and ``search_rows`` take the ``AnswerBudget`` of the request (closed by the app once the
+answer is sent), or make their own when given none. They answer rows whose values are the
+stored JSON text, which the app splices into its answers unparsed (``rows.py``); ``get`` and
+``search`` give the same items with their values parsed, for Python callers (tools,
+benchmarks, tests).
 
 The embedding index (issue 12) reaches storage through two optional arguments: ``put``'s
 ``vectors`` (written in the item's transaction) and ``search``'s ``ranker`` (ranks a query by
@@ -33,6 +36,7 @@ from gateway.upstreams.store.models import (
     StorePutRequest,
     StoreSearchRequest,
 )
+from gateway.upstreams.store.rows import _Row
 from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import ItemVectors
 
@@ -59,7 +63,19 @@ class StoreStorage(Protocol):
         key: str,
         refresh_ttl: bool | None,
         budget: AnswerBudget | None = None,
-    ) -> Item | None: ...
+    ) -> Item | None:
+        """``get_row``'s item with its value parsed (for Python callers)."""
+        ...
+
+    async def get_row(
+        self,
+        namespace: Namespace,
+        key: str,
+        refresh_ttl: bool | None,
+        budget: AnswerBudget | None = None,
+    ) -> _Row | None:
+        """The live item's row, its value the stored JSON text (the GET answer splices it)."""
+        ...
 
     async def delete(self, namespace: Namespace, key: str) -> None: ...
 
@@ -68,7 +84,19 @@ class StoreStorage(Protocol):
         request: StoreSearchRequest,
         ranker: Ranker | None = None,
         budget: AnswerBudget | None = None,
-    ) -> list[SearchItem]: ...
+    ) -> list[SearchItem]:
+        """``search_rows``' items with their values parsed (for Python callers)."""
+        ...
+
+    async def search_rows(
+        self,
+        request: StoreSearchRequest,
+        ranker: Ranker | None = None,
+        budget: AnswerBudget | None = None,
+    ) -> list[tuple[_Row, float | None]]:
+        """The page's rows, best first, and their scores (null in listing mode); the
+        search answer splices their stored value text (``rows.search_answer``)."""
+        ...
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]: ...
 

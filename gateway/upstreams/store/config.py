@@ -20,6 +20,10 @@ MAX_BODY_BYTES_CEILING = 64 * 1024 * 1024
 # The bounds of the bytes of item values answers may hold (see answers.py).
 MAX_ANSWER_BYTES_CEILING = 1024 * 1024 * 1024
 MAX_ANSWER_BYTES_IN_FLIGHT_CEILING = 16 * 1024 * 1024 * 1024
+# The bounds of store.max_search_depth: a first page of the largest limit (models.MAX_LIMIT)
+# always fits; the deepest page the request models allow (MAX_OFFSET + MAX_LIMIT) is the top.
+MIN_SEARCH_DEPTH = 1_000
+MAX_SEARCH_DEPTH_CEILING = 1_001_000
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,12 @@ class StoreConfig:
     # count against max_answer_bytes_in_flight until its client has read it, so a client
     # that stops reading is cut off (its connection aborted) and the bytes given back.
     answer_send_timeout_seconds: float = 30.0
+    # The deepest a search with a query may page: offset + limit at most this, else 422.
+    # Ranking holds every candidate before the page in memory ((id, score) pairs, twice as
+    # many for hybrid) and the word ranking's top-N sort holds as many rows, so this bounds
+    # a search's memory and CPU; listing mode (no query) pages off an index and is not
+    # bound by it. 10,000, as Elasticsearch's index.max_result_window.
+    max_search_depth: int = 10_000
     database_filename: str = "store.sqlite3"
     # "full" fsyncs the WAL on every commit (survives power loss); "normal" survives a
     # killed process but may lose the last commits on power loss.
@@ -83,6 +93,11 @@ class StoreConfig:
                 f"store.max_answer_bytes: must be between store.max_body_bytes "
                 f"({self.max_body_bytes}, so that any item can be read) and "
                 f"{MAX_ANSWER_BYTES_CEILING}, got {self.max_answer_bytes}"
+            )
+        if not MIN_SEARCH_DEPTH <= self.max_search_depth <= MAX_SEARCH_DEPTH_CEILING:
+            raise ValueError(
+                f"store.max_search_depth: must be between {MIN_SEARCH_DEPTH} and "
+                f"{MAX_SEARCH_DEPTH_CEILING}, got {self.max_search_depth}"
             )
         in_flight = self.answer_bytes_in_flight
         if not self.max_answer_bytes <= in_flight <= MAX_ANSWER_BYTES_IN_FLIGHT_CEILING:
@@ -184,6 +199,7 @@ _READERS: dict[str, Any] = {
     "max_body_bytes": _integer,
     "max_answer_bytes": _integer,
     "max_answer_bytes_in_flight": _optional_integer,
+    "max_search_depth": _integer,
     "database_filename": _string,
     "sqlite_synchronous": _string,
     "busy_timeout_seconds": _number,

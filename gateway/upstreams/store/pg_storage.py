@@ -75,10 +75,11 @@ from gateway.upstreams.store.pg_filters import compile_pg_filter, has_nul
 from gateway.upstreams.store.rows import (
     _UPDATED_AT_STEP,
     SWEEP_BATCH,
+    NamespaceWalk,
     _dotted,
-    _namespace_matches,
     _Row,
     answer_items,
+    check_search_depth,
 )
 from gateway.upstreams.store.text_index import query_terms, searchable_text
 from gateway.upstreams.store.vector_dialect import POSTGRES, IndexConnection, VectorDialect
@@ -108,6 +109,11 @@ _DOC = "(i.value::jsonb)"
 # document mentioning a term once outranks a longer one mentioning it three times, which
 # BM25 (SQLite) ranks the other way.
 _RANK_NORMALIZATION = 0
+# The namespaces listing reads the walk in batches of at least this many namespaces (one
+# round trip each) and at most the other (a batch is held whole: namespaces are up to
+# about 8 KiB of text each, so at most ~8 MiB).
+_NAMESPACE_BATCH_MIN = 8
+_NAMESPACE_BATCH_MAX = 1024
 
 _PUT = f"""
 INSERT INTO store_items AS items (namespace, key, value, search_text, created_at, updated_at,
@@ -359,7 +365,19 @@ class PostgresStorage:
         refresh_ttl: bool | None,
         budget: AnswerBudget | None = None,
     ) -> Item | None:
-        """The live item, or None; optionally pushes its expiry forward.
+        """The live item with its value parsed, or None (``get_row``, for Python callers)."""
+        row = await self.get_row(namespace, key, refresh_ttl, budget)
+        return None if row is None else row.as_item()
+
+    async def get_row(
+        self,
+        namespace: Namespace,
+        key: str,
+        refresh_ttl: bool | None,
+        budget: AnswerBudget | None = None,
+    ) -> _Row | None:
+        """The live item's row (its value as stored JSON text), or None; optionally pushes
+        its expiry forward.
 
         ``budget``: what the answer may hold (one item always fits; 503 when the answers in
         flight hold their bound); without it, the read makes its own.
@@ -381,7 +399,7 @@ class PostgresStorage:
             held.take(value_bytes(row.value))
             if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
                 await self._refresh_rows([row.id], now)
-            return row.as_item()
+            return row
 
     def _refresh(self, requested: bool | None) -> bool:
         return self._config.refresh_ttl_on_read if requested is None else requested
@@ -408,14 +426,26 @@ class PostgresStorage:
         ranker: Ranker | None = None,
         budget: AnswerBudget | None = None,
     ) -> list[SearchItem]:
+        """``search_rows``' items with their values parsed (for Python callers)."""
+        return answer_items(await self.search_rows(request, ranker, budget))
+
+    async def search_rows(
+        self,
+        request: StoreSearchRequest,
+        ranker: Ranker | None = None,
+        budget: AnswerBudget | None = None,
+    ) -> list[tuple[_Row, float | None]]:
         """Listing (newest update first) or, with a query, ranked matches (best first)
-        followed by the items no query can match (score null, newest update first).
+        followed by the items no query can match (score null, newest update first): rows
+        and scores.
 
         ``ranker``: ranks a query by meaning (vectors or hybrid) instead, see ``_ranked``.
         ``budget``: what the answer's values may hold (``AnswerTooLargeError``, 422, past
         store.max_answer_bytes; ``AnswersBusyError``, 503, past the bytes in flight);
-        without it, the search makes its own.
+        without it, the search makes its own. A query whose page ends past
+        store.max_search_depth is refused (422, ``check_search_depth``).
         """
+        check_search_depth(request, self._config.max_search_depth)
         now = self._clock()
         prefix = request.prefix()
         if any("\x00" in label for label in prefix):
@@ -449,7 +479,7 @@ class PostgresStorage:
                 expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
                 if expiring:
                     await self._refresh_rows(expiring, now)
-            return answer_items(rows)
+            return rows
 
     async def _page(
         self, sql: str, params: list[Any], order: str, budget: AnswerBudget
@@ -569,47 +599,56 @@ class PostgresStorage:
 
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
-        now = self._clock()
-        literal: list[str] = []
-        for label in request.prefix or ():
-            if label == "*":
-                break
-            literal.append(label)
-        low = _dotted(tuple(literal))
-        if "\x00" in low:
-            return []
-        high = low + "/" if literal else None
-        upper = "" if high is None else "AND namespace < %(high)s"
-        # A loose index scan: one seek per distinct namespace, not a scan of every item.
-        found = await self._fetch(
-            f"""
-            WITH RECURSIVE walk(namespace) AS (
-                SELECT (SELECT namespace FROM store_items
-                        WHERE namespace >= %(start)s {upper}
-                          AND (expires_at IS NULL OR expires_at > %(now)s)
-                        ORDER BY namespace LIMIT 1)
-                UNION ALL
-                SELECT (SELECT namespace FROM store_items
-                        WHERE namespace > walk.namespace {upper}
-                          AND (expires_at IS NULL OR expires_at > %(now)s)
-                        ORDER BY namespace LIMIT 1)
-                FROM walk WHERE walk.namespace IS NOT NULL
-            )
-            SELECT namespace FROM walk WHERE namespace IS NOT NULL
-            """,
-            {"start": low, "high": high, "now": now},  # type: ignore[arg-type]
-        )
-        depth = request.max_depth
-        shown: set[str] = set()
-        for (namespace,) in found:
-            labels = namespace.split(".")
-            if not _namespace_matches(labels, request):
-                continue
-            cut = depth is not None and len(labels) > depth
-            shown.add(".".join(labels[:depth]) if cut else namespace)
-        # Python's str order is code point order, as the "C" collation's byte order is.
-        page = sorted(shown)[request.offset : request.offset + request.limit]
-        return [namespace.split(".") for namespace in page]
+        walk = await self._list_namespaces(request, self._clock())
+        return walk.page()
+
+    async def _list_namespaces(
+        self, request: StoreListNamespacesRequest, now: float
+    ) -> NamespaceWalk:
+        """The walk (``rows.NamespaceWalk``, as SQLite's) over the distinct live namespaces
+        under the literal part of the prefix, fed in batches of a loose index scan (one
+        seek per namespace), all in one snapshot. libpq receives a statement's whole result
+        at once, so a batch is bounded by ``LIMIT`` and doubles while the walk goes on, up
+        to ``_NAMESPACE_BATCH_MAX``; once the walk stops (early, or to seek past a subtree
+        already shown) no further row is read. The first batch is what the page may need
+        (offset + limit, and one more to see that the walk is done); with ``max_depth``,
+        and after each seek past a subtree, it is ``_NAMESPACE_BATCH_MIN``, since the walk
+        may seek again after a row or two."""
+        unwalked = NamespaceWalk(request)
+        if "\x00" in unwalked.low:
+            return unwalked  # nothing stored can hold U+0000: it shows nothing
+        wanted = request.offset + request.limit + 1
+        first = _NAMESPACE_BATCH_MIN
+        if request.max_depth is None:
+            first = min(max(wanted, _NAMESPACE_BATCH_MIN), _NAMESPACE_BATCH_MAX)
+
+        async def call(conn: psycopg.AsyncConnection[Any]) -> NamespaceWalk:
+            # A new walk for each attempt (_run tries again on a fresh connection).
+            walk = NamespaceWalk(request)
+            async with conn.transaction():
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                size = first
+                while walk.start is not None:
+                    sql = _namespaces_sql(walk.high is not None, walk.after)
+                    params = {"start": walk.start, "high": walk.high, "now": now, "n": size}
+                    cursor = await conn.execute(sql, params)
+                    batch = await cursor.fetchall()
+                    walk.fetched += len(batch)
+                    for (namespace,) in batch:
+                        if not walk.visit(namespace):
+                            size = _NAMESPACE_BATCH_MIN  # a seek past a subtree
+                            break
+                    else:
+                        if len(batch) < size:
+                            walk.exhausted()
+                        else:
+                            walk.batch_ended(batch[-1][0])
+                            # On after the batch (doubled), or a seek past a subtree (small).
+                            grown = min(2 * size, _NAMESPACE_BATCH_MAX)
+                            size = grown if walk.after else _NAMESPACE_BATCH_MIN
+            return walk
+
+        return await self._run(call)
 
     async def sweep_expired(self) -> int:
         """Delete expired items in batches; returns how many this instance removed."""
@@ -632,6 +671,30 @@ class PostgresStorage:
 
 
 __all__ = ["DatabaseUnavailable", "PostgresStorage"]
+
+
+def _namespaces_sql(bounded: bool, after: bool) -> str:
+    """Up to ``%(n)s`` distinct live namespaces from ``%(start)s`` (excluded when ``after``)
+    and below ``%(high)s`` (when ``bounded``), in order: a loose index scan, one seek per
+    namespace, not a scan of every item. The recursive query is evaluated only as far as
+    the ``LIMIT`` fetches it."""
+    upper = "AND namespace < %(high)s" if bounded else ""
+    first = ">" if after else ">="
+    return f"""
+    WITH RECURSIVE walk(namespace) AS (
+        SELECT (SELECT namespace FROM store_items
+                WHERE namespace {first} %(start)s {upper}
+                  AND (expires_at IS NULL OR expires_at > %(now)s)
+                ORDER BY namespace LIMIT 1)
+        UNION ALL
+        SELECT (SELECT namespace FROM store_items
+                WHERE namespace > walk.namespace {upper}
+                  AND (expires_at IS NULL OR expires_at > %(now)s)
+                ORDER BY namespace LIMIT 1)
+        FROM walk WHERE walk.namespace IS NOT NULL
+    )
+    SELECT namespace FROM walk WHERE namespace IS NOT NULL LIMIT %(n)s
+    """
 
 
 def _word_ranking(

@@ -12,7 +12,6 @@ memory, and the bytes answers hold in all stay within ``store.max_answer_bytes_i
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import json
@@ -38,10 +37,11 @@ from gateway.upstreams.store.models import (
 from gateway.upstreams.store.rows import (
     _UPDATED_AT_STEP,
     SWEEP_BATCH,
+    NamespaceWalk,
     _dotted,
-    _namespace_matches,
     _Row,
     answer_items,
+    check_search_depth,
 )
 from gateway.upstreams.store.sqlite_connections import SQLiteConnections, _snapshot
 from gateway.upstreams.store.text_index import match_expression, searchable_text
@@ -125,33 +125,6 @@ def _namespaces_from(
     )
 
 
-def _walk_is_done(last_wanted: str, walked: str, depth: int | None, seen: set[str]) -> bool:
-    """Whether no namespace after ``walked`` can show a new value sorting before
-    ``last_wanted`` (the offset + limit-th value shown so far).
-
-    A later namespace N > walked shows N itself or, cut to ``depth`` labels, a prefix of N.
-    Such a value V sorts before ``walked`` only if V is a proper prefix of ``walked``: then V
-    holds exactly ``depth`` labels, ends inside the depth-th label of ``walked`` (at its end,
-    or where ``walked`` has a character below '.', e.g. '-' in ``a-b`` for ``a.x``), and
-    N continues V with '.'. Every other later value sorts after ``walked``.
-    """
-    if last_wanted >= walked:
-        return False
-    if depth is None:
-        return True
-    labels = walked.split(".")
-    if len(labels) < depth:
-        return True
-    label_start = sum(len(label) + 1 for label in labels[: depth - 1])
-    label_end = label_start + len(labels[depth - 1])
-    for end in range(label_start + 1, min(label_end + 1, len(walked))):
-        if walked[end] <= ".":
-            candidate = walked[:end]
-            if candidate not in seen and candidate < last_wanted:
-                return False
-    return True
-
-
 class SQLiteStorage(SQLiteConnections):
     """Items in one SQLite file; async methods, each one a short statement on a thread."""
 
@@ -198,7 +171,19 @@ class SQLiteStorage(SQLiteConnections):
         refresh_ttl: bool | None,
         budget: AnswerBudget | None = None,
     ) -> Item | None:
-        """The live item, or None; optionally pushes its expiry forward.
+        """The live item with its value parsed, or None (``get_row``, for Python callers)."""
+        row = await self.get_row(namespace, key, refresh_ttl, budget)
+        return None if row is None else row.as_item()
+
+    async def get_row(
+        self,
+        namespace: Namespace,
+        key: str,
+        refresh_ttl: bool | None,
+        budget: AnswerBudget | None = None,
+    ) -> _Row | None:
+        """The live item's row (its value as stored JSON text), or None; optionally pushes
+        its expiry forward.
 
         ``budget``: what the answer may hold (one item always fits; 503 when the answers in
         flight hold their bound); without it, the read makes its own.
@@ -213,7 +198,7 @@ class SQLiteStorage(SQLiteConnections):
             row = rows[0][0]
             if self._refresh(refresh_ttl) and row.ttl_minutes is not None:
                 await self._write(functools.partial(_refresh_rows, ids=[row.id], now=now))
-            return row.as_item()
+            return row
 
     def _get(
         self, namespace: str, key: str, now: float, budget: AnswerBudget
@@ -238,14 +223,26 @@ class SQLiteStorage(SQLiteConnections):
         ranker: Ranker | None = None,
         budget: AnswerBudget | None = None,
     ) -> list[SearchItem]:
+        """``search_rows``' items with their values parsed (for Python callers)."""
+        return answer_items(await self.search_rows(request, ranker, budget))
+
+    async def search_rows(
+        self,
+        request: StoreSearchRequest,
+        ranker: Ranker | None = None,
+        budget: AnswerBudget | None = None,
+    ) -> list[tuple[_Row, float | None]]:
         """Listing (newest update first) or, with a query, BM25-ranked matches (best first)
-        followed by the items no query can match (score null, newest update first).
+        followed by the items no query can match (score null, newest update first): rows
+        and scores (null in listing mode, as the API schema has it).
 
         ``ranker`` (issue 12 hook): ranks a query by meaning (vectors or hybrid) instead.
         ``budget``: what the answer's values may hold (``AnswerTooLargeError``, 422, past
         store.max_answer_bytes; ``AnswersBusyError``, 503, past the bytes in flight);
-        without it, the search makes its own.
+        without it, the search makes its own. A query whose page ends past
+        store.max_search_depth is refused (422, ``check_search_depth``).
         """
+        check_search_depth(request, self._config.max_search_depth)
         now = self._clock()
         with answer_budget(self.answers, budget) as held:
             rows = await self._run(
@@ -255,8 +252,7 @@ class SQLiteStorage(SQLiteConnections):
                 expiring = [row.id for row, _ in rows if row.ttl_minutes is not None]
                 if expiring:
                     await self._write(functools.partial(_refresh_rows, ids=expiring, now=now))
-            # Listing mode reports score null, as the API schema has it.
-            return answer_items(rows)
+            return rows
 
     def _search(
         self,
@@ -324,16 +320,22 @@ class SQLiteStorage(SQLiteConnections):
         offset: int,
         budget: AnswerBudget,
     ) -> list[tuple[_Row, float | None]]:
-        """BM25-ranked matches of the request's query, page [offset, offset + limit)."""
+        """BM25-ranked matches of the request's query, page [offset, offset + limit).
+
+        The ranking's sort holds ids and scores only, and the page's rows are read after
+        it: a sort of full rows would hold (or spill) the value of every match up to the
+        page's end (up to store.max_search_depth of them), and read every match's value."""
         matches = self._bm25_matches(connection, request, bounds, now)
         if matches is None:
             return []
         sql, params = matches
         cursor = connection.execute(
-            f"SELECT {_ITEM_COLUMNS}, bm25(items_fts) AS rank {sql} {_BY_RANK} LIMIT ? OFFSET ?",
+            f"SELECT i.id, bm25(items_fts) AS rank {sql} {_BY_RANK} LIMIT ? OFFSET ?",
             (*params, limit, offset),
         )
-        return _read_rows(cursor, budget, ranked=True)
+        # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
+        ranking = [(int(item), -float(rank)) for item, rank in cursor]
+        return _rows_by_id(connection, ranking, budget)
 
     def _bm25_ranking(
         self,
@@ -418,59 +420,26 @@ class SQLiteStorage(SQLiteConnections):
     async def list_namespaces(self, request: StoreListNamespacesRequest) -> list[list[str]]:
         """Distinct live namespaces matching prefix/suffix, cut to max_depth, sorted."""
         now = self._clock()
-        shown = await self._run(
+        walk = await self._run(
             self._readers, functools.partial(self._list_namespaces, request, now)
         )
-        page = shown[request.offset : request.offset + request.limit]
-        return [namespace.split(".") for namespace in page]
+        return walk.page()
 
-    def _list_namespaces(self, request: StoreListNamespacesRequest, now: float) -> list[str]:
-        """The sorted dotted namespaces to show, at least the first offset + limit of them.
-
-        Walks the distinct live namespaces under the literal part of the prefix in index
-        order, one index seek each, and stops early:
-
-        * once a namespace cut to ``max_depth`` labels has been shown, every namespace below
-          the cut one shows the same, so the walk seeks past them (to ``cut + '/'``);
-        * once offset + limit namespaces are shown and nothing the rest of the walk could
-          show sorts before them (see ``_walk_is_done``), it stops.
-        """
-        literal: list[str] = []
-        for label in request.prefix or ():
-            if label == "*":
-                break
-            literal.append(label)
-        low = _dotted(tuple(literal))
-        high = low + "/" if literal else None
-        wanted = request.offset + request.limit
-        depth = request.max_depth
-        shown: list[str] = []  # sorted
-        seen: set[str] = set()
+    def _list_namespaces(self, request: StoreListNamespacesRequest, now: float) -> NamespaceWalk:
+        """The walk (``rows.NamespaceWalk``) over the distinct live namespaces under the
+        literal part of the prefix, in index order, one index seek each, in one snapshot.
+        The cursor's rows come lazily: once the walk stops a seek, the rest never runs (so
+        there are no batches here, and every seek includes ``walk.start``)."""
+        walk = NamespaceWalk(request)
         with _snapshot(self._connection()) as connection:
-            start: str | None = low
-            while start is not None:
-                skip_to: str | None = None
-                restart: str | None = None
-                for (namespace,) in _namespaces_from(connection, start, high, now):
-                    if skip_to is not None:
-                        if namespace < skip_to:
-                            restart = skip_to  # in a subtree already shown: seek past it
-                            break
-                        skip_to = None
-                    labels = namespace.split(".")
-                    cut = depth is not None and len(labels) > depth
-                    dotted = ".".join(labels[:depth]) if cut else namespace
-                    if dotted not in seen and _namespace_matches(labels, request):
-                        seen.add(dotted)
-                        bisect.insort(shown, dotted)
-                    if len(shown) >= wanted and _walk_is_done(
-                        shown[wanted - 1], namespace, depth, seen
-                    ):
-                        return shown
-                    if cut and dotted in seen:
-                        skip_to = dotted + "/"
-                start = restart
-        return shown
+            while walk.start is not None:
+                for (namespace,) in _namespaces_from(connection, walk.start, walk.high, now):
+                    walk.fetched += 1
+                    if not walk.visit(namespace):
+                        break
+                else:
+                    walk.exhausted()
+        return walk
 
     async def sweep_expired(self) -> int:
         """Delete expired items in short batches; returns how many were removed."""
@@ -522,28 +491,23 @@ def _put(
         vectors.write(connection, item_id(connection, params[0], params[1]), SQLITE)
 
 
-def _read_rows(
-    cursor: sqlite3.Cursor, budget: AnswerBudget, *, ranked: bool = False
-) -> list[tuple[_Row, float | None]]:
-    """The item rows ``cursor`` yields (``_ITEM_COLUMNS``, then the bm25 rank when
-    ``ranked``), each value's bytes taken from ``budget`` as its row is read: over the
-    answer's bound (or the bytes in flight) the read stops there, with that error."""
+def _read_rows(cursor: sqlite3.Cursor, budget: AnswerBudget) -> list[tuple[_Row, float | None]]:
+    """The item rows ``cursor`` yields (``_ITEM_COLUMNS``), each value's bytes taken from
+    ``budget`` as its row is read: over the answer's bound (or the bytes in flight) the read
+    stops there, with that error."""
     rows: list[tuple[_Row, float | None]] = []
     with contextlib.closing(cursor):
         for found in cursor:
             budget.take(value_bytes(found[2]))  # i.value
-            if ranked:
-                # FTS5's bm25() is lower-is-better; the API's score is higher-is-better.
-                rows.append((_Row(*found[:-1]), -float(found[-1])))
-            else:
-                rows.append((_Row(*found), None))
+            rows.append((_Row(*found), None))
     return rows
 
 
 def _rows_by_id(
     connection: sqlite3.Connection, page: Sequence[tuple[int, float]], budget: AnswerBudget
 ) -> list[tuple[_Row, float | None]]:
-    """The item rows of a ranked page of ids, in the page's order (issue 12 hook)."""
+    """The item rows of a ranked page of ids, in the page's order (word ranking, and the
+    issue 12 hook's)."""
     if not page:
         return []
     marks = ",".join("?" * len(page))
