@@ -134,6 +134,16 @@ class Forwarding(asyncio.Protocol):
             return
         self._connect(req)
 
+    def _per_client(self, req: Incoming) -> str | None:
+        """The client address a request's per-client slots (exchanges, tunnels) are
+        counted under: the client a trusted proxy names in X-Forwarded-For, as any
+        client's. None, not capped per address, only for a trusted proxy's request that
+        names no client but the proxy itself: that is all its clients (as its connections
+        are not capped either)."""
+        if req.trusted_peer and req.client_ip == self.peer.own:
+            return None
+        return req.client_ip
+
     def _take_tunnel(self, req: Incoming) -> bool:
         """An Upgrade to an upstream that takes upgrades: pass it on, with a tunnel slot
         reserved (False: answered 429 / 503 instead). Not passed on (the request is plain
@@ -146,7 +156,7 @@ class Forwarding(asyncio.Protocol):
             or b"h2c" in {t.strip().lower() for t in value.split(b",")}
         ):
             return True
-        refused = self.plane.tunnels.take(None if req.trusted_peer else req.client_ip)
+        refused = self.plane.tunnels.take(self._per_client(req))
         if refused:
             limits = self.limits.tunnels
             if refused == 429:
@@ -197,7 +207,7 @@ class Forwarding(asyncio.Protocol):
         early = bytes(self.upgrade_early or b"")
         self.upgrade_early = None
         req.tunnel = False  # the reservation becomes the tunnel
-        address = None if req.trusted_peer else req.client_ip
+        address = self._per_client(req)
         tunnel = self.tunnel = Tunnel(
             self.plane.tunnels, client, upstream, address, self._tunnel_client_lost
         )
@@ -310,11 +320,7 @@ class Forwarding(asyncio.Protocol):
             self._too_many_downloads(req, upstream)
             return
         if not req.exchange_counted:  # (a retry keeps the slot it has)
-            # A trusted proxy's request that names no client of its own is not capped
-            # per address (as its connections and tunnels are not): it is all clients.
-            client = (
-                None if req.trusted_peer and req.client_ip == self.peer.address else req.client_ip
-            )
+            client = self._per_client(req)
             if not self.plane.take_exchange(client):
                 self._too_many_exchanges(req, upstream)
                 return

@@ -209,6 +209,10 @@ class Peer:
     address: str | None  # the TCP peer
     trusted: bool  # a trusted proxy
     client: str | None  # the client address when it does not depend on headers
+    # The peer's own address as a counting key (an IPv6 peer grouped by prefix, as
+    # ``client``), trusted or not: what per-address bounds count a connection under, and
+    # what a trusted proxy's request naming no client of its own resolves to.
+    own: str | None = None
 
 
 @dataclass
@@ -271,9 +275,9 @@ class Gateway:
     def peer(self, address: str | None) -> Peer:
         """What a connection's TCP peer means, worked out once per connection."""
         trusted = self.addresses.peer_trusted(address)
+        own = self.addresses.client_address(address, None)
         # From an untrusted peer forwarding headers are ignored: the client is the peer.
-        client = None if trusted else self.addresses.client_address(address, None)
-        return Peer(address, trusted, client)
+        return Peer(address, trusted, None if trusted else own, own)
 
     def _forwarded_client(self, peer: Peer, chain: list[bytes]) -> str:
         """The client a trusted proxy names in its X-Forwarded-For header(s)."""

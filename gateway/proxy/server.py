@@ -143,7 +143,9 @@ class ClientConnection(Forwarding):
             return
         peer = transport.get_extra_info("peername")
         self.peer = self.gateway.peer(peer[0] if isinstance(peer, tuple) else None)
-        address = self.peer.address
+        # Counted under the client address as every per-client bound counts it (an IPv6
+        # peer by its prefix, ipv6_prefix): otherwise one host's /64 could hold every slot.
+        address = self.peer.client if self.peer.address is not None else None
         if address is not None and not self.peer.trusted:
             # One address may not hold every connection slot (a trusted proxy carries
             # many clients: its connections are not capped here).
