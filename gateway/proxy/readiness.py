@@ -202,6 +202,8 @@ class Readiness:
         self._cache: tuple[tuple[object, ...], tuple[int, bytes]] | None = None
         self._cached_table: RuleTable | None = None  # keeps the cached key's id() unique
         self._logged: tuple[str, ...] | None = None  # the not-ready checks last logged
+        # The counter-store regions last logged as not answering (see _note_stores).
+        self._stores_down: frozenset[str] = frozenset()
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -259,7 +261,28 @@ class Readiness:
             found = dict.fromkeys(self._stores or (), False)
         if found != self._stores:
             self._stores = found
+            self._note_stores(found)
             self._changed()
+
+    def _note_stores(self, found: Mapping[str, bool]) -> None:
+        """Log each region whose counter store stops (WARNING) or starts again (INFO)
+        answering, at start-up included. A store down where rules fail closed is logged
+        as not ready (``_note``); where every rule fails open the instance stays ready,
+        ``/ready`` only lists it under ``degraded``, and without this line a mistyped
+        --redis-url or an outage would go unsaid: each instance silently counting alone."""
+        down = frozenset(region for region, answers in found.items() if not answers)
+        table = self._rules()
+        for region in sorted(down - self._stores_down):
+            if table is None or not fail_closed_rules(table, region):
+                log.warning(
+                    "region %s: the counter store does not answer; every rule there fails "
+                    "open, so this process alone counts them until it does (check the "
+                    "region's Redis URL and that the server is up)",
+                    region,
+                )
+        for region in sorted(self._stores_down - down):
+            log.info("region %s: the counter store answers again", region)
+        self._stores_down = down
 
     async def _await_service(self, check: ServiceCheck) -> None:
         """Until the service answers once (then it is the database check's business)."""

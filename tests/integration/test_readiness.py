@@ -202,6 +202,8 @@ def test_a_region_store_down_where_every_rule_fails_open_is_ready_but_degraded(
             _, body = _wait_for(gw, gw.url + "/ready", degraded, "200 with eu degraded")
             assert body["ready"] is True and body["not_ready"] == []
             assert [f["region"] for f in body["degraded"]] == ["eu"]
+            # Ready, so no "not ready" line: the log says it all the same.
+            _wait_log(gw, "WARNING gateway.readiness: region eu: the counter store does not answer")
             admin = f"http://127.0.0.1:{gw.admin_port}/ready"
             status, same = _get(admin)
             assert status == 200 and same["degraded"] == body["degraded"]
@@ -219,6 +221,34 @@ def test_a_region_store_down_where_every_rule_fails_open_is_ready_but_degraded(
             us.restart()
             eu.restart()
             _wait_for(gw, gw.url + "/ready", _ready, "ready again")
+            _wait_log(gw, "region eu: the counter store answers again")
+            # us's outage was logged as not ready, not as the fail-open warning.
+            assert "region us: the counter store does not answer" not in _log(gw)
+
+
+def _log(gw: GatewayProcess) -> str:
+    assert gw.log_path is not None
+    return gw.log_path.read_text(errors="replace")
+
+
+def _wait_log(gw: GatewayProcess, text: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while text not in _log(gw):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the log never said {text!r}:\n{gw.log_text()}")
+        time.sleep(0.1)
+
+
+def test_an_unreachable_counter_store_is_said_at_start_up(tmp_path: Path) -> None:
+    """A mistyped --redis-url with the shipped rules (which fail open): the instance is
+    ready, and the log says within the first checks that its counts are its own."""
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    with _running(_gateway(tmp_path, ["--redis-url", nowhere, "--no-embedded"])) as gw:
+        _wait_log(gw, "the counter store does not answer; every rule there fails open")
+        status, body = _get(gw.url + "/ready")
+        assert status == 200 and _findings(body, "degraded", "counter_store")
+        time.sleep(2.5)  # two more rounds of checks
+        assert _log(gw).count("the counter store does not answer") == 1  # once, not per check
 
 
 @pytest.fixture
