@@ -675,8 +675,8 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
         hosts = f" (Host: {', '.join(region.hosts)})" if region.hosts else ""
         default = " [default]" if region.name == settings.region_table()[0].name else ""
         log.info("region %s%s%s: counters in %s", region.name, default, hosts, backend)
-    for prefix, name in router.describe():
-        log.info("route %s -> %s", prefix, name)
+    for prefix, name, url in router.describe():
+        log.info("route %s -> %s at %s", prefix, name, url)
     if router.default is None:
         log.info("no default upstream: other paths answer 404 (give --upstream URL to proxy them)")
     if settings.trusted_proxies:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.policy.loader import DEFAULT_REGIONS
 
@@ -341,9 +342,34 @@ def default_exchanges_per_client(s: Settings) -> int:
     return max(s.upstream_pool_size // 4, s.max_uploads_per_client + s.max_downloads_per_client)
 
 
-def _routes(
-    raw: Any, source: str | None
-) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+def upstream_url_problem(url: str) -> str | None:
+    """What is wrong with an upstream URL (None: nothing): it must be http:// or https://
+    with a host and, if given, a valid port. Checked at start-up: such a URL used to be
+    taken, and every request on its route answered 502 at run time."""
+    shown = _display(url)
+    if not url.startswith(("http://", "https://")):
+        return f"must be an http:// or https:// URL, not {shown!r}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
+    except ValueError as exc:
+        return f"{shown!r} is not a valid URL ({exc})"
+    if not parts.hostname:
+        return f"{shown!r} names no host; write it as http://HOST:PORT"
+    if any(c.isspace() for c in url):
+        return f"{shown!r} holds a space"
+    return None
+
+
+def _display(url: str) -> str:
+    """The URL without a password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def _routes(raw: Any, source: str | None) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
     """The config file's ``routes:``: prefix -> URL, or prefix -> {url:, upgrade: true}
     (the route takes upgrades: WebSocket ...). (routes longest first, upgrade prefixes)."""
     if raw is None:
@@ -363,6 +389,9 @@ def _routes(
                 )
         if not str(prefix).startswith("/") or not isinstance(url, str):
             raise SettingsError(f"config file {source}: route {prefix!r} -> {url!r} is not valid")
+        problem = upstream_url_problem(url)
+        if problem is not None:
+            raise SettingsError(f"config file {source}: route {prefix!r}: {problem}")
         name = str(prefix).rstrip("/") or "/"
         routes.append((name, url))
         if upgrade:
@@ -390,8 +419,10 @@ def _validate(s: Settings) -> None:
         bad("access_log_file must be a path, or - for stdout")
     if s.access_log not in ("plain", "json", "off"):
         bad(f"access_log must be plain, json or off, not {s.access_log!r}")
-    if s.upstream is not None and not s.upstream.startswith(("http://", "https://")):
-        bad(f"upstream must be an http:// or https:// URL, not {s.upstream!r}")
+    if s.upstream is not None:
+        problem = upstream_url_problem(s.upstream)
+        if problem is not None:
+            bad(f"upstream: {problem}")
     for name in ("redis_timeout_ms", "upstream_connect_timeout", "upstream_timeout",
                  "upstream_read_timeout", "client_idle_timeout", "body_read_timeout",
                  "header_timeout", "watch_interval"):  # fmt: skip

@@ -23,10 +23,13 @@ class Router:
                 return upstream
         return self.default
 
-    def describe(self) -> list[tuple[str, str]]:
-        rows = [(prefix, u.name) for prefix, u in self._routes]
+    def describe(self) -> list[tuple[str, str, str]]:
+        """Each prefix, its upstream's name and URL (without credentials), for the
+        start-up log."""
+        rows = [(prefix, u.name, _without_credentials(u.base_url)) for prefix, u in self._routes]
         if self.default is not None:
-            rows.append(("(everything else)", self.default.name))
+            default = self.default
+            rows.append(("(everything else)", default.name, _without_credentials(default.base_url)))
         return rows
 
     def info(self) -> list[dict[str, str | bool]]:

@@ -111,6 +111,8 @@ async def test_graceful_stop_finishes_a_stream_in_flight_and_sighup_reloads(tmp_
         assert "stopping: no new connections" in text and "stopped" in text
         assert "gateway listening on http://127.0.0.1:" in text
         assert "region us [default]: counters in in-process memory" in text
+        # Where the rest goes, with its URL: a sidecar's operator can check the target.
+        assert f"route (everything else) -> default at {upstream}" in text
     finally:
         gw.stop()
 

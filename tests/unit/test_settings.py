@@ -94,3 +94,49 @@ def test_redis_url_with_regions_section_is_refused(tmp_path):
     config.write_text("regions: {us: {redis_url: 'redis://127.0.0.1:1/0'}}\n")
     with pytest.raises(SettingsError, match="both given"):
         load_settings({"redis_url": "redis://127.0.0.1:2/0"}, env={}, config_file=str(config))
+
+
+BAD_UPSTREAMS = [
+    ("ftp://x", "must be an http:// or https:// URL"),
+    ("not a url", "must be an http:// or https:// URL"),
+    ("localhost:2024", "must be an http:// or https:// URL"),
+    ("http://", "names no host"),
+    ("https://:8443/", "names no host"),
+    ("http://billing:99999", "not a valid URL"),
+    ("http://bill ing:80", "holds a space"),
+]
+
+
+@pytest.mark.parametrize(("url", "words"), BAD_UPSTREAMS)
+def test_an_unusable_upstream_url_is_refused_at_start_up_wherever_it_is_given(
+    tmp_path, url, words
+):
+    """The class: --upstream, the config file's upstream and each route's URL are
+    checked alike (a route's used to be taken whatever it held, and every request on it
+    answered 502)."""
+    with pytest.raises(SettingsError, match=words):
+        load_settings({"upstream": url}, env={})
+    for body in (f"upstream: {url!r}\n", f"routes:\n  /billing: {url!r}\n",
+                 f"routes:\n  /ws: {{url: {url!r}, upgrade: true}}\n"):  # fmt: skip
+        config = tmp_path / "gateway.yaml"
+        config.write_text(body)
+        with pytest.raises(SettingsError, match=words):
+            load_settings({}, env={}, config_file=str(config))
+
+
+def test_a_password_in_a_refused_upstream_url_is_not_repeated(tmp_path):
+    config = tmp_path / "gateway.yaml"
+    config.write_text("routes:\n  /billing: 'http://svc:s3cret@:80/'\n")
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, env={}, config_file=str(config))
+    assert "s3cret" not in str(refused.value) and "names no host" in str(refused.value)
+
+
+def test_good_upstream_urls_are_taken(tmp_path):
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "routes:\n  /billing: http://billing.internal:8080/v1\n"
+        "  /ws: {url: 'https://[2001:db8::1]:8443', upgrade: true}\n"
+    )
+    s = load_settings({"upstream": "http://127.0.0.1:2024"}, env={}, config_file=str(config))
+    assert dict(s.routes)["/billing"] == "http://billing.internal:8080/v1"
