@@ -168,6 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
+    health = commands.add_parser(
+        "health",
+        help="probe this host's gateway (a container healthcheck): exit 0 when it answers",
+        description="Ask this host's gateway for /ok (or /ready with --ready) and exit 0 if it\n"
+        "answers 200, else 1 with what it saw. Reads the settings `gateway serve` reads\n"
+        "(GATEWAY_* and the config file), so it follows the port wherever it is set and\n"
+        "speaks HTTPS when the proxy port does (the certificate is not checked: this is\n"
+        "its own loopback). With client certificates required it asks the admin port.",
+        epilog="examples:\n  gateway health\n"
+        "  gateway health --ready --config /etc/gateway/gateway.yaml",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    health.add_argument("--config", metavar="FILE", help="YAML config file (also GATEWAY_CONFIG)")
+    health.add_argument(
+        "--ready",
+        action="store_true",
+        help="ask /ready (can it do its job: counter stores, databases, not draining) instead "
+        "of /ok (the process answers)",
+    )
+    health.add_argument(
+        "--timeout", type=float, default=2.0, metavar="SECONDS", help="(default: 2)"
+    )
+    health.set_defaults(func=_health)
+
     rules = commands.add_parser(
         "rules", help="check rule files, explain a request, replay traffic through a table"
     )
@@ -323,6 +347,20 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"gateway: cannot start: {exc}", file=sys.stderr)
             return 1
         raise
+
+
+def _health(args: argparse.Namespace) -> int:
+    from gateway.health import probe, target
+    from gateway.settings import SettingsError, load_settings
+
+    try:
+        where = target(load_settings({}, config_file=args.config))
+    except SettingsError as exc:
+        print(f"gateway health: configuration error: {exc}", file=sys.stderr)
+        return 2
+    healthy, seen = probe(where, "/ready" if args.ready else "/ok", args.timeout)
+    print(seen, file=sys.stdout if healthy else sys.stderr)
+    return 0 if healthy else 1
 
 
 def _rules_check(args: argparse.Namespace) -> int:

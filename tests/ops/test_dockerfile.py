@@ -62,11 +62,11 @@ def test_command_line_parses_with_the_cli():
     assert args.command == "serve"
 
 
-def test_healthcheck_probes_ok_with_python():
+def test_healthcheck_is_the_health_command():
     options, command = DOCKER.healthcheck
-    assert command[0] == "python" and command[1] == "-c"
-    assert "127.0.0.1" in command[2] and "/ok" in command[2] and "8080" in command[2]
-    assert any(o.startswith("--timeout=") for o in options)
+    assert command == ["gateway", "health"], "liveness, with the settings serve reads"
+    assert build_parser().parse_args(command[1:]).command == "health"
+    assert any(o.startswith("--timeout=3s") for o in options), "above the probe's own 2 s"
 
 
 def test_dockerignore_keeps_the_build_context_small_but_complete():
@@ -120,7 +120,8 @@ def _wait_ok(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
 
 def _healthcheck(env: dict[str, str]) -> int:
     _, command = DOCKER.healthcheck
-    argv = [sys.executable if command[0] == "python" else command[0], *command[1:]]
+    assert command[0] == "gateway"
+    argv = [sys.executable, "-m", "gateway", *command[1:]]
     return subprocess.run(argv, env=env, capture_output=True, timeout=15).returncode
 
 
