@@ -632,6 +632,12 @@ class Service:
         ).start()
         self.runners.append(runner)
 
+    def hurry(self) -> None:
+        """Stop waiting for requests in flight on the proxy ports (a second signal)."""
+        for proxy in self.proxies:
+            if proxy.plane is not None:
+                proxy.plane.hurry()
+
     async def stop(self) -> None:
         for proxy in self.proxies:
             await proxy.stop(self.shutdown_timeout)
@@ -649,15 +655,52 @@ def _address(addr: Any, scheme: str = "http") -> str:
 
 
 def wait_for_stop(
-    loop: asyncio.AbstractEventLoop, on_hup: Callable[[], None] | None
+    loop: asyncio.AbstractEventLoop,
+    on_hup: Callable[[], None] | None,
+    hurry: asyncio.Event | None = None,
 ) -> asyncio.Event:
+    """The event SIGTERM or SIGINT sets (a graceful stop). ``hurry``: set by a second one,
+    which ends the stop's wait for requests in flight (an operator's second Ctrl-C)."""
     stop = asyncio.Event()
+
+    def signalled() -> None:
+        if stop.is_set() and hurry is not None and not hurry.is_set():
+            log.warning("second signal: stopping now, without waiting for requests in flight")
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     if on_hup is not None:
         loop.add_signal_handler(signal.SIGHUP, on_hup)
     loop.add_signal_handler(signal.SIGUSR1, logs.reopen_access_log)
     return stop
+
+
+# After a second signal, how long the stop may still take: the proxy ports close their
+# connections at once (logging them), the built-in upstreams are cut off after this.
+HURRIED_STOP_SECONDS = 1.0
+
+
+async def unless_hurried(
+    service: Service, hurry: asyncio.Event, cut_after: float = HURRIED_STOP_SECONDS
+) -> None:
+    """``service.stop()`` (a graceful stop), unless ``hurry`` is set first: then the proxy
+    ports stop waiting for requests in flight (``Service.hurry``), and whatever is still
+    waited for ``cut_after`` seconds later (a built-in upstream's long poll) is cut off."""
+    task = asyncio.ensure_future(service.stop())
+    waiter = asyncio.ensure_future(hurry.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            service.hurry()
+            await asyncio.wait({task}, timeout=cut_after)
+    finally:
+        waiter.cancel()
+    if not task.done():
+        task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
 
 
 def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: str = "") -> None:
@@ -840,7 +883,8 @@ async def serve(
     service = Service(settings.shutdown_timeout)
     loop = asyncio.get_running_loop()
     certificates: list[TlsReloader] = []  # SIGHUP reloads these too, once started
-    stop = wait_for_stop(loop, lambda: _reload(rules, certificates))
+    hurry = asyncio.Event()
+    stop = wait_for_stop(loop, lambda: _reload(rules, certificates), hurry)
     upstreams = Upstreams(dict(builtin_urls or {}))
     admin_port = settings.admin_port
     sharing: asyncio.Task[None] | None = None
@@ -918,7 +962,7 @@ async def serve(
         log.info("stopping: no new connections, /ready answers 503; waiting up to %.0fs for "
                  "requests in flight", settings.shutdown_timeout)  # fmt: skip
     finally:
-        await service.stop()
+        await unless_hurried(service, hurry)
         if admin_watch is not None:
             admin_watch.cancel()
             with suppress(asyncio.CancelledError):

@@ -40,6 +40,7 @@ from gateway.app import (
     open_backend,
     prepare_rules,
     serve_worker,
+    unless_hurried,
     with_admin_tls,
 )
 from gateway.counters.base import CounterBackend
@@ -134,8 +135,19 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
         service = Service(settings.shutdown_timeout)
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
+        hurry = asyncio.Event()
+
+        def signalled() -> None:
+            # A second signal (an operator's second Ctrl-C): the workers are killed at
+            # once, and the built-in upstreams stop without waiting for requests.
+            if stopping.is_set() and not hurry.is_set():
+                log.warning("second signal: stopping now, without waiting for requests in flight")
+                hurry.set()
+                _signal_all(workers, signal.SIGKILL)
+            stopping.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
+            loop.add_signal_handler(sig, signalled)
         if embedded is not None:
             for name, app in embedded.apps.items():
                 await service.start_socket(app, embedded.sockets[name])
@@ -260,7 +272,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
                     await admin_watch
             if admin_https is not None:
                 await admin_https.close()
-            await service.stop()
+            await unless_hurried(service, hurry)
             for backend in backends.values():
                 await backend.close()
 

@@ -89,6 +89,7 @@ class DataPlane:
         self._tick = max(0.05, min(1.0, shortest / 4))
         self._sweeps = 0
         self._all_closed: asyncio.Future[None] | None = None
+        self._hurried = False  # a second signal: stop waits for nothing more
 
     async def start(
         self, host: str, port: int, reuse_port: bool = False, tls: TlsListener | None = None
@@ -290,6 +291,13 @@ class DataPlane:
             self.pool.sweep()
         self._sweeper = self.loop.call_later(self._tick, self._sweep)
 
+    def hurry(self) -> None:
+        """End ``stop``'s wait for requests in flight now (a second signal)."""
+        self._hurried = True
+        closed = self._all_closed
+        if closed is not None and not closed.done():
+            closed.set_result(None)
+
     async def stop(self, grace: float) -> None:
         """Stop accepting, let requests in flight finish (up to ``grace`` s), close."""
         self.closing = True
@@ -305,7 +313,7 @@ class DataPlane:
             ):
                 conn.transport.close()
         self._all_closed = self.loop.create_future()
-        if self.connections:
+        if self.connections and not self._hurried:
             with suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._all_closed), grace)
         self.tunnels.close_all()

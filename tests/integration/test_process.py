@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 
 import aiohttp
 
@@ -166,3 +167,34 @@ def test_workers_fail_fast_and_clearly(tmp_path):
         )
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
     assert "Traceback" not in taken.stderr
+
+
+async def test_a_second_signal_stops_without_waiting_for_requests_in_flight(tmp_path, upstream):
+    """An operator's second Ctrl-C: the first one waits for requests in flight (up to
+    shutdown_timeout), the second ends the wait at once; the cut request is still logged."""
+    log = tmp_path / "gateway.log"
+    access = tmp_path / "access.log"
+    gw = GatewayProcess(
+        ["--upstream", upstream, "--no-embedded", "--data-dir", str(tmp_path),
+         "--shutdown-timeout", "60", "--access-log-file", str(access)],
+        log_path=log,
+    )  # fmt: skip
+    try:
+        gw.wait_ready()
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/ticks?n=200&every=0.25") as r:
+                assert await r.content.readline() == b"tick\n"
+                gw.proc.send_signal(signal.SIGINT)
+                await asyncio.sleep(1.5)
+                assert gw.proc.poll() is None, "the first signal waits for the stream"
+                assert await r.content.readline() == b"tick\n", "and the stream goes on"
+                started = time.monotonic()
+                gw.proc.send_signal(signal.SIGINT)
+                code = await asyncio.to_thread(gw.proc.wait, 30)
+                assert time.monotonic() - started < 10, "not the 60 s shutdown_timeout"
+        assert code == 0
+        text = log.read_text()
+        assert "second signal: stopping now" in text and "stopped" in text
+        assert '"GET /ticks" ' in access.read_text(), "the cut request is logged"
+    finally:
+        gw.stop()
