@@ -1,4 +1,9 @@
-"""Async client of the deployments control plane (hosted, or the gateway's built-in one)."""
+"""Async client of the deployments control plane (hosted, or the gateway's built-in one).
+
+Every call carries the API key: redirects are never followed (a 3xx is an error naming
+where the server pointed), URLs are shown without their credentials, and answers are
+read up to a bound.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
+from gateway.identity.jwks_fetch import display_url
+
 from .errors import ControlPlaneError, RevisionFailed, RevisionWaitTimeout
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -22,6 +29,12 @@ DEFAULT_WAIT_TIMEOUT = 1800.0
 DEFAULT_REQUEST_TIMEOUT = 30.0
 # Enough of an error body to diagnose; a misconfigured URL can return megabytes of HTML.
 MAX_ERROR_TEXT = 4000
+# At most this much of an error body is read (the rest is never received: the connection
+# is closed); MAX_ERROR_TEXT characters of it are shown.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+# An expected answer larger than this is refused. The largest legitimate one, a page of
+# 100 deployments or revisions, is a few MiB at most (request bodies are bounded too).
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Ends a wait without DEPLOYED and without FAILED in the name.
 NON_FAILED_DEAD_ENDS = frozenset({"INTERRUPTED", "SKIPPED"})
 
@@ -60,19 +73,41 @@ class ClientSettings:
         api_key: str | None = None,
         tenant_id: str | None = None,
     ) -> ClientSettings:
-        """Explicit values win over ``GATEWAY_CONTROL_PLANE_URL``, ``GATEWAY_API_KEY`` (then
-        ``LANGSMITH_API_KEY``) and ``GATEWAY_TENANT_ID``. Raises ``ValueError`` when the key
-        or tenant is missing."""
+        """Explicit values win over ``GATEWAY_CONTROL_PLANE_URL``, ``GATEWAY_API_KEY`` and
+        ``GATEWAY_TENANT_ID``. ``LANGSMITH_API_KEY`` (the hosted service's key) is the
+        fallback for the key only when the URL is ``https://``, which is never the default:
+        it is not sent in clear, nor to whatever listens on the default local port.
+        Raises ``ValueError`` (saying what to set) when the key or tenant is missing or the
+        URL is not http(s)."""
         url = base_url or env.get("GATEWAY_CONTROL_PLANE_URL") or DEFAULT_URL
-        key = api_key or env.get("GATEWAY_API_KEY") or env.get("LANGSMITH_API_KEY") or ""
-        tenant = tenant_id or env.get("GATEWAY_TENANT_ID") or ""
+        try:
+            parsed: URL | None = URL(url)
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(
+                f"control plane URL must be http(s)://host[:port][/prefix]: {display_url(url)}"
+            )
+        key = api_key or env.get("GATEWAY_API_KEY") or ""
         if not key:
-            raise ValueError("no API key: pass --api-key or set GATEWAY_API_KEY")
+            foreign = env.get("LANGSMITH_API_KEY") or ""
+            if foreign and parsed.scheme == "https":
+                key = foreign
+            elif foreign:
+                raise ValueError(
+                    f"no API key for {display_url(url)}: LANGSMITH_API_KEY is set but is only "
+                    "used with an https:// control plane URL (--url or "
+                    "GATEWAY_CONTROL_PLANE_URL), never sent over plain HTTP; pass --api-key "
+                    "or set GATEWAY_API_KEY to this control plane's key"
+                )
+            else:
+                raise ValueError(
+                    "no API key: pass --api-key or set GATEWAY_API_KEY (LANGSMITH_API_KEY "
+                    "is used too, with an https:// control plane URL)"
+                )
+        tenant = tenant_id or env.get("GATEWAY_TENANT_ID") or ""
         if not tenant:
             raise ValueError("no tenant id: pass --tenant-id or set GATEWAY_TENANT_ID")
-        parsed = URL(url)
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"control plane URL must be http(s)://host[:port][/prefix]: {url!r}")
         return cls(url, key, tenant)
 
 
@@ -81,7 +116,9 @@ class ControlPlaneClient:
 
     Every call checks the status the API documents (201 create, 200 read/list/patch,
     204 delete) and raises :class:`ControlPlaneError` with the response text otherwise.
-    ``base_url`` may carry a path prefix such as ``/api-host``.
+    ``base_url`` may carry a path prefix such as ``/api-host``. Redirects are not
+    followed (they would carry the API key, which aiohttp does not drop across origins,
+    and the body with its secret values elsewhere): a 3xx raises ``ControlPlaneError``.
     """
 
     def __init__(
@@ -94,6 +131,7 @@ class ControlPlaneClient:
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         self._base = URL(base_url)
+        self._shown_base = display_url(base_url)  # what messages say: never its credentials
         self._headers = {"X-Api-Key": api_key, "X-Tenant-Id": tenant_id}
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._session = session
@@ -142,27 +180,47 @@ class ControlPlaneClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         what = f"{method} {path}"
+        url = self._url(path)
         try:
             async with self._session.request(
                 method,
-                self._url(path),
+                url,
                 json=body,
                 params=params,
                 headers=self._headers,
                 timeout=self._timeout,
+                allow_redirects=False,  # never: see the class docstring
             ) as response:
-                raw = await response.read()
-                text = raw.decode("utf-8", "replace")
-                if response.status != expected:
-                    shown = text[:MAX_ERROR_TEXT]
+                status = response.status
+                if 300 <= status < 400:
                     raise ControlPlaneError(
-                        f"{what}: expected {expected}, got {response.status}: {shown}",
-                        status=response.status,
+                        f"{what}: the control plane at {self._shown_base} answered {status}, "
+                        f"redirecting to {_location(url, response)}; not followed (a redirect "
+                        "would carry the API key and the request body there). If you trust "
+                        "that address, use it as the control plane URL.",
+                        status=status,
+                    )
+                if status != expected:
+                    raw, cut = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
+                    text = raw.decode("utf-8", "replace")
+                    shown = text[:MAX_ERROR_TEXT]
+                    more = " [cut]" if cut or len(text) > MAX_ERROR_TEXT else ""
+                    raise ControlPlaneError(
+                        f"{what}: expected {expected}, got {status}: {shown}{more}",
+                        status=status,
                         text=shown,
                     )
+                declared = response.content_length
+                if declared is not None and declared > MAX_RESPONSE_BYTES:
+                    raise _too_large(what, status)
+                raw, cut = await _read_bounded(response, MAX_RESPONSE_BYTES)
+                if cut:
+                    raise _too_large(what, status)
+                text = raw.decode("utf-8", "replace")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ControlPlaneError(
-                f"{what}: control plane unreachable at {self._base}: {exc or type(exc).__name__}"
+                f"{what}: control plane unreachable at {self._shown_base}: "
+                f"{self._scrub(str(exc)) or type(exc).__name__}"
             ) from None
         if expected == 204:
             return None
@@ -180,6 +238,20 @@ class ControlPlaneClient:
         if not isinstance(data, dict):
             raise ControlPlaneError(f"{method} {path}: expected a JSON object, got {data!r:.200}")
         return data
+
+    def _scrub(self, text: str) -> str:
+        """``text`` (an aiohttp error, which may quote the URL) without the base URL's
+        user or password."""
+        text = text.replace(str(self._base), self._shown_base)
+        for secret in (
+            self._base.raw_password,
+            self._base.password,
+            self._base.raw_user,
+            self._base.user,
+        ):
+            if secret and len(secret) >= 3:  # a shorter one would mangle the message
+                text = text.replace(secret, "***")
+        return text
 
     async def create_deployment(self, body: Mapping[str, Any]) -> JSONObject:
         """``POST /v2/deployments`` (201); the answer holds ``id`` and ``latest_revision_id``."""
@@ -290,6 +362,38 @@ class ControlPlaneClient:
                 f"{timeout:g} s (last status: {last or 'unknown'})",
                 last,
             ) from None
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of the body, and whether there was more (not read: leaving
+    the response closes the connection instead of draining it)."""
+    data = bytearray()
+    while len(data) <= limit:
+        chunk = await response.content.read(limit + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data[:limit]), len(data) > limit
+
+
+def _too_large(what: str, status: int) -> ControlPlaneError:
+    return ControlPlaneError(
+        f"{what}: the answer is larger than {MAX_RESPONSE_BYTES} bytes, the most the client "
+        "accepts; refused",
+        status=status,
+    )
+
+
+def _location(url: URL, response: aiohttp.ClientResponse) -> str:
+    """Where a redirect points, resolved against the request URL, without credentials."""
+    location = response.headers.get("Location")
+    if not location:
+        return "(no Location header)"
+    try:
+        target = str(url.join(URL(location)))
+    except ValueError:
+        return "(a Location that does not parse)"
+    return display_url(target)
 
 
 def _seg(value: str) -> str:

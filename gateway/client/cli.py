@@ -1,8 +1,8 @@
 """``gateway deployments …``: the control-plane client on the command line.
 
 Results go to stdout as JSON; progress and errors go to stderr. Exit status: 0 success,
-1 the control plane answered unexpectedly / a revision failed / the wait timed out,
-2 bad usage (missing credentials, unreadable body file).
+1 the control plane answered unexpectedly (a redirect too: never followed) / a revision
+failed / the wait timed out, 2 bad usage (missing credentials, unreadable body file).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     group.add_argument(
         "--api-key",
-        help="API key (env GATEWAY_API_KEY or LANGSMITH_API_KEY; prefer the environment, "
-        "a flag is visible to other local users)",
+        help="API key (env GATEWAY_API_KEY, else LANGSMITH_API_KEY but only with an "
+        "https:// URL; prefer the environment, a flag is visible to other local users)",
     )
     group.add_argument("--tenant-id", help="workspace id (env GATEWAY_TENANT_ID)")
     group.add_argument(

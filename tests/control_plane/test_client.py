@@ -115,9 +115,12 @@ async def test_unreachable_control_plane_is_an_error():
 
 def test_settings_resolution():
     env = {"LANGSMITH_API_KEY": "ls", "GATEWAY_TENANT_ID": "t"}
-    settings = ClientSettings.resolve(env)
-    assert settings == ClientSettings("http://127.0.0.1:8080", "ls", "t")
+    with pytest.raises(ValueError, match="GATEWAY_API_KEY"):
+        ClientSettings.resolve(env)  # the hosted key is never sent over plain HTTP
+    settings = ClientSettings.resolve(env, base_url="https://cp.example")
+    assert settings == ClientSettings("https://cp.example", "ls", "t")
     env["GATEWAY_API_KEY"] = "gw"
+    assert ClientSettings.resolve(env) == ClientSettings("http://127.0.0.1:8080", "gw", "t")
     env["GATEWAY_CONTROL_PLANE_URL"] = "http://127.0.0.1:9/api-host"
     assert ClientSettings.resolve(env).api_key == "gw"
     assert ClientSettings.resolve(env, api_key="flag").api_key == "flag"
