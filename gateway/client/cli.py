@@ -405,7 +405,7 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
 
         try:
             result = asyncio.run(main())
-        except UsageError as exc:
+        except (UsageError, ValueError) as exc:  # ValueError: an id that is not one
             print(f"error: {exc}", file=sys.stderr)
             return 2
         except ControlPlaneError as exc:
