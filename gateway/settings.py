@@ -419,6 +419,12 @@ def _validate(s: Settings) -> None:
         bad("access_log_file must be a path, or - for stdout")
     if s.access_log not in ("plain", "json", "off"):
         bad(f"access_log must be plain, json or off, not {s.access_log!r}")
+    data_dir = Path(s.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        bad(
+            f"data_dir {s.data_dir} is a file, not a directory: give a directory (it is "
+            "created if missing) for the identity secret and the built-in upstreams' data"
+        )
     if s.upstream is not None:
         problem = upstream_url_problem(s.upstream)
         if problem is not None:

@@ -140,3 +140,11 @@ def test_good_upstream_urls_are_taken(tmp_path):
     )
     s = load_settings({"upstream": "http://127.0.0.1:2024"}, env={}, config_file=str(config))
     assert dict(s.routes)["/billing"] == "http://billing.internal:8080/v1"
+
+
+def test_a_data_dir_that_is_a_file_is_said_plainly(tmp_path):
+    plain = tmp_path / "notadir"
+    plain.write_text("")
+    with pytest.raises(SettingsError, match="is a file, not a directory"):
+        load_settings({"data_dir": str(plain)}, env={})
+    load_settings({"data_dir": str(tmp_path / "new")}, env={})  # missing: created later
