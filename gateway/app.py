@@ -283,6 +283,7 @@ class Proxy:
         self.gateway: Gateway | None = None
         self.readiness: Readiness | None = None
         self.plane: DataPlane | None = None
+        self.listening = False
         self.tls: TlsListener | None = None  # HTTPS on the proxy port (tls_cert/tls_key)
         self._tls_watch: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -357,7 +358,9 @@ class Proxy:
         if self.tls is not None:
             log.info("%s", self.tls.describe())
             self._tls_watch = asyncio.create_task(self.tls.watch())
-        return await self.plane.start(host, port, reuse_port, tls=self.tls)
+        addresses = await self.plane.start(host, port, reuse_port, tls=self.tls)
+        self.listening = True
+        return addresses
 
     async def info(self) -> dict[str, object]:
         """The operator's view (the admin port's ``/info``)."""
@@ -416,9 +419,10 @@ class Proxy:
 
     def drain(self) -> None:
         """A graceful stop begins: ``/ready`` answers 503 from now on (the listener is
-        still open; ``stop`` closes it)."""
+        still open; ``stop`` closes it). Said in the log only once it listened: a start
+        that failed (its port taken) is no graceful stop."""
         if self.readiness is not None:
-            self.readiness.drain()
+            self.readiness.drain(quiet=not self.listening)
 
     async def stop(self, grace: float) -> None:
         # Not ready first, before the listener closes and while requests finish.

@@ -211,12 +211,16 @@ class Readiness:
     def draining(self) -> bool:
         return self._draining
 
-    def drain(self) -> None:
+    def drain(self, quiet: bool = False) -> None:
         """A graceful stop has begun: ``/ready`` answers ``503`` from now on (called before
-        the listener closes, so a load balancer polling it stops sending new work)."""
+        the listener closes, so a load balancer polling it stops sending new work).
+        ``quiet``: not logged (a start that failed before it listened)."""
         if not self._draining:
             self._draining = True
-            self._note()
+            if quiet:
+                self._logged = tuple(_label(f) for f in self._findings(*self._inputs())[0])
+            else:
+                self._note()
 
     def start(self) -> None:
         """Run the background checks (idempotent)."""

@@ -198,3 +198,16 @@ async def test_a_second_signal_stops_without_waiting_for_requests_in_flight(tmp_
         assert '"GET /ticks" ' in access.read_text(), "the cut request is logged"
     finally:
         gw.stop()
+
+
+def test_a_taken_port_is_a_failed_start_not_a_graceful_stop(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = _serve("--port", str(port), "--data-dir", str(tmp_path), "--no-embedded")
+    assert taken.returncode == 1
+    assert "cannot start" in taken.stderr and "address already in use" in taken.stderr
+    assert "draining" not in taken.stderr and "graceful stop" not in taken.stderr
