@@ -362,7 +362,8 @@ def upstream_url_problem(url: str) -> str | None:
 
 
 def _display(url: str) -> str:
-    """The URL without a password, for messages."""
+    """The URL without a password, for messages (``gateway.urls.display_url`` says less
+    of a URL that does not parse: here the message is about what is wrong with it)."""
     scheme, sep, rest = url.partition("://")
     if sep and "@" in rest.split("/", 1)[0]:
         return f"{scheme}://***@{rest.split('@', 1)[1]}"

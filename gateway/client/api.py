@@ -19,7 +19,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from gateway.identity.jwks_fetch import display_url
+from gateway.urls import display_url
 
 from .errors import ControlPlaneError, RevisionFailed, RevisionWaitTimeout
 

@@ -35,9 +35,10 @@ from gateway.identity.jwks import (
     load_pem,
     parse_jwks,
 )
-from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError, display_url
+from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError
 from gateway.identity.keys import valid_name
 from gateway.identity.verify_budget import VerifyBudget
+from gateway.urls import display_url
 
 log = logging.getLogger("gateway.identity")
 

@@ -20,8 +20,9 @@ from jwt.algorithms import ECAlgorithm
 from gateway.counters.factory import parse_counter_url
 from gateway.identity.config import JwtConfig
 from gateway.identity.jwks import MAX_KEYS_TRIED, parse_jwks
-from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError, display_url
+from gateway.identity.jwks_fetch import JwksFetcher, JwksFetchError
 from gateway.identity.jwt import InvalidToken, JwtVerifier
+from gateway.urls import display_url
 from tests.support.fuzz import fuzz
 from tests.support.gateway import running_app
 
