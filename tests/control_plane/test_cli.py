@@ -156,6 +156,6 @@ async def test_cli_failed_build_and_missing_credentials(control_plane_url):
 
 async def test_cli_an_id_that_is_not_one_is_a_usage_error(control_plane_url):
     for bad in ("../x", ".", "a/b"):
-        code, out, err = await run_cli(control_plane_url, "get", bad)
+        code, _out, err = await run_cli(control_plane_url, "get", bad)
         assert code == 2, err
         assert err.startswith("error: not a valid id") and "Traceback" not in err

@@ -40,9 +40,19 @@ ERROR_MEANINGS = {
     401: "X-Api-Key missing or unknown",
     403: "X-Tenant-Id missing, malformed or not granted to the key",
     404: "No such resource for this tenant",
-    409: "A resource with this identifier exists",
+    409: (
+        "A resource with this identifier exists, or the tenant's quota of such resources "
+        "is reached (the detail names the setting; delete one first)"
+    ),
     413: "Request body too large",
-    422: "Validation error: the detail names the field",
+    422: (
+        "Validation error: the detail names the field (a free-form object over "
+        "max_json_field_bytes, a page over max_answer_bytes included)"
+    ),
+    429: (
+        "The tenant's quota of pending authentication flows is reached; Retry-After says "
+        "when one expires"
+    ),
 }
 AUTHENTICATED = (401, 403)
 
@@ -77,7 +87,7 @@ class Resource:
     tag: str
     list_query: Any = PageQuery
     id_field: str = "id"  # the field of the answer that ``key`` takes
-    conflicts: bool = False  # whether a create may find the identifier taken (409)
+    conflicts: bool = False  # whether a create may find the identifier taken or a quota (409)
     summaries: Mapping[str, str] = field(default_factory=dict)  # by verb: the default's
     descriptions: Mapping[str, str] = field(default_factory=dict)  # by verb
     # More operations whose parameters come from a created resource (operation id ->

@@ -125,10 +125,11 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
             rt.config.database_url,
             rt.config.database_timeout_seconds,
             app[DATABASE_BREAKER_KEY],
+            rt.config.limits,
         )
         where = f"PostgreSQL {redact(rt.config.database_url)}"
     else:
-        db = Database(rt.config.database_path)
+        db = Database(rt.config.database_path, rt.config.limits)
         where = f"SQLite {rt.config.database_path}"
     await db.open()
     rt.db = db

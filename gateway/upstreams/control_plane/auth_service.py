@@ -245,7 +245,7 @@ def routes(wait_max_seconds: float) -> tuple[Route, ...]:
                     200: Response(
                         "Pending (with the URL to visit), or completed", AuthenticateResponse
                     ),
-                    **errors(*AUTHENTICATED, 404, 413, 422),
+                    **errors(*AUTHENTICATED, 404, 413, 422, 429),
                 },
                 body=AuthenticateRequest,
                 tag=TAG,

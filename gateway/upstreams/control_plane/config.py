@@ -9,7 +9,7 @@ import os
 import secrets
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ from .credentials import (
     is_hex_digest,
     is_valid_tenant_id,
 )
+from .limits import RANGES as LIMIT_RANGES
+from .limits import Limits
 
 DEFAULT_GITHUB_INSTALL_URL = "https://github.com/apps/agent-deployments/installations/new"
 CREDENTIAL_FILE_NAME = "control-plane-credential.json"
@@ -34,6 +36,7 @@ _SECTION_KEYS = frozenset(
         "max_body_bytes",
         "auth_wait_max_seconds",
         "auth_flow_ttl_seconds",
+        *LIMIT_RANGES,
     }
 )
 
@@ -78,6 +81,8 @@ class ControlPlaneConfig:
     # While PostgreSQL is away, requests are answered 503 at once and one probe connection
     # is tried this often (the breaker's cool-down).
     database_retry_seconds: float = 1.0
+    # Sizes and quotas (limits.py; documented in docs/control-plane.md).
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def database_path(self) -> Path:
@@ -135,7 +140,15 @@ class ControlPlaneConfig:
         flow_ttl = _number(
             section.get("auth_flow_ttl_seconds", 600.0), "auth_flow_ttl_seconds", 1.0
         )
+        limits = Limits(
+            **{
+                name: _whole_number(section[name], name, *LIMIT_RANGES[name])
+                for name in LIMIT_RANGES
+                if name in section
+            }
+        )
         return cls(
+            limits=limits,
             data_dir=Path(data_dir),
             revision_step_seconds=step_seconds,
             credentials=tuple(credentials),
@@ -223,6 +236,18 @@ def _number(value: object, field: str, minimum: float) -> float:
     if not math.isfinite(number) or number < minimum:
         raise ValueError(f"{field}: must be a finite number >= {minimum:g}, got {value!r}")
     return number
+
+
+def _whole_number(value: object, field: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"control_plane.{field}: expected a whole number, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"control_plane.{field}: expected a whole number, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise ValueError(
+            f"control_plane.{field}: must be between {minimum} and {maximum}, got {value!r}"
+        )
+    return int(value)
 
 
 def _check_api_key(value: str, field: str) -> None:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .limits import Limits
 from .storage import ControlPlaneStore
 
 T = TypeVar("T")
@@ -20,8 +21,9 @@ T = TypeVar("T")
 class Database:
     """Runs :class:`ControlPlaneStore` calls on one dedicated thread."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None) -> None:
         self._path = path
+        self._limits = limits
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control-plane-db")
         self._store: ControlPlaneStore | None = None
 
@@ -33,7 +35,9 @@ class Database:
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
-        self._store = await loop.run_in_executor(self._executor, ControlPlaneStore, self._path)
+        self._store = await loop.run_in_executor(
+            self._executor, ControlPlaneStore, self._path, self._limits
+        )
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()

@@ -16,14 +16,15 @@ from .http_helpers import (
     READ,
     delete_resource,
     get_resource,
+    json_bytes_response,
     not_found,
     page,
-    page_response,
     path_id,
     read_body,
     runtime,
     tenant,
 )
+from .limits import check_free_form_fields
 from .models import (
     Deployment,
     DeploymentCreate,
@@ -82,6 +83,7 @@ async def create_deployment(request: web.Request) -> web.Response:
         DeploymentCreate, await request.read()
     )
     data = _create_data(body)
+    check_free_form_fields(data["source_config"], rt.config.limits.max_json_field_bytes)
     rules.check_integration(rt.config, tenant(request), data["source_config"])
     db = rt.database()
     deployment = await db.run(db.store.create_deployment, tenant(request), data, rt.clock)
@@ -98,14 +100,14 @@ async def create_deployment(request: web.Request) -> web.Response:
 async def list_deployments(request: web.Request) -> web.Response:
     query = READ.query(DeploymentListQuery, request.query)
     db = runtime(request).database()
-    rows = await db.run(
+    body = await db.run(
         db.store.list_deployments,
         tenant(request),
         query.limit,
         query.offset,
         query.name_contains or None,
     )
-    return page_response(rows, query.offset)
+    return json_bytes_response(body)
 
 
 async def get_deployment(request: web.Request) -> web.Response:
@@ -119,6 +121,7 @@ async def patch_deployment(request: web.Request) -> web.Response:
     patch: dict[str, Any] = {}
     if "source_config" in body.model_fields_set:
         patch["source_config"] = body.source_config.given()
+        check_free_form_fields(patch["source_config"], rt.config.limits.max_json_field_bytes)
     if "source_revision_config" in body.model_fields_set:
         patch["source_revision_config"] = body.source_revision_config.given()
     if "secrets" in body.model_fields_set:
@@ -157,12 +160,12 @@ async def list_revisions(request: web.Request) -> web.Response:
     deployment_id = path_id(request, "deployment_id")
     query = page(request)
     db = runtime(request).database()
-    rows = await db.run(
+    body = await db.run(
         db.store.list_revisions, tenant(request), deployment_id, query.limit, query.offset
     )
-    if rows is None:
+    if body is None:
         _missing_deployment(deployment_id)
-    return page_response(rows, query.offset)
+    return json_bytes_response(body)
 
 
 async def get_revision(request: web.Request) -> web.Response:
@@ -214,6 +217,7 @@ DEPLOYMENTS = Resource(
     update_body=DeploymentPatch,
     tag=TAG,
     list_query=DeploymentListQuery,
+    conflicts=True,
     summaries={
         "create": "Create a deployment and its first revision",
         "update": "Update a deployment; a revision config or secrets make a new revision",

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.upstreams.http_api.decoding import ModelReader
+from gateway.upstreams.http_api.log_safety import exception_summary
 from gateway.upstreams.http_api.problems import InvalidRequest
 from gateway.upstreams.http_api.routes import Handler
 from gateway.upstreams.postgres.connection import DatabaseUnavailable
@@ -21,6 +22,7 @@ from .config import ControlPlaneConfig
 from .credentials import api_key_bytes, find_credential, is_valid_tenant_id
 from .database import Database
 from .lifecycle import LifecycleDriver
+from .limits import Refused
 from .models import PATTERNS, SOURCES, PageQuery, PathId
 from .rows import Row
 from .storage import ControlPlaneStore
@@ -84,6 +86,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(exc.status, exc.detail)
     except Conflict as exc:
         return json_error(409, str(exc))
+    except Refused as exc:
+        return json_error(exc.status, exc.detail, exc.headers or None)
     except DatabaseUnavailable as exc:
         return json_error(503, exc.detail, {"Retry-After": str(exc.retry_after)})
     except RequestPayloadError:
@@ -97,9 +101,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status == 413:
             detail = "Request body too large"
         return json_error(exc.status, detail, headers)
-    except Exception:
-        # No request data in the message: bodies may carry secret values.
-        log.exception("control plane handler failed: %s %s", request.method, request.rel_url.path)
+    except Exception as exc:
+        # No request data and no exception message in the log: bodies and headers may
+        # carry secret values, and a message may quote them.
+        log.error(
+            "control plane handler failed: %s %s: %s",
+            request.method,
+            request.rel_url.path,
+            exception_summary(exc),
+        )
         return json_error(500, "Internal error")
 
 
@@ -141,9 +151,18 @@ def page(request: web.Request) -> PageQuery:
     return READ.query(PageQuery, request.query)
 
 
+def json_bytes_response(body: bytes) -> web.Response:
+    """200 with ``body``, JSON already encoded (as UTF-8)."""
+    return web.Response(body=body, content_type="application/json", charset="utf-8")
+
+
 def page_response(resources: Sequence[Mapping[str, Any]], offset: int) -> web.Response:
-    """The list envelope; ``offset`` is where the next page starts."""
-    return web.json_response({"resources": resources, "offset": offset + len(resources)})
+    """The list envelope; ``offset`` is where the next page starts. Compact UTF-8 JSON, as
+    the pages of deployments and revisions (``storage._page``): no byte grows sixfold into
+    a ``\\uXXXX`` escape."""
+    page = {"resources": resources, "offset": offset + len(resources)}
+    text = json.dumps(page, separators=(",", ":"), ensure_ascii=False)
+    return json_bytes_response(text.encode("utf-8"))
 
 
 def path_id(request: web.Request, name: str) -> str:

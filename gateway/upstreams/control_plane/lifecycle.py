@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from gateway.upstreams.http_api.log_safety import exception_summary
 from gateway.upstreams.postgres.connection import DatabaseUnavailable
 
 from .rules import build_problem
@@ -83,8 +84,9 @@ class LifecycleDriver:
             except DatabaseUnavailable:
                 # The database breaker logged the outage (once): no traceback a second.
                 log.debug("revision lifecycle pass skipped: the database is unavailable")
-            except Exception:
-                log.exception("revision lifecycle pass failed; retrying")
+            except Exception as exc:
+                # Type and frames only: a message may quote stored configuration.
+                log.error("revision lifecycle pass failed; retrying: %s", exception_summary(exc))
             if delay <= 0:
                 await asyncio.sleep(0)
                 continue

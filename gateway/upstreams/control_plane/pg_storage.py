@@ -38,6 +38,7 @@ from gateway.upstreams.postgres.connection import (
 from gateway.upstreams.postgres.migrations import migrate
 
 from .database import Database
+from .limits import Limits
 from .storage import ControlPlaneStore
 
 log = logging.getLogger("gateway.control_plane.postgres")
@@ -200,7 +201,9 @@ class _Connection:
 class PostgresControlPlaneStore(ControlPlaneStore):
     """``ControlPlaneStore`` whose connection is a pooled PostgreSQL one, bound per call."""
 
-    def __init__(self) -> None:  # no SQLite file: skip the base class's set-up
+    def __init__(self, limits: Limits | None = None) -> None:
+        # No SQLite file: the base class's set-up is skipped.
+        self.limits = limits or Limits()
         self.adapter = _Connection()
         # The adapter implements the subset of sqlite3.Connection the base class calls.
         self._conn = cast(sqlite3.Connection, self.adapter)
@@ -219,12 +222,16 @@ class PostgresDatabase(Database):
     """
 
     def __init__(
-        self, url: str, timeout_seconds: float, breaker: DatabaseBreaker | None = None
+        self,
+        url: str,
+        timeout_seconds: float,
+        breaker: DatabaseBreaker | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._url = check_url(url)
         self._timeout = timeout_seconds
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control-plane-db")
-        self._pg_store = PostgresControlPlaneStore()
+        self._pg_store = PostgresControlPlaneStore(limits)
         self._store: ControlPlaneStore | None = None
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self.breaker = breaker or control_plane_breaker(url, timeout_seconds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -22,9 +22,14 @@ Row = dict[str, Any]
 
 
 def canonical_json(value: object) -> str:
+    """``value`` as stored: compact UTF-8 JSON with sorted keys, so the bytes a field is
+    measured at (``limits.json_size``) are the bytes it takes."""
     # allow_nan=False: a non-finite number must never be stored (it is not JSON); request
-    # validation refuses them first, so this only guards against a bug.
-    return json.dumps(value, sort_keys=True, allow_nan=False)
+    # validation refuses them first, so this only guards against a bug. ensure_ascii=False
+    # is safe: validation refuses lone surrogates, and control characters are still escaped.
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 def iso(ts: float) -> str:
@@ -43,12 +48,18 @@ def _revision_config_out(config: Row) -> RevisionConfigView:
 
 
 def _deployment_out(row: sqlite3.Row) -> Deployment:
+    return deployment_view(row, json.loads(row["source_config"]))
+
+
+def deployment_view(row: sqlite3.Row, source_config: Any) -> Deployment:
+    """A deployment row as answered, with ``source_config`` as given (the decoded column,
+    or a placeholder for ``row_json`` to replace with the stored text)."""
     return {
         "id": row["id"],
         "tenant_id": row["tenant_id"],
         "name": row["name"],
         "source": row["source"],
-        "source_config": json.loads(row["source_config"]),
+        "source_config": source_config,
         "source_revision_config": _revision_config_out(json.loads(row["source_revision_config"])),
         "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
         "status": row["status"],
@@ -60,13 +71,18 @@ def _deployment_out(row: sqlite3.Row) -> Deployment:
 
 
 def revision_out(row: sqlite3.Row) -> Revision:
+    return revision_view(row, json.loads(row["source_config"]))
+
+
+def revision_view(row: sqlite3.Row, source_config: Any) -> Revision:
+    """A revision row as answered; ``source_config`` as in ``deployment_view``."""
     return {
         "id": row["id"],
         "deployment_id": row["deployment_id"],
         "status": row["status"],
         "status_message": row["status_message"],
         "source": row["source"],
-        "source_config": json.loads(row["source_config"]),
+        "source_config": source_config,
         "source_revision_config": _revision_config_out(json.loads(row["source_revision_config"])),
         "secrets": [{"name": name} for name in json.loads(row["secret_names"])],
         "created_at": iso(row["created_at"]),
@@ -104,6 +120,22 @@ def _provider_out(row: sqlite3.Row) -> Provider:
         "created_at": iso(row["created_at"]),
         "updated_at": iso(row["updated_at"]),
     }
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def row_json(view: Mapping[str, Any], raw: Mapping[str, str]) -> str:
+    """``view`` as compact JSON, the fields named in ``raw`` written as that stored JSON
+    text instead of their value (in their place). A list page is built this way, so the
+    free-form configurations are copied as text, never decoded into objects and encoded
+    again (which costs memory and time many times their size)."""
+    fields = (
+        f"{_compact(key)}:{raw[key] if key in raw else _compact(value)}"
+        for key, value in view.items()
+    )
+    return "{" + ",".join(fields) + "}"
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,23 @@ import json
 import sqlite3
 import unicodedata
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .lifecycle import IN_FLIGHT, next_step
+from .limits import Refused, answer_too_large, quota_reached, retry_after
 from .models import Deployment, Listener, Provider, Revision
-from .rows import DEPLOYMENTS, LISTENERS, PROVIDERS, Row, canonical_json, revision_out
+from .rows import (
+    DEPLOYMENTS,
+    LISTENERS,
+    PROVIDERS,
+    Row,
+    canonical_json,
+    deployment_view,
+    revision_out,
+    revision_view,
+    row_json,
+)
 from .tables import Clock, TenantTables
 
 
@@ -37,6 +48,23 @@ def _folded(text: str) -> str:
 
 def _same(value: object) -> object:
     return value
+
+
+def _page(rows: Iterable[Any], view: Callable[[Any, Any], Any], offset: int, limit: int) -> bytes:
+    """The list answer ``{"resources": [...], "offset": n}`` of ``rows`` (deployments or
+    revisions) as compact UTF-8 JSON, each ``source_config`` copied as its stored text
+    (``row_json``). Past ``limit`` bytes the page is refused (``answer_too_large``), unless
+    it holds one resource only: a resource is always readable."""
+    parts: list[bytes] = []
+    size = 0
+    for row in rows:
+        text = row_json(view(row, None), {"source_config": row["source_config"]}).encode()
+        size += len(text) + 1
+        parts.append(text)
+        if size > limit and len(parts) > 1:
+            raise answer_too_large(limit)
+    next_offset = str(offset + len(parts)).encode()
+    return b'{"resources":[' + b",".join(parts) + b'],"offset":' + next_offset + b"}"
 
 
 class ControlPlaneStore(TenantTables):
@@ -79,7 +107,30 @@ class ControlPlaneStore(TenantTables):
             "UPDATE deployments SET latest_revision_id = ?, updated_at = ? WHERE id = ?",
             (revision_id, now, deployment["id"]),
         )
+        self._prune_revisions(deployment["id"])
         return revision_id
+
+    def _prune_revisions(self, deployment_id: str) -> None:
+        """Keep the newest ``max_revisions_per_deployment`` revisions of the deployment, and
+        always its active revision and any in progress: older ones are deleted. Runs in the
+        write transaction that inserted a revision."""
+        active = self._conn.execute(
+            "SELECT active_revision_id FROM deployments WHERE id = ?", (deployment_id,)
+        ).fetchone()
+        placeholders = ",".join("?" for _ in IN_FLIGHT)
+        self._conn.execute(
+            "DELETE FROM revisions WHERE deployment_id = ? AND id <> ? "
+            f"AND status NOT IN ({placeholders}) AND id NOT IN ("
+            "SELECT id FROM revisions WHERE deployment_id = ? "
+            "ORDER BY created_at DESC, seq DESC LIMIT ?)",
+            (
+                deployment_id,
+                (active[0] if active is not None else None) or "",
+                *IN_FLIGHT,
+                deployment_id,
+                self.limits.max_revisions_per_deployment,
+            ),
+        )
 
     def create_deployment(self, tenant_id: str, data: Row, clock: Clock) -> Deployment:
         """Insert a deployment and its first revision; returns the deployment."""
@@ -92,6 +143,14 @@ class ControlPlaneStore(TenantTables):
             "secret_names": canonical_json([name for name, _ in data["secrets"]]),
         }
         with self._tx():
+            count = self._count(DEPLOYMENTS, tenant_id)
+            if count >= self.limits.max_deployments_per_tenant:
+                raise quota_reached(
+                    count,
+                    "deployments",
+                    "max_deployments_per_tenant",
+                    "delete a deployment before creating another",
+                )
             now = self._stamp(
                 clock, "SELECT MAX(created_at) FROM deployments WHERE tenant_id = ?", tenant_id
             )
@@ -121,9 +180,12 @@ class ControlPlaneStore(TenantTables):
 
     def list_deployments(
         self, tenant_id: str, limit: int, offset: int, name_contains: str | None
-    ) -> list[Deployment]:
+    ) -> bytes:
+        """A page of deployments, newest first, as the answer's JSON (``_page``)."""
+        max_bytes = self.limits.max_answer_bytes
         if not name_contains:
-            return self._list(DEPLOYMENTS, tenant_id, limit, offset)
+            rows = self._rows(DEPLOYMENTS, tenant_id, limit, offset)
+            return _page(rows, deployment_view, offset, max_bytes)
         # Matched here, not in SQL: SQLite's lower() folds ASCII only and PostgreSQL's
         # depends on the database's locale, so "école" found "Ågent-ÉCOLE" on one backend
         # and not on the other. One Python fold serves both. The cost is what the SQL
@@ -137,10 +199,13 @@ class ControlPlaneStore(TenantTables):
         )
         matching = [row[0] for row in rows if needle in _folded(row[1])]
         page = matching[offset : offset + limit]
-        if not page:
-            return []
         marks = ", ".join("?" * len(page))
-        return self._list(DEPLOYMENTS, tenant_id, limit, 0, f" AND id IN ({marks})", page)
+        found = (
+            self._rows(DEPLOYMENTS, tenant_id, limit, 0, f" AND id IN ({marks})", page)
+            if page
+            else ()
+        )
+        return _page(found, deployment_view, offset, max_bytes)
 
     def patch_deployment(
         self,
@@ -191,7 +256,9 @@ class ControlPlaneStore(TenantTables):
 
     def list_revisions(
         self, tenant_id: str, deployment_id: str, limit: int, offset: int
-    ) -> list[Revision] | None:
+    ) -> bytes | None:
+        """A page of the deployment's revisions, latest first, as the answer's JSON
+        (``_page``); None when the tenant has no such deployment."""
         if self._row(DEPLOYMENTS, tenant_id, deployment_id) is None:
             return None
         rows = self._conn.execute(
@@ -199,7 +266,7 @@ class ControlPlaneStore(TenantTables):
             "ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?",
             (deployment_id, limit, offset),
         )
-        return [revision_out(row) for row in rows]
+        return _page(rows, revision_view, offset, self.limits.max_answer_bytes)
 
     def get_revision(self, tenant_id: str, deployment_id: str, revision_id: str) -> Revision | None:
         row = self._conn.execute(
@@ -305,13 +372,26 @@ class ControlPlaneStore(TenantTables):
                 "tenant_id": tenant_id,
                 "compute_type": data["compute_type"],
                 "compute_id": data["compute_id"],
-                "compute_config": json.dumps(data["compute_config"]),
+                "compute_config": canonical_json(data["compute_config"]),
                 "version": data["version"],
                 "created_at": now,
                 "updated_at": now,
             },
             f"A listener with compute_id {data['compute_id']} already exists.",
+            self._quota(
+                self.limits.max_listeners_per_tenant,
+                "listeners",
+                "max_listeners_per_tenant",
+                "delete a listener before creating another",
+            ),
         )
+
+    @staticmethod
+    def _quota(most: int, noun: str, setting: str, remedy: str) -> Callable[[int], Refused | None]:
+        def check(count: int) -> Refused | None:
+            return quota_reached(count, noun, setting, remedy) if count >= most else None
+
+        return check
 
     def list_listeners(self, tenant_id: str, limit: int, offset: int) -> list[Listener]:
         return self._list(LISTENERS, tenant_id, limit, offset)
@@ -323,7 +403,7 @@ class ControlPlaneStore(TenantTables):
         self, tenant_id: str, listener_id: str, patch: Row, now: float
     ) -> Listener | None:
         columns: dict[str, Callable[[Any], object]] = {
-            "compute_config": json.dumps,
+            "compute_config": canonical_json,
             "version": _same,
         }
         return self._patch(LISTENERS, tenant_id, listener_id, patch, columns, now)
@@ -352,6 +432,12 @@ class ControlPlaneStore(TenantTables):
                 "updated_at": now,
             },
             f"OAuth provider {data['provider_id']} already exists.",
+            self._quota(
+                self.limits.max_auth_providers_per_tenant,
+                "OAuth providers",
+                "max_auth_providers_per_tenant",
+                "delete a provider before creating another",
+            ),
         )
 
     def list_providers(self, tenant_id: str, limit: int, offset: int) -> list[Provider]:
@@ -413,6 +499,20 @@ class ControlPlaneStore(TenantTables):
             self._conn.execute(
                 "DELETE FROM auth_flows WHERE status = 'pending' AND expires_at < ?", (now,)
             )
+            pending = self._conn.execute(
+                "SELECT COUNT(*), MIN(expires_at) FROM auth_flows "
+                "WHERE tenant_id = ? AND status = 'pending'",
+                (tenant_id,),
+            ).fetchone()
+            most = self.limits.max_pending_auth_flows_per_tenant
+            if pending[0] >= most:
+                raise Refused(
+                    429,
+                    f"quota reached: this tenant has {pending[0]} pending authentication "
+                    f"flows, the most allowed (control_plane.max_pending_auth_flows_per_tenant)"
+                    "; complete one, or retry once one expires (Retry-After)",
+                    retry_after(float(pending[1]) - now),
+                )
             self._conn.execute(
                 "INSERT INTO auth_flows (auth_id, tenant_id, provider_id, user_id, scopes, "
                 "state_sha256, status, created_at, expires_at) "
@@ -449,8 +549,8 @@ class ControlPlaneStore(TenantTables):
         """Complete the pending, unexpired flow started with this state; returns its id."""
         with self._tx():
             row = self._conn.execute(
-                "SELECT auth_id FROM auth_flows WHERE provider_id = ? AND state_sha256 = ? "
-                "AND status = 'pending' AND expires_at >= ?",
+                "SELECT auth_id, tenant_id FROM auth_flows WHERE provider_id = ? "
+                "AND state_sha256 = ? AND status = 'pending' AND expires_at >= ?",
                 (provider_id, state_sha256, now),
             ).fetchone()
             if row is None:
@@ -459,6 +559,19 @@ class ControlPlaneStore(TenantTables):
                 "UPDATE auth_flows SET status = 'completed', token = ?, completed_at = ? "
                 "WHERE auth_id = ?",
                 (token, now, row["auth_id"]),
+            )
+            # The completed flows are a cache of tokens: the tenant's oldest beyond
+            # max_completed_auth_flows_per_tenant are forgotten (their users authenticate
+            # again).
+            self._conn.execute(
+                "DELETE FROM auth_flows WHERE tenant_id = ? AND status = 'completed' "
+                "AND auth_id NOT IN (SELECT auth_id FROM auth_flows WHERE tenant_id = ? "
+                "AND status = 'completed' ORDER BY completed_at DESC, auth_id LIMIT ?)",
+                (
+                    row["tenant_id"],
+                    row["tenant_id"],
+                    self.limits.max_completed_auth_flows_per_tenant,
+                ),
             )
         auth_id: str = row["auth_id"]
         return auth_id

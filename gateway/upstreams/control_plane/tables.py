@@ -10,12 +10,13 @@ fixed ``Table`` instances, never from a request.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 
+from .limits import Limits, Refused
 from .rows import Row, Table
 from .schema import connect
 
@@ -53,8 +54,9 @@ class Transaction:
 class TenantTables:
     """The connection and the statements every table shares; calls come from one thread."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None) -> None:
         self._conn = connect(path)
+        self.limits = limits or Limits()
 
     def close(self) -> None:
         self._conn.close()
@@ -89,6 +91,23 @@ class TenantTables:
         row = self._row(table, tenant_id, key)
         return None if row is None else table.out(row)
 
+    def _rows(
+        self,
+        table: Table[Any],
+        tenant_id: str,
+        limit: int,
+        offset: int,
+        where: str = "",
+        args: Sequence[object] = (),
+    ) -> Iterable[sqlite3.Row]:
+        """Newest first; ``where`` is a fixed ``" AND …"`` filter whose parameters are ``args``."""
+        rows: Iterable[sqlite3.Row] = self._conn.execute(
+            f"SELECT * FROM {table.name} WHERE tenant_id = ?{where} "
+            "ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?",
+            (tenant_id, *args, limit, offset),
+        )
+        return rows
+
     def _list(
         self,
         table: Table[R],
@@ -99,20 +118,34 @@ class TenantTables:
         args: Sequence[object] = (),
     ) -> list[R]:
         """Newest first; ``where`` is a fixed ``" AND …"`` filter whose parameters are ``args``."""
-        rows = self._conn.execute(
-            f"SELECT * FROM {table.name} WHERE tenant_id = ?{where} "
-            "ORDER BY created_at DESC, seq DESC LIMIT ? OFFSET ?",
-            (tenant_id, *args, limit, offset),
-        )
-        return [table.out(row) for row in rows]
+        return [table.out(row) for row in self._rows(table, tenant_id, limit, offset, where, args)]
 
-    def _insert(self, table: Table[R], values: Row, conflict: str) -> R:
+    def _count(self, table: Table[Any], tenant_id: str, where: str = "") -> int:
+        """How many rows of ``table`` the tenant has (``where``: a fixed ``" AND …"``)."""
+        count: int = self._conn.execute(
+            f"SELECT COUNT(*) FROM {table.name} WHERE tenant_id = ?{where}", (tenant_id,)
+        ).fetchone()[0]
+        return count
+
+    def _insert(
+        self,
+        table: Table[R],
+        values: Row,
+        conflict: str,
+        quota: Callable[[int], Refused | None] | None = None,
+    ) -> R:
         """Insert ``values`` (fixed column names → values); a violated unique constraint
-        becomes :class:`Conflict` with the message ``conflict``. Returns the new row."""
+        becomes :class:`Conflict` with the message ``conflict``. ``quota`` is given the
+        tenant's count of rows in the same write transaction (so concurrent inserts cannot
+        exceed it) and answers the refusal to raise, or None. Returns the new row."""
         columns = ", ".join(values)
         marks = ", ".join("?" for _ in values)
         try:
             with self._tx():
+                if quota is not None:
+                    refused = quota(self._count(table, values["tenant_id"]))
+                    if refused is not None:
+                        raise refused
                 self._conn.execute(
                     f"INSERT INTO {table.name} ({columns}) VALUES ({marks})",
                     tuple(values.values()),

@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import (
     PayloadEncodingError,
 )
 
+from gateway.upstreams.http_api.log_safety import exception_summary
 from gateway.upstreams.http_api.openapi import Response
 from gateway.upstreams.http_api.problems import ErrorResponse
 
@@ -88,12 +89,21 @@ class JsonErrorRequestHandler(web.RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        # Neither logs the exception's message: aiohttp's parser errors quote the offending
+        # request line or header field (an X-Api-Key with a control character, say).
         if 400 <= status < 500:
             # A request the parser refused: the client's doing, not worth a traceback.
-            self.logger.debug("refused a malformed request from %s: %r", request.remote, exc)
+            self.logger.debug(
+                "refused a malformed request from %s: %s (%s)",
+                request.remote,
+                parser_error_detail(exc),
+                type(exc).__name__,
+            )
             response = error_response(400, parser_error_detail(exc))
         else:
-            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            self.logger.error(
+                "Error handling request from %s: %s", request.remote, exception_summary(exc)
+            )
             response = error_response(500, "internal error")
         # As aiohttp: once part of an answer was sent, no other answer can follow.
         if request.writer.output_size > 0:
