@@ -87,7 +87,9 @@ async def test_bootstrap_generates_keeps_and_reloads(tmp_path):
     config = ControlPlaneConfig.from_mapping({"revision_step_seconds": 0.05}, data_dir, {})
     first, message = bootstrap_credentials(config)
     stored = json.loads(config.credential_file.read_text())
-    assert stored["api_key"] in message and stored["tenant_id"] in message
+    # The key is never logged: the message says where it is (SECURITY.md).
+    assert stored["api_key"] not in message and stored["tenant_id"] in message
+    assert str(config.credential_file) in message
     assert stat.S_IMODE(config.credential_file.stat().st_mode) == 0o600
     (credential,) = first.credentials
     assert credential.key_sha256 == hash_api_key(stored["api_key"])

@@ -211,3 +211,22 @@ def test_a_taken_port_is_a_failed_start_not_a_graceful_stop(tmp_path):
     assert taken.returncode == 1
     assert "cannot start" in taken.stderr and "address already in use" in taken.stderr
     assert "draining" not in taken.stderr and "graceful stop" not in taken.stderr
+
+
+def test_a_generated_control_plane_key_is_never_logged(tmp_path):
+    """The first start generates a control-plane credential: the log says where it is
+    kept and for which tenant, never the key, at DEBUG either."""
+    import json
+
+    log = tmp_path / "gateway.log"
+    gw = GatewayProcess(
+        ["--data-dir", str(tmp_path / "data"), "--log-level", "DEBUG"], log_path=log
+    )
+    try:
+        gw.wait_ready(60)
+    finally:
+        gw.stop()
+    stored = json.loads((tmp_path / "data" / "control-plane-credential.json").read_text())
+    text = log.read_text()
+    assert "control-plane-credential.json" in text and stored["tenant_id"] in text
+    assert stored["api_key"] not in text

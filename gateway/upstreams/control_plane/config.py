@@ -165,7 +165,7 @@ def bootstrap_credentials(config: ControlPlaneConfig) -> tuple[ControlPlaneConfi
 
     With none configured, load the credential kept in the data dir, or create one there
     (file mode 0600). Returns the config with that credential added and a start-up message
-    for the operator; the message holds the raw key only on the start that created it.
+    for the operator, which names the file and the tenant id, never the key.
     Returns ``(config, None)`` when credentials were configured.
     """
     if config.credentials:
@@ -175,9 +175,12 @@ def bootstrap_credentials(config: ControlPlaneConfig) -> tuple[ControlPlaneConfi
     api_key = "gwk_" + secrets.token_urlsafe(32)
     tenant_id = str(uuid.uuid4())
     if _write_credential_file(path, api_key, tenant_id):
+        # Never the key itself: logs are read by more people and tools than the data
+        # directory (SECURITY.md: a raw key is never logged, at any level).
         message = (
-            "Control plane: no credential configured, generated one (kept in "
-            f"{path}). X-Api-Key: {api_key}  X-Tenant-Id: {tenant_id}"
+            f"Control plane: no credential configured, generated one for tenant {tenant_id}: "
+            f"its API key is in {path} (mode 0600; read it with: cat {path}). Configure a "
+            "credential (GATEWAY_API_KEY and GATEWAY_TENANT_ID) to use your own."
         )
     else:
         api_key, tenant_id = _read_credential_file(path)
