@@ -13,6 +13,7 @@ not apply, and the answer the gateway gives besides the rule's count (401 ...).
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -80,8 +81,10 @@ def explain(
     ``reader``: the data plane's reading for the loaded table and hasher; ``regions``:
     names the rule files may use besides the defaults; ``secret``: the deployment's
     identity secret and where it was found (``gateway.secrets.existing_identity_secret``),
-    else the hashes are keyed with a throwaway one."""
-    table = load_rules(rules, DEFAULT_REGIONS | set(regions) | ({region} if region else set()))
+    else the hashes are keyed with a throwaway one. ``ValueError`` for a region the
+    gateway does not know (``region`` is checked against the known ones, never added to
+    them) or a client address that is not one."""
+    table = load_rules(rules, DEFAULT_REGIONS | set(regions))
     key, secret_source = secret or (
         secrets.token_hex(32).encode(),
         "a throwaway secret (no deployment secret found)",
@@ -109,8 +112,9 @@ def explain_request(
     request read with ``read`` (the data plane's reading for that table and hasher).
     ``ValueError`` names what is wrong with the described request; ``Refused`` (one)
     says the gateway answers it itself before any rule."""
-    if region is not None and region not in table.regions:
-        raise ValueError(f"unknown region {region!r}")
+    if region is not None:
+        check_region(region, table.regions)
+    client_ip = check_client_ip(client_ip)
     method, wire_target, fields = described_request(method, target, headers)
     raw_path, _ = split_target(target)
     reading = read(method, wire_target, fields, client_ip)
@@ -142,6 +146,35 @@ def explain_request(
         if table.ceilings:
             lines.extend(_explain_ceilings(table, name, reading, identity, selection))
     return "\n".join(lines)
+
+
+def check_region(region: str, known: Iterable[str]) -> None:
+    """``ValueError`` naming the known regions unless ``region`` is one of them. Names
+    are case-sensitive, as ``gateway serve`` takes them: one that differs from a known
+    name only in case gets the right spelling suggested."""
+    names = sorted(known)
+    if region in names:
+        return
+    message = f"unknown region {region[:64]!r}; known regions: {', '.join(names)}"
+    same = [name for name in names if name.casefold() == region.casefold()]
+    if same:
+        message += f" (did you mean {same[0]!r}? region names are case-sensitive)"
+    raise ValueError(message)
+
+
+def check_client_ip(client_ip: str) -> str:
+    """The described TCP peer's address (surrounding blanks dropped), or ``ValueError``
+    when it is no IPv4 or IPv6 address: a TCP peer always has one, and anything else
+    would be hashed and counted as if it were."""
+    address = client_ip.strip()
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        raise ValueError(
+            f"client address {client_ip[:64]!r} is not an IP address (give the TCP "
+            "peer's address as the gateway sees it, e.g. 203.0.113.7 or 2001:db8::7)"
+        ) from None
+    return address
 
 
 def described_request(

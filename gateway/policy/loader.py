@@ -7,6 +7,7 @@ A rule file is YAML with a top-level ``rules:`` list (see ``rules/default.yaml``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import logging
 import re
@@ -51,6 +52,10 @@ CEILING_KEYS = RULE_KEYS - {"unlimited", "tiers"}
 TIER_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}")  # as key files name tiers
 MATCH_KEYS = frozenset({"methods", *PATH_KINDS})
 ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+# ID_PATTERN in words, for messages.
+ID_RULE = (
+    "lower-case letters, digits, '.', '_' or '-' (starting with a letter or digit), at most 64"
+)
 LIMIT_PATTERN = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
 MAX_WINDOW_SECONDS = 7 * 86400
 MAX_COUNT = 10**9
@@ -446,7 +451,14 @@ def _parse_rule(
         return None
     rule_id = item.get("id")
     if not isinstance(rule_id, str) or not ID_PATTERN.fullmatch(rule_id):
-        ctx.error("id", "required; lower-case letters, digits, '.', '_' or '-', at most 64")
+        # "required" only when it is missing: a value given is said to be wrong as such.
+        if "id" not in item:
+            ctx.error("id", f"required: {ID_RULE}")
+        else:
+            message = _wrong(rule_id, ID_RULE)
+            if isinstance(rule_id, str) and ID_PATTERN.fullmatch(rule_id.lower()):
+                message += f" (did you mean {rule_id.lower()!r}?)"
+            ctx.error("id", message)
     else:
         ctx.label = f"{'ceiling ' if ceiling else ''}{rule_id!r} (#{index})"
     allowed = CEILING_KEYS if ceiling else RULE_KEYS
@@ -460,17 +472,18 @@ def _parse_rule(
     unlimited = _bool(ctx, item, "unlimited")
     if shadow and unlimited:
         ctx.error("shadow", "a rule cannot be both shadow and unlimited")
-    identity = _identity(ctx, item.get("identity", "ip" if unlimited else None))
+    given = "identity" in item
+    identity = _identity(ctx, item.get("identity", "ip" if unlimited else None), given)
     failure_mode = item.get("failure_mode", "open")
     if failure_mode not in ("open", "closed"):
-        ctx.error("failure_mode", f"must be 'open' or 'closed', not {_show(failure_mode)}")
+        ctx.error("failure_mode", _wrong(failure_mode, "'open' or 'closed'"))
     alternatives = _alternatives(ctx, item.get("match"))
     limits: dict[str, tuple[LimitSpec, ...]] = {}
     if unlimited:
         if "limits" in item:
             ctx.error("limits", "an unlimited rule takes no limits")
     else:
-        limits = _limits(ctx, item.get("limits"), regions)
+        limits = _limits(ctx, item.get("limits"), regions, given="limits" in item)
     tier_limits: dict[str, dict[str, tuple[LimitSpec, ...]]] = {}
     raw_tiers = item.get("tiers")
     if raw_tiers is not None:
@@ -481,7 +494,7 @@ def _parse_rule(
                 if not isinstance(tier, str) or not TIER_PATTERN.fullmatch(tier):
                     ctx.error("tiers", f"bad tier name {_show(tier)}")
                     continue
-                tier_limits[tier] = _limits(ctx, spec, regions)
+                tier_limits[tier] = _limits(ctx, spec, regions, field=f"tiers.{tier}")
     refusal_status, refusal_detail = _refusal(ctx, item.get("refusal"), unlimited)
     if ctx.failed or identity is None or alternatives is None:
         return None
@@ -524,7 +537,7 @@ def _refusal(ctx: _RuleContext, raw: Any, unlimited: bool) -> tuple[int, str]:
         return 429, ""
     status = raw.get("status", 429)
     if status not in (429, 503) or isinstance(status, bool):
-        ctx.error("refusal.status", f"must be 429 or 503, not {_show(status)}")
+        ctx.error("refusal.status", _wrong(status, "429 or 503"))
         status = 429
     detail = raw.get("detail", "")
     if (
@@ -541,6 +554,15 @@ def _refusal(ctx: _RuleContext, raw: Any, unlimited: bool) -> tuple[int, str]:
     return int(status), detail
 
 
+def _wrong(value: Any, wanted: str) -> str:
+    """The message for a key a rule has with a value that will not do: never
+    "required" (that is for a key it lacks). YAML's empty value (``id:``) is said as
+    empty, not as Python's None."""
+    if value is None:
+        return f"empty: give {wanted}"
+    return f"must be {wanted}, not {_show(value)}"
+
+
 def _keys(keys: Iterable[Any]) -> str:
     """Unknown keys for a message: keys may be of any type (``1:``, ``null:``) and long."""
     return _show(sorted(keys, key=_show))
@@ -549,17 +571,28 @@ def _keys(keys: Iterable[Any]) -> str:
 def _bool(ctx: _RuleContext, item: Mapping[str, Any], key: str) -> bool:
     value = item.get(key, False)
     if not isinstance(value, bool):
-        ctx.error(key, f"must be true or false, not {_show(value)}")
+        ctx.error(key, _wrong(value, "true or false"))
         return False
     return value
 
 
-def _identity(ctx: _RuleContext, value: Any) -> IdentityKind | None:
+def _identity(ctx: _RuleContext, value: Any, given: bool) -> IdentityKind | None:
+    """The rule's identity kind; ``given``: the rule has the key (a value it holds is
+    wrong as such, never "required")."""
     try:
         return IdentityKind(value)
     except ValueError:
-        allowed = ", ".join(k.value for k in IdentityKind)
-        ctx.error("identity", f"required; one of {allowed}, not {_show(value)}")
+        names = [k.value for k in IdentityKind]
+        allowed = ", ".join(names)
+        if not given:
+            ctx.error("identity", f"required: one of {allowed}")
+            return None
+        message = _wrong(value, f"one of {allowed}")
+        if isinstance(value, str) and len(value) <= 64:  # (a close name is short)
+            close = difflib.get_close_matches(value.lower(), names, n=1, cutoff=0.75)
+            if close:
+                message += f" (did you mean {close[0]!r}?)"
+        ctx.error("identity", message)
         return None
 
 
@@ -662,14 +695,25 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
 
 
 def _limits(
-    ctx: _RuleContext, value: Any, regions: frozenset[str]
+    ctx: _RuleContext,
+    value: Any,
+    regions: frozenset[str],
+    given: bool = True,
+    field: str = "limits",
 ) -> dict[str, tuple[LimitSpec, ...]]:
+    """The limits per region at ``field`` (a tier's: ``tiers.<name>``); ``given``: the
+    rule has the key ("required" only when it does not: a value given is wrong as such)."""
     if not isinstance(value, dict) or not value:
-        ctx.error("limits", "required: a mapping of region (or 'default') to 'count/seconds'")
+        wanted = "a mapping of region (or 'default') to 'count/seconds'"
+        if given:
+            ctx.error(field, _wrong(value, f"a non-empty {wanted[2:]}"))
+        else:
+            ctx.error(field, f"required: {wanted}")
         return {}
     parsed: dict[str, tuple[LimitSpec, ...]] = {}
+    where = field
     for region, spec in value.items():
-        field = f"limits.{_show(region)[1:-1] if isinstance(region, str) else _show(region)}"
+        field = f"{where}.{_show(region)[1:-1] if isinstance(region, str) else _show(region)}"
         if region != "default" and region not in regions:
             known = f"known: {sorted(regions)} or 'default'"
             ctx.error(field, f"unknown region {_show(region)}; {known}")

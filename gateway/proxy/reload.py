@@ -55,21 +55,23 @@ class RuleSource:
         metrics.rule_reloads.labels("ok").inc()
         return cls(paths, regions, metrics, table)
 
-    def reload(self, reason: str) -> bool:
+    def reload(self, reason: str, *, asked: bool = False) -> bool:
         """Load the files again, here and now (on the event loop if called from it);
-        True when a new table is in force."""
+        True when a new table is in force. ``asked``: an operator asked for it (SIGHUP),
+        so a table found unchanged is said at INFO too (see ``_settle``)."""
         ticket = self._start()
-        return self._settle(ticket, reason, self._load())
+        return self._settle(ticket, reason, self._load(), asked)
 
-    async def reload_async(self, reason: str) -> bool:
+    async def reload_async(self, reason: str, *, asked: bool = False) -> bool:
         """``reload`` with the reading and parsing in a worker thread."""
         ticket = self._start()
         outcome = await asyncio.to_thread(self._load)
-        return self._settle(ticket, reason, outcome)
+        return self._settle(ticket, reason, outcome, asked)
 
     def request_reload(self, reason: str) -> None:
-        """For a signal handler on the running loop: start ``reload_async`` and return."""
-        task = asyncio.get_running_loop().create_task(self.reload_async(reason))
+        """For a signal handler on the running loop (an operator's SIGHUP): start
+        ``reload_async`` and return."""
+        task = asyncio.get_running_loop().create_task(self.reload_async(reason, asked=True))
         self._requests.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._requests.discard)
 
@@ -85,7 +87,13 @@ class RuleSource:
         except Exception as exc:  # whatever the files hold: a refusal, not a dead watcher
             return exc
 
-    def _settle(self, ticket: int, reason: str, outcome: RuleTable | Exception) -> bool:
+    def _settle(
+        self, ticket: int, reason: str, outcome: RuleTable | Exception, asked: bool = False
+    ) -> bool:
+        """Apply a load's outcome and say so. After a refused reload, a load that
+        succeeds says at INFO that the rules are valid again and which table is in force
+        (the ERROR must not be the last word); a table found unchanged is said at INFO
+        when an operator asked (SIGHUP), else at DEBUG (the watcher's polls)."""
         if ticket < self._settled:
             return False  # a load started later has settled already: this one is older
         self._settled = ticket
@@ -95,9 +103,20 @@ class RuleSource:
         table = outcome
         # A load that succeeds clears the last error, also when it gives the running table
         # again (a bad edit reverted): nothing refused is pending any more.
+        was_refused = self.last_error is not None
         self.last_error = None
+        level = logging.INFO if self.announce else logging.DEBUG
         if table.digest == self.table.digest:
             self._metrics.rule_reloads.labels("unchanged").inc()
+            log.log(
+                level if was_refused or asked else logging.DEBUG,
+                "rules %s (%s): table unchanged, still serving %s from %s (table %s)",
+                "valid again" if was_refused else "reloaded",
+                reason,
+                table.size_text,
+                ", ".join(table.sources),
+                table.digest[:12],
+            )  # (the table named as the start-up line names it)
             return False
         previous = self.table
         self.table = table
@@ -105,9 +124,10 @@ class RuleSource:
         self._metrics.rules_loaded.set(table.loaded_at)
         self._metrics.rules_count.set(len(table.rules))
         log.log(
-            logging.INFO if self.announce else logging.DEBUG,
-            "rules reloaded (%s): %s from %s, table %s (was %s)",
+            level,
+            "rules reloaded (%s)%s: %s from %s, table %s (was %s)",
             reason,
+            ", valid again after the refused reload" if was_refused else "",
             table.size_text,
             ", ".join(table.sources),
             table.digest[:12],

@@ -152,9 +152,13 @@ def _from_json(line: str, strings: dict[str, str], tokens: dict[str, str]) -> Re
         return TOO_DEEP
     if not isinstance(data, dict) or "method" not in data or "path" not in data:
         return NOT_ACCESS_LOG
-    if "ip" not in data or "start_us" not in data:
-        return NO_COMPONENTS
     get = data.get
+    if "ip" not in data or "start_us" not in data:
+        # No rule and no decision: answered before the rules were consulted, which is
+        # what matters whatever the line's age (see ``_from_plain``).
+        if "decision" in data and get("decision") is None and get("rule") is None:
+            return NO_IDENTITY
+        return NO_COMPONENTS
     ip = get("ip")
     if ip is None:
         return NO_IDENTITY
@@ -275,9 +279,15 @@ def _from_plain(line: str, strings: dict[str, str], tokens: dict[str, str]) -> R
         return MALFORMED if _PLAIN_HEAD.match(line) else NOT_ACCESS_LOG
     if not line.isprintable():  # never written by a gateway: what it cannot print, it quotes
         return MALFORMED
-    (_, method, path, _, region, _, decision, _, _, _, _, rid, _, key, user, ip,
+    (_, method, path, _, region, rule, decision, _, _, _, _, rid, _, key, user, ip,
      start_text, _, tier, cert) = match.groups()  # fmt: skip
     if ip is None or start_text is None:
+        # The gateway leaves the identity components out of a line it answered before
+        # the identity was formed (/ok, a 400): no rule, no decision. Such a line is
+        # classed by that, before the missing fields, which otherwise only an older
+        # gateway's lines lack.
+        if rule == "-" and decision == "-":
+            return NO_IDENTITY
         return NO_COMPONENTS
     if ip == "-":
         return NO_IDENTITY
