@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar, overload
 
@@ -22,9 +23,19 @@ def decode_json(raw: bytes) -> object:
         return json.loads(raw)
     except UnicodeDecodeError:
         raise InvalidRequest("body: must be UTF-8 encoded JSON") from None
-    except (ValueError, RecursionError) as exc:
-        reason = str(exc).split("\n", 1)[0][:200]
-        raise InvalidRequest(f"body: malformed JSON ({reason})") from None
+    except json.JSONDecodeError as exc:  # the decoder's own words: what, and where
+        raise InvalidRequest(
+            f"body: malformed JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise InvalidRequest("body: JSON nested too deeply") from None
+    except ValueError:
+        # Not the interpreter's words (they named sys.set_int_max_str_digits, a setting
+        # of this server's, to an API client): the only other ValueError json.loads
+        # raises is an integer of more digits than Python converts.
+        raise InvalidRequest(
+            f"body: a number has more than {sys.get_int_max_str_digits()} digits"
+        ) from None
 
 
 _ADAPTERS: dict[Any, TypeAdapter[Any]] = {}
