@@ -229,9 +229,15 @@ class KeySource:
                 exc,
             )
             return False
-        self.last_error = None
+        refused_before, self.last_error = self.last_error, None
         if ring.digest == self.ring.digest:
             self._report("unchanged")
+            if refused_before is not None:  # the operator fixed the file: say it is over
+                log.info(
+                    "api keys valid again (%s): unchanged, still %d keys of %d consumers "
+                    "from %s",
+                    reason, len(self.ring), len(self.ring.consumers), self.path,
+                )  # fmt: skip
             return False
         previous, self.ring = self.ring, ring
         self._report("ok")

@@ -473,9 +473,14 @@ class TlsContextSource:
         if isinstance(outcome, Exception):
             self._refuse(reason, outcome)
             return False
-        self.last_error = None
+        refused_before, self.last_error = self.last_error, None
         if outcome.digest == self._current.digest:
             self._report(True, "unchanged")
+            if refused_before is not None:  # the operator fixed the files: say it is over
+                log.info(
+                    "TLS files valid again (%s): unchanged, still serving serial %x",
+                    reason, self.serial(),
+                )  # fmt: skip
             return False
         previous, self._current = self._current, outcome
         self.reloads += 1

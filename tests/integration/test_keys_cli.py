@@ -243,3 +243,21 @@ def test_reload_reports_unchanged_and_start_refuses_a_bad_file(tmp_path):
     path.write_text("keys: nope\n")
     with pytest.raises(KeyFileError, match="'keys' must be a list"):
         KeySource(path)
+
+
+def test_a_fix_back_to_the_ring_in_force_is_logged(tmp_path, caplog):
+    """A bad edit is refused (ERROR); restoring the file gives the same ring, so nothing
+    is reloaded, but the operator reads that the file is valid again (not the ERROR as
+    the last word). A plain unchanged reload says nothing."""
+    caplog.set_level(logging.INFO, logger="gateway.identity")
+    path = tmp_path / "keys.yaml"
+    add_key(path, "acme")
+    source = KeySource(path)
+    good = path.read_text()
+    assert source.reload("poll") is False
+    assert "valid again" not in caplog.text
+    path.write_text(good + "  - {sha256: not-a-hash, consumer: beta}\n")
+    assert source.reload("poll") is False and source.last_error is not None
+    path.write_text(good)
+    assert source.reload("poll") is False and source.last_error is None
+    assert "api keys valid again (poll): unchanged, still 1 keys of 1 consumers" in caplog.text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,7 +335,9 @@ def test_a_bad_start_raises(tmp_path: Path, files: TlsFiles) -> None:
         TlsContextSource(TlsFiles(cert=str(tmp_path / "x.crt"), key=files.key))
 
 
-def test_reload_puts_a_good_pair_in_force_and_refuses_a_bad_one(tmp_path: Path, pki: Pki) -> None:
+def test_reload_puts_a_good_pair_in_force_and_refuses_a_bad_one(
+    tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
     live = tmp_path / "live"
     write_pair(tmp_path / "v1", pki.issue("gw", serial=1))
     swap_to(live, tmp_path / "v1")
@@ -359,6 +362,14 @@ def test_reload_puts_a_good_pair_in_force_and_refuses_a_bad_one(tmp_path: Path, 
     assert outcomes[-1] == (False, source.last_error)
     assert source.reload_failures == 1 and source.info()["last_error"] == source.last_error
     assert handshake(source.context, client_context(pki)).served_serial == 1
+
+    # The pair in force put back: nothing reloads, but the refusal is said to be over.
+    with caplog.at_level(logging.INFO, logger="gateway.tls"):
+        swap_to(live, tmp_path / "v1")
+        assert source.reload("poll") is False and source.last_error is None
+        assert "TLS files valid again (poll): unchanged, still serving serial 1" in caplog.text
+        swap_to(live, mismatched)
+        assert source.reload() is False
 
     # A good pair: in force, the error cleared.
     write_pair(tmp_path / "v3", pki.issue("gw", serial=3))
