@@ -888,7 +888,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     certificates: list[TlsReloader] = []  # SIGHUP reloads these too, once started
     hurry = asyncio.Event()
-    stop = wait_for_stop(loop, lambda: _reload(rules, certificates), hurry)
+    # A worker of --workers takes no second signal as a hurry: a signal to the process
+    # group (a terminal's Ctrl-C, systemd's default KillMode, an init that forwards to the
+    # group) reaches it twice, directly and as the supervisor's SIGTERM. The supervisor
+    # takes the operator's second signal and kills the workers itself.
+    stop = wait_for_stop(
+        loop, lambda: _reload(rules, certificates), hurry if worker_index is None else None
+    )
     upstreams = Upstreams(dict(builtin_urls or {}))
     admin_port = settings.admin_port
     sharing: asyncio.Task[None] | None = None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import aiohttp
+import pytest
 
 from tests.support.gateway import ROOT, GatewayProcess
 
@@ -230,3 +232,34 @@ def test_a_generated_control_plane_key_is_never_logged(tmp_path):
     text = log.read_text()
     assert "control-plane-credential.json" in text and stored["tenant_id"] in text
     assert stored["api_key"] not in text
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_one_signal_to_the_process_group_of_workers_stops_gracefully(
+    tmp_path, upstream, sig
+):
+    """Review finding: with --workers a signal to the process group (a terminal's Ctrl-C,
+    systemd's default KillMode) reaches each worker twice, directly and as the
+    supervisor's SIGTERM: that is still one graceful stop, not a hurried one."""
+    from tests.support.redis_servers import RedisServer
+
+    redis = RedisServer(tmp_path / "redis").start()
+    log = tmp_path / "gateway.log"
+    gw = GatewayProcess(
+        ["--upstream", upstream, "--no-embedded", "--data-dir", str(tmp_path),
+         "--shutdown-timeout", "60", "--workers", "2", "--redis-url", redis.url],
+        log_path=log, new_session=True,
+    )  # fmt: skip
+    try:
+        gw.wait_ready()
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/ticks?n=12&every=0.25") as r:
+                assert await r.content.readline() == b"tick\n"
+                os.killpg(gw.proc.pid, sig)
+                rest = await r.content.read()
+        assert rest == b"tick\n" * 11, "the stream in flight finishes"
+        assert await asyncio.to_thread(gw.proc.wait, 30) == 0
+        assert "second signal" not in log.read_text()
+    finally:
+        gw.stop()
+        redis.stop()
