@@ -138,9 +138,10 @@ class Forwarding(asyncio.Protocol):
         """The client address a request's per-client slots (exchanges, tunnels) are
         counted under: the client a trusted proxy names in X-Forwarded-For, as any
         client's. None, not capped per address, only for a trusted proxy's request that
-        names no client but the proxy itself: that is all its clients (as its connections
-        are not capped either)."""
-        if req.trusted_peer and req.client_ip == self.peer.own:
+        names no client behind it: that is all its clients (as its connections are not
+        capped either). Judged by the X-Forwarded-For walk (``names_client``), not by
+        comparing grouped addresses: a client in the proxy's own IPv6 prefix is capped."""
+        if req.trusted_peer and not req.names_client:
             return None
         return req.client_ip
 

@@ -209,10 +209,6 @@ class Peer:
     address: str | None  # the TCP peer
     trusted: bool  # a trusted proxy
     client: str | None  # the client address when it does not depend on headers
-    # The peer's own address as a counting key (an IPv6 peer grouped by prefix, as
-    # ``client``), trusted or not: what per-address bounds count a connection under, and
-    # what a trusted proxy's request naming no client of its own resolves to.
-    own: str | None = None
 
 
 @dataclass
@@ -255,7 +251,7 @@ class Gateway:
     # instructions, benchmarks/README.md "Shipped table"), and a proxy forwards the same
     # few clients over and over. Bounded (emptied when full): a client writing a new
     # chain each request costs what it did without the cache.
-    _forwarded: dict[tuple[str | None, bytes], str] = field(default_factory=dict)
+    _forwarded: dict[tuple[str | None, bytes], tuple[str, bool]] = field(default_factory=dict)
     _refusals_table: RuleTable | None = None
 
     def use_identities(self, verified: VerifiedIdentities) -> None:
@@ -275,20 +271,21 @@ class Gateway:
     def peer(self, address: str | None) -> Peer:
         """What a connection's TCP peer means, worked out once per connection."""
         trusted = self.addresses.peer_trusted(address)
-        own = self.addresses.client_address(address, None)
         # From an untrusted peer forwarding headers are ignored: the client is the peer.
-        return Peer(address, trusted, None if trusted else own, own)
+        client = None if trusted else self.addresses.client_address(address, None)
+        return Peer(address, trusted, client)
 
-    def _forwarded_client(self, peer: Peer, chain: list[bytes]) -> str:
-        """The client a trusted proxy names in its X-Forwarded-For header(s)."""
+    def _forwarded_client(self, peer: Peer, chain: list[bytes]) -> tuple[str, bool]:
+        """The client a trusted proxy names in its X-Forwarded-For header(s), and whether
+        it names one (False: the proxy's own request)."""
         raw = chain[0] if len(chain) == 1 else b", ".join(chain)
         if len(raw) > MAX_KEPT_CHAIN_BYTES:  # (kept, a long chain would hold its memory)
-            return self.addresses.client_address(peer.address, raw.decode("latin-1"))
+            return self.addresses.forwarded_client(peer.address, raw.decode("latin-1"))
         key = (peer.address, raw)
         found = self._forwarded.get(key)
         if found is None:
             forwarded = raw.decode("latin-1") if raw else None
-            found = self.addresses.client_address(peer.address, forwarded)
+            found = self.addresses.forwarded_client(peer.address, forwarded)
             if len(self._forwarded) >= MAX_FORWARDED_CHAINS:
                 self._forwarded.clear()
             self._forwarded[key] = found
@@ -360,7 +357,7 @@ class Gateway:
         req.region = region
         client = peer.client
         if client is None:  # a trusted proxy: the client is named in X-Forwarded-For
-            client = self._forwarded_client(peer, req.forwarded_for)
+            client, req.names_client = self._forwarded_client(peer, req.forwarded_for)
         req.client_ip = record.client = client
         req.trusted_peer = peer.trusted
         if self.verified is not None:

@@ -71,6 +71,9 @@ class Incoming:
     client_ip = "-"
     client_cert: str | None = None  # the TLS port's verified client certificate subject
     trusted_peer = False
+    # False for a trusted proxy's own request (its X-Forwarded-For names no client behind
+    # it): not capped per client address, since it is all the proxy's clients.
+    names_client = True
     forwarded_proto: bytes | None = None
     connection_tokens: frozenset[bytes] = frozenset()
     region = ""
@@ -117,6 +120,7 @@ class Incoming:
         req.client_ip = self.client_ip
         req.client_cert = self.client_cert
         req.trusted_peer = self.trusted_peer
+        req.names_client = self.names_client
         req.forwarded_proto = self.forwarded_proto
         req.connection_tokens = self.connection_tokens
         req.region = self.region

@@ -732,7 +732,7 @@ class ClientConnection(Forwarding):
             self.upgrade_early = None  # no tunnel follows: the connection closes
             if req.tunnel:  # reserved, never joined (declined, failed, answered otherwise)
                 req.tunnel = False
-                self.plane.tunnels.give_back(None if req.trusted_peer else req.client_ip)
+                self.plane.tunnels.give_back(self._per_client(req))  # as it was taken
         self._release_slots(req)
         self.waiting_body = False
         self.response_started = False

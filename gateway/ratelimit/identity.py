@@ -136,19 +136,29 @@ class ClientAddressPolicy:
         untrusted address is the client. A malformed hop stops the walk at the last
         trusted hop, so a client cannot choose its own bucket by writing garbage.
         """
+        return self.forwarded_client(peer, forwarded_for)[0]
+
+    def forwarded_client(self, peer: str | None, forwarded_for: str | None) -> tuple[str, bool]:
+        """``client_address``, and whether it names a client: False when the walk ended
+        on a trusted address (a trusted proxy's own request, naming nobody behind it).
+        Judged on the address itself, not its group: a client in a trusted proxy's IPv6
+        prefix is a client all the same."""
         address = _parse(peer)
         if address is None:
-            return peer or "unknown"
-        if self.trusted and forwarded_for and self.is_trusted(address):
-            hops = forwarded_for.split(",")[-MAX_FORWARDED_HOPS:]
+            return peer or "unknown", True
+        named = True
+        if self.trusted and self.is_trusted(address):
+            named = False
+            hops = forwarded_for.split(",")[-MAX_FORWARDED_HOPS:] if forwarded_for else []
             for hop in reversed(hops):
                 hop_address = _parse(hop.strip())
                 if hop_address is None:
                     break
                 address = hop_address
                 if not self.is_trusted(hop_address):
+                    named = True
                     break
-        return self.group(address)
+        return self.group(address), named
 
     def group(self, address: IPAddress) -> str:
         if isinstance(address, ipaddress.IPv6Address) and self.ipv6_prefix < 128:

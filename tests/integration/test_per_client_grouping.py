@@ -14,14 +14,19 @@ interface has one IPv6 address, ::1)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.app import Proxy, Upstreams
+from gateway.metrics import Metrics
+from gateway.proxy.reload import RuleSource
 from gateway.proxy.server import ClientConnection
 from gateway.proxy.tunnel import TunnelLimits
-from tests.support.gateway import running_app, running_gateway
+from gateway.settings import load_settings
+from tests.support.gateway import SECRET, running_app, running_gateway
 
 RULES = """\
 rules:
@@ -32,6 +37,9 @@ rules:
 
 
 def ws_app() -> web.Application:
+    async def plain(request: web.Request) -> web.Response:
+        return web.json_response({"upgraded": False})
+
     async def echo(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
@@ -42,6 +50,7 @@ def ws_app() -> web.Application:
 
     app = web.Application()
     app.router.add_get("/ws", echo)
+    app.router.add_get("/plain", plain)  # declines an upgrade: answered as plain HTTP
     return app
 
 
@@ -201,3 +210,64 @@ async def test_connections_from_ipv4_addresses_are_capped_each(rules) -> None:
                 assert answer.status == 200
             for writer in held:
                 writer.close()
+
+
+async def test_a_declined_upgrade_behind_a_trusted_proxy_gives_its_slot_back(rules) -> None:
+    """A tunnel slot reserved per forwarded client is given back under the same client
+    when the upstream declines the upgrade (review: taken per client, given back as the
+    proxy's, the client's count never went down)."""
+    request = (
+        b"GET /plain HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"X-Forwarded-For: 203.0.113.9\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    async with running_app(ws_app()) as upstream:
+        async with running_gateway(upstream, rules=rules, trusted_proxies=["127.0.0.1/32"]) as gw:
+            plane = gw.proxy.plane
+            plane.tunnels.limits = TunnelLimits(max_tunnels=6, max_tunnels_per_client=2)
+            for _ in range(4):  # more than the client's share: each slot came back
+                reader, writer = await asyncio.open_connection("127.0.0.1", gw.proxy.port)
+                writer.write(request)
+                reply = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            await _wait(lambda: not plane.tunnels.per_client, "every slot given back")
+
+
+@contextlib.asynccontextmanager
+async def _gateway_on(host: str, upstream: str, rules: list[str], **overrides):
+    """``running_gateway`` listening on ``host`` (::1 for an IPv6 peer)."""
+    settings = load_settings(
+        {"rules": rules, "upstream": upstream, "embedded": False, "watch_rules": False,
+         "access_log": "off", **overrides},
+        env={},
+    )  # fmt: skip
+    metrics = Metrics()
+    source = RuleSource.load(settings.rules, [r.name for r in settings.region_table()], metrics)
+    proxy = Proxy(settings, Upstreams({}), metrics, source, SECRET)
+    await proxy.start(host, 0)
+    try:
+        yield proxy
+    finally:
+        await proxy.stop(5)
+
+
+async def test_a_client_in_a_trusted_proxys_ipv6_prefix_is_capped_as_any(rules) -> None:
+    """Review finding: a proxy at ::1 and a client it names at ::2 share a /64. The
+    client is a client all the same (capped), the proxy's own requests are not."""
+    async with running_app(ws_app()) as upstream:
+        async with _gateway_on("::1", upstream, rules, trusted_proxies=["::1/128"]) as proxy:
+            plane = proxy.plane
+            assert plane is not None
+            plane.tunnels.limits = TunnelLimits(max_tunnels=6, max_tunnels_per_client=2)
+            url = f"http://[::1]:{proxy.port}"
+            async with aiohttp.ClientSession() as http:
+                held = [await _upgrade(http, url, "::2") for _ in range(2)]
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await _upgrade(http, url, "::3")  # the same /64: the same client
+                assert refused.value.status == 429
+                held += [await _upgrade(http, url, None) for _ in range(3)]  # the proxy's
+                for ws in held:
+                    await ws.close()
+            await _wait(lambda: not plane.tunnels.open, "every tunnel to end")
+            assert not plane.tunnels.per_client

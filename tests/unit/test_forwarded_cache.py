@@ -41,7 +41,7 @@ async def test_cached_client_matches_the_walk_for_random_chains():
             chain = _chain(rng)
             for peer in peers:
                 joined = b", ".join(chain).decode("latin-1") or None
-                expected = policy.client_address(peer.address, joined)
+                expected = policy.forwarded_client(peer.address, joined)
                 assert gateway._forwarded_client(peer, chain) == expected, (peer, chain)
                 assert gateway._forwarded_client(peer, chain) == expected, (peer, chain)
 
@@ -53,12 +53,12 @@ async def test_the_cache_is_bounded_and_starts_over():
         bound = handler_module.MAX_FORWARDED_CHAINS
         for n in range(bound + 10):
             client = f"203.0.{n // 256 % 256}.{n % 256}"
-            assert gateway._forwarded_client(peer, [client.encode()]) == client
+            assert gateway._forwarded_client(peer, [client.encode()]) == (client, True)
             assert len(gateway._forwarded) <= bound
         # a malformed first hop names the trusted peer itself, from whichever peer asks
-        assert gateway._forwarded_client(peer, [b"nonsense"]) == "127.0.0.1"
+        assert gateway._forwarded_client(peer, [b"nonsense"]) == ("127.0.0.1", False)
         other = Peer("127.0.0.5", True, None)
-        assert gateway._forwarded_client(other, [b"nonsense"]) == "127.0.0.5"
+        assert gateway._forwarded_client(other, [b"nonsense"]) == ("127.0.0.5", False)
 
 
 async def test_long_chains_are_resolved_but_not_kept():
@@ -67,6 +67,6 @@ async def test_long_chains_are_resolved_but_not_kept():
         peer = Peer("127.0.0.1", True, None)
         for n in range(50):
             chain = ", ".join(["198.51.100.1"] * 2000 + [f"203.0.113.{n}"]).encode()
-            assert gateway._forwarded_client(peer, [chain]) == f"203.0.113.{n}"
-        assert gateway._forwarded_client(peer, [b"203.0.113.200"]) == "203.0.113.200"
+            assert gateway._forwarded_client(peer, [chain]) == (f"203.0.113.{n}", True)
+        assert gateway._forwarded_client(peer, [b"203.0.113.200"]) == ("203.0.113.200", True)
         assert len(gateway._forwarded) == 1

@@ -155,6 +155,28 @@ def test_client_address_agrees_with_the_model(
     xff = None if hops is None else ", ".join(hops)
     policy = ClientAddressPolicy.parse(trusted, prefix)
     assert policy.client_address(peer, xff) == model_client(peer, xff, trusted, prefix)
+    # Whether it names a client: the walk (the address itself, not its group) ended on an
+    # address no trusted network holds, or the peer does not parse.
+    client, named = policy.forwarded_client(peer, xff)
+    assert client == model_client(peer, xff, trusted, prefix)
+    assert named == model_names_client(peer, xff, trusted)
+
+
+def model_names_client(peer: str | None, xff: str | None, trusted: list[str]) -> bool:
+    nets = [ipaddress.ip_network(n) for n in trusted]
+    first = model_parse(peer or "")
+    if first is None:
+        return True
+    last = first
+    if any(first in net for net in nets):
+        for hop in reversed((xff or "").split(",")[-32:] if xff else []):
+            address = model_parse(hop)
+            if address is None:
+                break
+            last = address
+            if not any(address in net for net in nets):
+                break
+    return not any(last in net for net in nets)
 
 
 @FUZZ
