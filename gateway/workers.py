@@ -136,11 +136,15 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         hurry = asyncio.Event()
+        signals = 0
 
         def signalled() -> None:
             # A second signal (an operator's second Ctrl-C): the workers are killed at
-            # once, and the built-in upstreams stop without waiting for requests.
-            if stopping.is_set() and not hurry.is_set():
+            # once, and the built-in upstreams stop without waiting for requests. Counted:
+            # a stop begun otherwise (a worker that failed to start) is no first signal.
+            nonlocal signals
+            signals += 1
+            if signals == 2:
                 log.warning("second signal: stopping now, without waiting for requests in flight")
                 hurry.set()
                 _signal_all(workers, signal.SIGKILL)
@@ -242,6 +246,12 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
         try:
             while not stopping.is_set():
                 for index, status in _reap(workers, metrics_dir):
+                    if status == 0 and time.monotonic() - started[index] < STARTUP_GRACE_SECONDS:
+                        # A clean exit while starting is a stop, not a failure: a signal to
+                        # the process group reached the worker before this loop saw it.
+                        log.info("worker %d stopped while starting; stopping", index)
+                        stopping.set()
+                        break
                     if time.monotonic() - started[index] < STARTUP_GRACE_SECONDS:
                         log.error("worker %d failed while starting (status %d); stopping",
                                   index, status)  # fmt: skip
