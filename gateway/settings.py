@@ -228,6 +228,9 @@ def load_settings(
         if flags.get(name) not in (None, [], ()):
             source, raw = f"--{name.replace('_', '-')}", flags[name]
         values[name] = _coerce(name, raw, getattr(defaults, name), source)
+        if name == "upstream" and isinstance(values[name], str):
+            # A value from a file often ends in a newline (a ConfigMap, a CRLF .env).
+            values[name] = values[name].strip()
     extra_region = file_values.pop("regions", None)
     routes = file_values.pop("routes", None)
     store = file_values.pop("store", None) or {}
@@ -352,21 +355,22 @@ def upstream_url_problem(url: str) -> str | None:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
-    except ValueError as exc:
-        return f"{shown!r} is not a valid URL ({exc})"
+    except ValueError:  # (its text may quote part of a password)
+        return f"{shown!r} is not a valid URL (is its port a number from 0 to 65535?)"
     if not parts.hostname:
         return f"{shown!r} names no host; write it as http://HOST:PORT"
     if any(c.isspace() for c in url):
-        return f"{shown!r} holds a space"
+        return f"{shown!r} holds whitespace"
     return None
 
 
 def _display(url: str) -> str:
     """The URL without a password, for messages (``gateway.urls.display_url`` says less
-    of a URL that does not parse: here the message is about what is wrong with it)."""
+    of a URL that does not parse: here the message is about what is wrong with it). The
+    last '@' ends the credentials, whatever they hold ('/' included)."""
     scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest.split("/", 1)[0]:
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.rpartition('@')[2]}"
     return url
 
 
@@ -390,6 +394,7 @@ def _routes(raw: Any, source: str | None) -> tuple[tuple[tuple[str, str], ...], 
                 )
         if not str(prefix).startswith("/") or not isinstance(url, str):
             raise SettingsError(f"config file {source}: route {prefix!r} -> {url!r} is not valid")
+        url = url.strip()  # (a YAML block scalar ends in a newline)
         problem = upstream_url_problem(url)
         if problem is not None:
             raise SettingsError(f"config file {source}: route {prefix!r}: {problem}")

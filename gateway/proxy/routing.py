@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway.proxy.upstream_pool import Upstream
+from gateway.urls import display_url
 
 
 class Router:
@@ -24,12 +25,12 @@ class Router:
         return self.default
 
     def describe(self) -> list[tuple[str, str, str]]:
-        """Each prefix, its upstream's name and URL (without credentials), for the
-        start-up log."""
-        rows = [(prefix, u.name, _without_credentials(u.base_url)) for prefix, u in self._routes]
+        """Each prefix, its upstream's name and URL as logs show URLs (``display_url``:
+        no credentials, no query), for the start-up log."""
+        rows = [(prefix, u.name, display_url(u.base_url)) for prefix, u in self._routes]
         if self.default is not None:
             default = self.default
-            rows.append(("(everything else)", default.name, _without_credentials(default.base_url)))
+            rows.append(("(everything else)", default.name, display_url(default.base_url)))
         return rows
 
     def info(self) -> list[dict[str, str | bool]]:

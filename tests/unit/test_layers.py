@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "settings": {"counters", "identity", "policy", "ratelimit", "upstreams"},
     "explain": {"policy", "ratelimit", "identity"},
     "proxy": {"ratelimit", "policy", "identity", "metrics", "counters", "replay", "explain",
-              "native", "upstreams"},
+              "native", "upstreams", "urls"},
     "replay": {"ratelimit", "policy", "counters"},
     "client": {"urls"},
     "upstreams": {"metrics"},
