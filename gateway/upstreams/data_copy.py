@@ -127,7 +127,14 @@ def _read_only(path: Path) -> sqlite3.Connection:
 
 
 def _row_bytes(row: sqlite3.Row) -> int:
-    return sum(len(v) for v in row if isinstance(v, str | bytes))
+    """The row's text and blobs in bytes (text as UTF-8: a character may be 4)."""
+    size = 0
+    for value in row:
+        if isinstance(value, bytes):
+            size += len(value)
+        elif isinstance(value, str):
+            size += len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    return size
 
 
 def _batches(

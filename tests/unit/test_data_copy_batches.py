@@ -46,3 +46,14 @@ def test_a_thousand_one_mebibyte_rows_are_not_one_batch(tmp_path: Path) -> None:
     batches = list(data_copy._batches(_table(tmp_path / "t.db", sizes)))
     assert max(len(batch) for batch in batches) == data_copy.BATCH_BYTES // (1024 * 1024)
     assert sum(len(batch) for batch in batches) == 40
+
+
+def test_text_is_counted_in_bytes_not_characters(tmp_path: Path) -> None:
+    connection = sqlite3.connect(tmp_path / "t.db")
+    connection.row_factory = sqlite3.Row
+    connection.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, value TEXT)")
+    emoji = "\U0001f600" * 1000  # 1,000 characters, 4,000 bytes of UTF-8
+    connection.executemany("INSERT INTO t VALUES (?, ?)", [(i, emoji) for i in range(10)])
+    cursor = connection.execute("SELECT id, value FROM t ORDER BY id")
+    batches = list(data_copy._batches(cursor, max_rows=100, max_bytes=8000))
+    assert [len(b) for b in batches] == [2, 2, 2, 2, 2]  # 2 rows are 8,000 bytes
