@@ -2,9 +2,10 @@
 
 It reads the settings ``gateway serve`` reads from ``GATEWAY_*`` and the config file (not
 ``serve``'s command-line flags: a deployment that sets the port with ``--port`` gives
-``gateway health`` the same setting as ``GATEWAY_PORT``), so it follows the port and speaks
-HTTPS when the proxy port does: a probe hard-wired to ``http://127.0.0.1:$GATEWAY_PORT`` failed (400) as soon as
-TLS was turned on, or the port was set in the config file.
+``gateway health`` the same setting as ``GATEWAY_PORT``), so it follows the port and
+speaks HTTPS when the proxy port does: a probe hard-wired to
+``http://127.0.0.1:$GATEWAY_PORT`` failed (400) as soon as TLS was turned on, or the port
+was set in the config file.
 
 The certificate is not verified: the probe talks to its own host's loopback and sends
 nothing secret, and a certificate for the service's public name never names 127.0.0.1.
