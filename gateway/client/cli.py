@@ -271,6 +271,15 @@ def _body_from_flags(args: argparse.Namespace, *, creating: bool) -> dict[str, A
     return body
 
 
+def _shown(text: str) -> str:
+    """``text`` as a terminal may show it: a server's words reach it in error messages and
+    statuses, and control characters (ESC sequences that recolour, retitle or rewrite the
+    terminal) are written as escapes instead."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+
+
 def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True))
 
@@ -278,7 +287,8 @@ def _print_json(data: Any) -> None:
 def _progress(update: WaitProgress) -> None:
     marker = "->" if update.changed else "  "
     print(
-        f"[{update.elapsed:7.1f}s] {marker} revision {update.revision_id}: {update.status}",
+        f"[{update.elapsed:7.1f}s] {marker} revision {_shown(str(update.revision_id))}: "
+        f"{_shown(str(update.status))}",
         file=sys.stderr,
         flush=True,
     )
@@ -370,7 +380,7 @@ async def _quickstart(args: argparse.Namespace, client: ControlPlaneClient) -> A
         create_body,
         {"source_revision_config": patch_config},
         delete=not args.keep,
-        on_step=lambda message: print(message, file=sys.stderr, flush=True),
+        on_step=lambda message: print(_shown(message), file=sys.stderr, flush=True),
         **_wait_kwargs(args),
     )
     return {
@@ -394,7 +404,7 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
                 os.environ, base_url=args.url, api_key=args.api_key, tenant_id=args.tenant_id
             )
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_shown(str(exc))}", file=sys.stderr)
             return 2
 
         async def main() -> Any:
@@ -406,10 +416,10 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
         try:
             result = asyncio.run(main())
         except (UsageError, ValueError) as exc:  # ValueError: an id that is not one
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_shown(str(exc))}", file=sys.stderr)
             return 2
         except ControlPlaneError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_shown(str(exc))}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

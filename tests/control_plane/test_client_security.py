@@ -343,3 +343,21 @@ async def test_a_large_legitimate_page_is_read_whole() -> None:
 
     async with serving(handler) as url, ControlPlaneClient(url, KEY_A, TENANT_A) as client:
         assert await client.list_deployments(limit=100) == page
+
+
+# ---- 5. A server's words reach the terminal as text, never as control sequences ------------
+
+
+async def test_the_cli_writes_a_servers_control_characters_as_escapes() -> None:
+    hostile = "\x1b]0;owned\x07\x1b[2J\x1b[31mdeployment gone\x1b[0m\r\x08"
+
+    async def answer(request: web.Request) -> web.Response:
+        # Not JSON (which would escape them): a proxy's or a hostile server's plain text.
+        return web.Response(text=hostile, status=502)
+
+    async with serving(answer) as url:
+        code, _out, err = await run_cli(url, "list")
+    assert code == 1
+    assert "deployment gone" in err
+    assert not any(c in err for c in "\x1b\x07\x08\r"), repr(err)
+    assert "\\x1b[2J" in err  # shown, so the operator sees what the server sent
