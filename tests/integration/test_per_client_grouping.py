@@ -18,7 +18,6 @@ import contextlib
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from gateway.app import Proxy, Upstreams
 from gateway.metrics import Metrics
@@ -26,6 +25,7 @@ from gateway.proxy.reload import RuleSource
 from gateway.proxy.server import ClientConnection
 from gateway.proxy.tunnel import TunnelLimits
 from gateway.settings import load_settings
+from tests.integration.test_websocket import _wait, ws_app  # the same upstream and poll
 from tests.support.gateway import SECRET, running_app, running_gateway
 
 RULES = """\
@@ -36,37 +36,11 @@ rules:
 """
 
 
-def ws_app() -> web.Application:
-    async def plain(request: web.Request) -> web.Response:
-        return web.json_response({"upgraded": False})
-
-    async def echo(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse()
-        await ws.prepare(request)
-        async for msg in ws:
-            if msg.type == aiohttp.WSMsgType.TEXT:
-                await ws.send_str("echo:" + msg.data)
-        return ws
-
-    app = web.Application()
-    app.router.add_get("/ws", echo)
-    app.router.add_get("/plain", plain)  # declines an upgrade: answered as plain HTTP
-    return app
-
-
 @pytest.fixture
 def rules(tmp_path):
     path = tmp_path / "rules.yaml"
     path.write_text(RULES)
     return [str(path)]
-
-
-async def _wait(condition, what: str) -> None:
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _upgrade(http: aiohttp.ClientSession, url: str, forwarded: str | None):
@@ -85,7 +59,7 @@ async def _upgrade(http: aiohttp.ClientSession, url: str, forwarded: str | None)
 async def test_tunnels_behind_a_trusted_proxy_are_capped_per_forwarded_client(
     rules, attacker: str, same_client: str, other_client: str
 ) -> None:
-    async with running_app(ws_app()) as upstream:
+    async with running_app(ws_app({})) as upstream:
         async with running_gateway(upstream, rules=rules, trusted_proxies=["127.0.0.1/32"]) as gw:
             plane = gw.proxy.plane
             plane.tunnels.limits = TunnelLimits(max_tunnels=6, max_tunnels_per_client=2)
@@ -110,7 +84,7 @@ async def test_tunnels_behind_a_trusted_proxy_are_capped_per_forwarded_client(
 async def test_tunnels_from_an_untrusted_peer_ignore_its_forwarding_header(rules) -> None:
     """Without a trusted proxy X-Forwarded-For names nobody: a client cannot spread its
     tunnels over invented clients."""
-    async with running_app(ws_app()) as upstream:
+    async with running_app(ws_app({})) as upstream:
         async with running_gateway(upstream, rules=rules) as gw:
             gw.proxy.plane.tunnels.limits = TunnelLimits(max_tunnels=6, max_tunnels_per_client=2)
             async with aiohttp.ClientSession() as http:
@@ -189,7 +163,7 @@ async def test_connections_are_capped_per_ipv6_prefix(rules, prefix: int) -> Non
 
 async def test_connections_from_ipv4_addresses_are_capped_each(rules) -> None:
     """Real sockets: 127.0.0.2 holds its share, 127.0.0.3 is still served."""
-    async with running_app(ws_app()) as upstream:
+    async with running_app(ws_app({})) as upstream:
         async with running_gateway(upstream, rules=rules, max_client_connections=2) as gw:
             held = []
             for _ in range(2):
@@ -221,7 +195,7 @@ async def test_a_declined_upgrade_behind_a_trusted_proxy_gives_its_slot_back(rul
         b"X-Forwarded-For: 203.0.113.9\r\nSec-WebSocket-Version: 13\r\n"
         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
     )
-    async with running_app(ws_app()) as upstream:
+    async with running_app(ws_app({})) as upstream:
         async with running_gateway(upstream, rules=rules, trusted_proxies=["127.0.0.1/32"]) as gw:
             plane = gw.proxy.plane
             plane.tunnels.limits = TunnelLimits(max_tunnels=6, max_tunnels_per_client=2)
@@ -255,7 +229,7 @@ async def _gateway_on(host: str, upstream: str, rules: list[str], **overrides):
 async def test_a_client_in_a_trusted_proxys_ipv6_prefix_is_capped_as_any(rules) -> None:
     """Review finding: a proxy at ::1 and a client it names at ::2 share a /64. The
     client is a client all the same (capped), the proxy's own requests are not."""
-    async with running_app(ws_app()) as upstream:
+    async with running_app(ws_app({})) as upstream:
         async with _gateway_on("::1", upstream, rules, trusted_proxies=["::1/128"]) as proxy:
             plane = proxy.plane
             assert plane is not None
