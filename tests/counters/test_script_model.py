@@ -584,9 +584,14 @@ def _stored(raw: redis.Redis, key: str) -> tuple[bytes | None, int]:
     return raw.get(key), raw.pttl(key)
 
 
-# A request's limits: (which of four keys, its limit); windows of 10 s in 1 s buckets, so
-# a few calls move records out of the window and past DEAD_MAX.
-SHARED_KEYS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_size=1, max_size=3)
+# A request's limits: (which of four keys, its limit, its bucket); windows of 10 s, mostly
+# in 1 s buckets, so a few calls move records out of the window and past DEAD_MAX, and
+# sometimes finer (requests of one call that count one key in several new buckets).
+SHARED_KEYS = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 40), st.sampled_from((1_000, 1_000, 100, 10))),
+    min_size=1,
+    max_size=3,
+)
 
 
 @settings(
@@ -606,7 +611,7 @@ SHARED_KEYS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_siz
     )
 )
 def test_a_call_leaves_each_key_as_its_requests_one_call_each_would(
-    raw: redis.Redis, rounds: list[tuple[int, list[list[tuple[int, int]]]]]
+    raw: redis.Redis, rounds: list[tuple[int, list[list[tuple[int, int, int]]]]]
 ) -> None:
     """The writes of a call wait for its end, one a key: the answers, every value byte
     for byte and every expiry are what the same requests, each in a call of its own at
@@ -615,13 +620,13 @@ def test_a_call_leaves_each_key_as_its_requests_one_call_each_would(
     script = Script(raw)
     run = uuid.uuid4().hex
 
-    def batch(side: str, requests: list[list[tuple[int, int]]]) -> list[list[LimitCheck]]:
+    def batch(side: str, requests: list[list[tuple[int, int, int]]]) -> list[list[LimitCheck]]:
         made = []
         for limits in requests:
             seen: dict[int, LimitCheck] = {}
-            for which, limit in limits:  # a key once per request
+            for which, limit, bucket in limits:  # a key once per request
                 key = f"rl:{{{run}{side}}}:{which}"
-                seen.setdefault(which, LimitCheck(key, limit, 10_000, 1_000))
+                seen.setdefault(which, LimitCheck(key, limit, 10_000, bucket))
             made.append(list(seen.values()))
         return made
 

@@ -299,6 +299,7 @@ if repeated then
         state.upto = state.upto + REC
         state.lb, state.lc = bucket, 1
         state.total = state.total + 1
+        state.moved = true -- the new record is not in ``rec``
         return
       end
     end
