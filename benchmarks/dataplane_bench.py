@@ -1175,10 +1175,15 @@ class Bench:
         results = []
         # --repeat: every row once, then every row again (not each row twice in a row), so
         # a row and the rows it is compared with share each pass's share of the noise.
+        # --order alternate: every second pass runs its rows, and each gateway row's
+        # checkouts, the other way round, so that neither a checkout nor the reference
+        # row always runs first in a pass (a VM whose speed drifts within a pass favours
+        # one place in it).
         for run in range(1, self.args.repeat + 1):
-            for row in wanted:
+            backwards = self.args.order == "alternate" and run % 2 == 0
+            for row in reversed(wanted) if backwards else wanted:
                 sources = self.sources if row.target == "gateway" else [(None, ROOT)]
-                for source in sources:
+                for source in reversed(sources) if backwards else sources:
                     started = time.monotonic()
                     result = self.measure(row, source, run)
                     took = time.monotonic() - started
@@ -1472,6 +1477,13 @@ def main() -> None:
         help="run every row this many times (all rows, then all rows again), each reported",
     )
     parser.add_argument(
+        "--order",
+        choices=("alternate", "fixed"),
+        default="alternate",
+        help="with --repeat: 'alternate' (default) runs every second pass's rows, and each "
+        "gateway row's checkouts, in reverse order; 'fixed' keeps the listed order in every pass",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=BENCH / "results",
@@ -1585,7 +1597,13 @@ def main() -> None:
         f"table: {bench.table.name}: {bench.table.description}{rules_note}",
         f"load: {load}; normal rows rotate over {KEYS:,} API keys (never limited), flood "
         "rows send keys already over their limit"
-        + (f"; every row run {args.repeat} times (passes in turn)" if args.repeat > 1 else ""),
+        + (
+            f"; every row run {args.repeat} times (passes in turn"
+            + (", every second pass in reverse order" if args.order == "alternate" else "")
+            + ")"
+            if args.repeat > 1
+            else ""
+        ),
         f"upstream: nginx, 1 worker, 104-byte JSON body (10 MB file for the streamed rows); "
         f"run took {elapsed:.0f} s",
     ]
@@ -1617,6 +1635,7 @@ def main() -> None:
                     "clients": args.clients,
                     "source_addresses": args.source_addresses if args.clients == "sources" else 0,
                     "repeat": args.repeat,
+                    "order": args.order,
                     "gateway_sources": {
                         label or "current": {"dir": str(src), "commit": commits[src]}
                         for label, src in bench.sources
