@@ -61,6 +61,7 @@ from gateway.ratelimit.limiter import Limiter
 from gateway.secrets import identity_secret
 from gateway.settings import Settings, SettingsError, default_exchanges_per_client
 from gateway.tls_setup import AdminTls, admin_tls, check_tls, tls_listener
+from gateway.urls import display_url
 
 if TYPE_CHECKING:
     from gateway.upstreams.control_plane.config import ControlPlaneConfig
@@ -718,7 +719,8 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
         "; watching for changes, SIGHUP reloads" if settings.watch_rules else "; SIGHUP reloads",
     )
     for region in settings.region_table():
-        backend = "in-process memory" if region.counter_url is None else _redact(region.counter_url)
+        url = region.counter_url
+        backend = "in-process memory" if url is None else display_url(url)
         hosts = f" (Host: {', '.join(region.hosts)})" if region.hosts else ""
         default = " [default]" if region.name == settings.region_table()[0].name else ""
         log.info("region %s%s%s: counters in %s", region.name, default, hosts, backend)
@@ -734,14 +736,6 @@ def _reload(rules: RuleSource, certificates: Sequence[TlsReloader] = ()) -> None
     rules.request_reload("SIGHUP")  # parsed in a worker thread, not on the event loop
     for certificate in certificates:  # read in a worker thread too
         certificate.request_reload("SIGHUP")
-
-
-def _redact(url: str) -> str:
-    """A counter URL without its password, for logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
 class ConsoleIdentities:

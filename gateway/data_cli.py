@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from gateway.urls import display_url
+
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``data`` and its ``copy`` subcommand."""
@@ -39,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _copy(args: argparse.Namespace) -> int:
     from gateway.upstreams.postgres.connection import UNAVAILABLE_ERRORS
     from gateway.upstreams.postgres.migrations import SchemaTooNew
-    from gateway.upstreams.postgres.url import check_url, redact
+    from gateway.upstreams.postgres.url import check_url
 
     url = args.to or os.environ.get("GATEWAY_DATABASE_URL")
     if not url:
@@ -53,14 +55,14 @@ def _copy(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir or os.environ.get("GATEWAY_DATA_DIR") or "data")
     from gateway.upstreams.data_copy import copy_to_postgres
 
-    print(f"copying {data_dir} into {redact(url)}")
+    print(f"copying {data_dir} into {display_url(url)}")
     try:
         report = copy_to_postgres(data_dir, url, lambda line: print(line, flush=True))
     except SchemaTooNew as exc:
         print(f"gateway data copy: {exc}", file=sys.stderr)
         return 1
     except UNAVAILABLE_ERRORS as exc:
-        print(f"gateway data copy: cannot reach {redact(url)}: {type(exc).__name__}",
+        print(f"gateway data copy: cannot reach {display_url(url)}: {type(exc).__name__}",
               file=sys.stderr)  # fmt: skip
         return 1
     for line in report.lines():

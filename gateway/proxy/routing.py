@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 from gateway.proxy.upstream_pool import Upstream
 from gateway.urls import display_url
@@ -35,26 +34,15 @@ class Router:
 
     def info(self) -> list[dict[str, str | bool]]:
         """The operator's view (admin ``/info``): each prefix, its upstream's name and URL
-        (without credentials), and whether it takes upgrades."""
+        as logs show it (``display_url``), and whether it takes upgrades."""
         rows: list[tuple[str, Upstream]] = list(self._routes)
         if self.default is not None:
             rows.append(("(everything else)", self.default))
         return [
-            {"prefix": prefix, "upstream": u.name, "url": _without_credentials(u.base_url),
+            {"prefix": prefix, "upstream": u.name, "url": display_url(u.base_url),
              "upgrade": u.upgrade}
             for prefix, u in rows
         ]  # fmt: skip
-
-
-def _without_credentials(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host if parts.port is None else f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RegionMap:

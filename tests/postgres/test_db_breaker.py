@@ -171,7 +171,7 @@ async def test_breaker_logs_each_transition_once_without_the_password(
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
     assert len(infos) == 1 and "answers again" in infos[0].getMessage()
-    assert "u:***@db" in warnings[0].getMessage()
+    assert "postgresql://***@db/x" in warnings[0].getMessage()
     assert PASSWORD not in caplog.text
 
 

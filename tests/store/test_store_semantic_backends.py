@@ -133,6 +133,6 @@ async def test_gateway_store_reindex_names_an_unreachable_database_without_its_p
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     output = stdout.decode() + stderr.decode()
     assert process.returncode == 1, output
-    assert "cannot reach the Store database at postgresql://gw:***@127.0.0.1:1/gateway" in output
+    assert "cannot reach the Store database at postgresql://***@127.0.0.1:1/gateway" in output
     assert "s3cret-pw" not in output
     assert "Traceback" not in output

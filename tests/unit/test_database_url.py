@@ -1,5 +1,5 @@
 """--database-url: read from flag, environment and config file; checked without ever
-showing its password."""
+showing its password (``display_url``: tests/unit/test_urls_shown.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.settings import SettingsError, load_settings
-from gateway.upstreams.postgres.url import redact
 
 URL = "postgresql://gw:s3cret-pw@db.internal:5432/gateway"
 
@@ -29,13 +28,4 @@ def test_a_bad_url_is_refused_without_its_password() -> None:
     assert "s3cret-pw" not in str(caught.value)
 
 
-@pytest.mark.parametrize(
-    ("url", "shown"),
-    [
-        (URL, "postgresql://gw:***@db.internal:5432/gateway"),
-        ("postgresql://gw@db/g", "postgresql://gw@db/g"),
-        ("postgresql://gw:pw@db/g?sslmode=require", "postgresql://gw:***@db/g?sslmode=require"),
-    ],
-)
-def test_redact_hides_the_password(url: str, shown: str) -> None:
-    assert redact(url) == shown
+# How the URL is shown (without user, password or query): tests/unit/test_urls_shown.py.

@@ -15,7 +15,7 @@ def test_info_names_each_upstream_with_its_url_never_its_credentials():
     assert router.info() == [
         {"prefix": "/store", "upstream": "store", "url": "http://127.0.0.1:9001",
          "upgrade": False},
-        {"prefix": "/api", "upstream": "route:/api", "url": "https://api.internal:8443/base",
+        {"prefix": "/api", "upstream": "route:/api", "url": "https://***@api.internal:8443/base",
          "upgrade": False},
         {"prefix": "(everything else)", "upstream": "default", "url": "http://[::1]:9000",
          "upgrade": True},

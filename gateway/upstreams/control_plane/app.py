@@ -17,7 +17,7 @@ from gateway.upstreams.http_api.problems import ErrorResponse
 from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
 from gateway.upstreams.http_api.serving import mark_builtin_api
 from gateway.upstreams.postgres.breaker import DATABASE_BREAKER_KEY
-from gateway.upstreams.postgres.connection import redact
+from gateway.urls import display_url
 
 from . import auth_service, deployments, integrations, listeners
 from .api_doc import API
@@ -127,7 +127,7 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
             app[DATABASE_BREAKER_KEY],
             rt.config.limits,
         )
-        where = f"PostgreSQL {redact(rt.config.database_url)}"
+        where = f"PostgreSQL {display_url(rt.config.database_url)}"
     else:
         db = Database(rt.config.database_path, rt.config.limits)
         where = f"SQLite {rt.config.database_path}"

@@ -34,7 +34,7 @@ from typing import Final
 from aiohttp import web
 
 from gateway.upstreams.postgres.connection import DatabaseUnavailable, unavailable
-from gateway.upstreams.postgres.url import redact
+from gateway.urls import display_url
 
 log = logging.getLogger("gateway.postgres")
 
@@ -65,7 +65,7 @@ class DatabaseBreaker:
         if not math.isfinite(retry_seconds) or retry_seconds <= 0:
             raise ValueError(f"retry_seconds must be a number > 0, got {retry_seconds!r}")
         self.service = service
-        self._where = redact(url)
+        self._where = display_url(url)
         self._probe = probe
         self._retry = retry_seconds
         self._probe_timeout = probe_timeout_seconds
@@ -129,7 +129,8 @@ class DatabaseBreaker:
         self._state = OPEN
         self._opened_at = self._monotonic()
         self.openings += 1
-        # The driver's message names host and port, never the password; the URL is redacted.
+        # The driver's message names host and port, never the password; the URL is shown
+        # without its credentials or query (``display_url``).
         log.warning(
             "%s database %s unavailable (%s); answering 503 at once, probing every %gs",
             self.service,

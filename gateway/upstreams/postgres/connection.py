@@ -16,9 +16,9 @@ from __future__ import annotations
 import psycopg
 import psycopg_pool
 
-from gateway.upstreams.postgres.url import check_url, is_postgres_url, redact
+from gateway.upstreams.postgres.url import check_url, is_postgres_url
 
-__all__ = ["check_url", "is_postgres_url", "redact"]
+__all__ = ["check_url", "is_postgres_url"]
 
 # Seconds: how long a request may wait for the database in total before it is answered 503.
 DEFAULT_TIMEOUT_SECONDS = 5.0

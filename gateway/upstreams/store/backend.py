@@ -39,6 +39,7 @@ from gateway.upstreams.store.models import (
 from gateway.upstreams.store.rows import _Row
 from gateway.upstreams.store.vector_dialect import IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import ItemVectors
+from gateway.urls import display_url
 
 T = TypeVar("T")
 
@@ -127,7 +128,5 @@ def create_storage(config: StoreConfig, clock: Callable[[], float] = time.time) 
 def describe(config: StoreConfig) -> str:
     """Where the items live, for the start-up log (never a password)."""
     if config.database_url is not None:
-        from gateway.upstreams.postgres.connection import redact
-
-        return f"PostgreSQL {redact(config.database_url)}"
+        return f"PostgreSQL {display_url(config.database_url)}"
     return f"SQLite {config.database_path}"

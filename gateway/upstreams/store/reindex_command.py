@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
+from gateway.urls import display_url
+
 BAR_WIDTH = 30
 
 
@@ -19,7 +21,6 @@ async def run_reindex(config: Any, *, everything: bool, out: TextIO) -> int:
     from gateway.upstreams.postgres.connection import (
         UNAVAILABLE_ERRORS,
         DatabaseUnavailable,
-        redact,
     )
     from gateway.upstreams.store.backend import create_storage
     from gateway.upstreams.store.embeddings import EmbeddingUnavailable
@@ -33,7 +34,7 @@ async def run_reindex(config: Any, *, everything: bool, out: TextIO) -> int:
         # The driver's message can name the host but never the password; ours does neither.
         out.write(
             f"gateway store reindex: cannot reach the Store database at "
-            f"{redact(config.database_url or '')}\n"
+            f"{display_url(config.database_url or '')}\n"
         )
         await storage.close()
         return 1
