@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
+from urllib.parse import unquote_to_bytes
 
 from gateway import __version__
 from gateway.identity.jwt import InvalidToken, VerifiedUser
@@ -26,7 +27,12 @@ from gateway.policy.matcher import Selection, select
 from gateway.policy.model import IdentityKind, Rule, RuleTable
 from gateway.policy.paths import PathError, normalise_path
 from gateway.proxy.access_log import AccessLogger, AccessRecord
-from gateway.proxy.relay import HOP_BY_HOP, METHOD_OVERRIDES, UNTRUSTED_FORWARDING
+from gateway.proxy.relay import (
+    HOP_BY_HOP,
+    METHOD_OVERRIDES,
+    PATH_OVERRIDES,
+    UNTRUSTED_FORWARDING,
+)
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import accept_request_id, new_request_id
@@ -92,7 +98,7 @@ _BASE_ROLES: Final = {
 }  # fmt: skip
 # Headers the relay sets, drops or passes only from trusted peers without a role above:
 # their '_' spellings would reach a CGI-style upstream as the header itself.
-_MANAGED: Final = HOP_BY_HOP | UNTRUSTED_FORWARDING | {b"via"}
+_MANAGED: Final = HOP_BY_HOP | UNTRUSTED_FORWARDING | PATH_OVERRIDES | {b"via"}
 
 
 def _aliases(name: bytes) -> list[bytes]:
@@ -320,7 +326,11 @@ class Gateway:
             raw = target
         else:
             raw = target[:qmark]
-            req.query = target[qmark:]  # with the "?", byte for byte
+            query = req.query = target[qmark:]  # with the "?", byte for byte
+            if b"%" in query or b"_method" in query:  # else no key can read '_method'
+                problem = self._query_override(req, query)
+                if problem is not None:
+                    return problem
         # Keyed by the raw bytes: a path seen before costs one lookup, no decoding.
         path = self._paths.get(raw)
         if path is None:
@@ -717,6 +727,36 @@ class Gateway:
             return _identity_header(req, "x-user-id", user_id, user_ids, tokens, False)
         return None
 
+    def _query_override(self, req: Incoming, query: bytes) -> Answer | None:
+        """A ``_method`` query parameter: Laravel, Symfony and express method-override
+        take it for the request's method (on POST), so a POST counted by its own rule
+        would be applied as, say, a DELETE. Refused (400) unless keep_method_override
+        is on; then, on a POST, it chooses the rule as an override header does (one
+        override in all, naming a method accepted here). It cannot be dropped as the
+        headers are without rewriting the target the client signed or cached by, so on
+        other methods it is refused too (an upstream honouring it on every method)."""
+        values = query_overrides(query)
+        if not values:
+            return None
+        if not self.keep_method_override:
+            return Answer.error(
+                400,
+                "the query parameter '_method' is refused: frameworks (Laravel, Symfony, "
+                "express method-override) apply it as the request's method, which this "
+                "gateway does not count by; send the request with the method itself, or "
+                "set keep_method_override",
+            )
+        if req.method != "POST":
+            return Answer.error(400, "a '_method' query parameter is taken only on POST")
+        if len(values) > 1 or req.keep_override:
+            return Answer.error(400, "send one method override, not several")
+        method = values[0].decode("latin-1").upper()
+        if method not in _OVERRIDABLE:
+            shown = repr(values[0][:32].decode("latin-1"))
+            return Answer.error(400, f"the method override {shown} names no method accepted here")
+        req.rule_method = method
+        return None
+
     # --- after the decision
 
     async def decide(self, req: Incoming) -> Decision:
@@ -950,6 +990,20 @@ def _method_override(
     req.keep_override = True
     req.rule_method = method
     return None
+
+
+def query_overrides(query: bytes) -> list[bytes]:
+    """The values of the ``_method`` parameters of ``query`` (``?...``), its keys read as
+    frameworks read them: split at '&' and ';', '+' a space, percent-decoded; a key
+    ``_method[...]`` (PHP's arrays) counts too, with its value."""
+    found: list[bytes] = []
+    for part in query[1:].replace(b";", b"&").split(b"&"):
+        key, _, value = part.partition(b"=")
+        if b"%" in key or b"+" in key:
+            key = unquote_to_bytes(key.replace(b"+", b" "))
+        if key == b"_method" or key.startswith(b"_method["):
+            found.append(unquote_to_bytes(value.replace(b"+", b" ")))
+    return found
 
 
 def backend_kind(name: str) -> str:

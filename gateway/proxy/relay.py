@@ -60,13 +60,17 @@ DONE: Final = 2
 METHOD_OVERRIDES: Final = frozenset(
     {b"x-http-method-override", b"x-http-method", b"x-method-override"}
 )
+# Path overrides: IIS's URL Rewrite and older Symfony and Zend releases route by these
+# instead of the request target, so the rule would be chosen by one path and another run.
+# No client has a reason to send them through a gateway: always dropped.
+PATH_OVERRIDES: Final = frozenset({b"x-original-url", b"x-rewrite-url"})
 # The gateway meets a request's "Expect: 100-continue" itself (it sends the 100 and reads
 # the body before forwarding): passed on, the upstream would answer it a second time.
 _MET_HERE: Final = frozenset({b"expect"})
 # Request header names the loop below looks at; everything else is copied as it came.
 _REQUEST_SPECIAL = (
     HOP_BY_HOP | _REQUEST_OWNED | UNTRUSTED_FORWARDING | _MET_HERE | METHOD_OVERRIDES
-    | {b"host", b"content-length", b"x-user-id"}
+    | PATH_OVERRIDES | {b"host", b"content-length", b"x-user-id"}
 )  # fmt: skip
 
 

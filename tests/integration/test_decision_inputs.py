@@ -18,6 +18,7 @@ import json
 import logging
 import subprocess
 import sys
+import urllib.parse
 
 import pytest
 from hypothesis import given
@@ -84,28 +85,49 @@ def _recase(draw, name: str) -> str:
     return "".join(c.upper() if f else c for c, f in zip(name, flips, strict=True))
 
 
+OVERRIDE_VALUES = [*METHODS, "delete", "put", "BREW", "get"]
+# Spellings of a query key, those frameworks read as '_method' and those they do not.
+QUERY_KEYS = ["_method", "%5Fmethod", "%5fmethod", "_%6Dethod", "_method%5B0%5D",
+              "_METHOD", "x_method", "method"]  # fmt: skip
+
+
 @st.composite
-def _override_request(draw) -> tuple[str, list[tuple[str, str]], list[str]]:
+def _override_request(draw) -> tuple[str, list[tuple[str, str]], list[str], str]:
     method = draw(st.sampled_from(METHODS))
     overrides = []
     for _ in range(draw(st.integers(0, 2))):
         name = _recase(draw, draw(st.sampled_from(OVERRIDE_NAMES)))
-        value = draw(st.sampled_from([*METHODS, "delete", "put", "BREW", "get"]))
+        value = draw(st.sampled_from(OVERRIDE_VALUES))
         overrides.append((name, value))
     named = draw(st.lists(st.sampled_from([*OVERRIDE_NAMES, "keep-alive", "x-other"]),
                           max_size=3))  # fmt: skip
-    return method, overrides, [_recase(draw, n) for n in named]
+    params = [
+        f"{draw(st.sampled_from(QUERY_KEYS))}={draw(st.sampled_from(OVERRIDE_VALUES))}"
+        for _ in range(draw(st.integers(0, 2)))
+    ]
+    sep = draw(st.sampled_from(["&", ";"]))
+    query = "?" + sep.join(["a=_method", *params]) if params else ""
+    return method, overrides, [_recase(draw, n) for n in named], query
 
 
-def _applied(method: str, headers: list[tuple[bytes, bytes]]) -> str:
+def _query_methods(target: bytes) -> list[str]:
+    """The '_method' values a framework reads from the target's query (urllib's own
+    parsing, ';' a separator as for Rack and PHP)."""
+    query = target.decode("latin-1").partition("?")[2].replace(";", "&")
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    return [v for k, v in pairs if k == "_method" or k.startswith("_method[")]
+
+
+def _applied(method: str, headers: list[tuple[bytes, bytes]], target: bytes = b"/") -> str:
     """The method an override-honouring upstream applies to what it received: Rack's
-    MethodOverride, express method-override, ASP.NET Core and Symfony take an override
-    only on POST."""
+    MethodOverride, express method-override, ASP.NET Core, Laravel and Symfony take an
+    override (a header, or '_method' in the query) only on POST."""
     if method != "POST":
         return method
-    found = [v for n, v in headers if n.lower().decode() in OVERRIDE_NAMES]
-    if len(found) == 1 and found[0].decode().upper() in ACCEPTED:
-        return found[0].decode().upper()
+    found = [v.decode() for n, v in headers if n.lower().decode() in OVERRIDE_NAMES]
+    found += _query_methods(target)
+    if len(found) == 1 and found[0].upper() in ACCEPTED:
+        return found[0].upper()
     return method
 
 
@@ -120,29 +142,39 @@ def test_the_rule_method_is_the_method_the_upstream_applies(tmp_path_factory, re
             running_raw_upstream() as up,
             running_gateway(up.url, rules=[str(rules)], keep_method_override=True) as gw,
         ):
-            for method, overrides, named in requests:
+            for method, overrides, named, query in requests:
                 fields = b"".join(f"{n}: {v}\r\n".encode() for n, v in overrides)
                 connection = ", ".join([*named, "close"]).encode()
                 request = (
-                    f"{method} /m HTTP/1.1\r\nHost: a\r\n".encode() + fields
+                    f"{method} /m{query} HTTP/1.1\r\nHost: a\r\n".encode() + fields
                     + b"Connection: " + connection + b"\r\nContent-Length: 0\r\n\r\n"
                 )  # fmt: skip
                 before = len(up.recording.requests)
                 status, got, body = await _send(_port(gw), request)
                 dropped = {n.lower() for n in named}
-                relayed = [(n, v) for n, v in overrides if n.lower() not in dropped]
-                if status == 400:
-                    # Refused only where the upstream would have been asked to override.
-                    assert method == "POST" and relayed, (method, overrides, named, body)
-                    assert len(relayed) > 1 or relayed[0][1].upper() not in ACCEPTED
+                relayed = [v for n, v in overrides if n.lower() not in dropped]
+                in_query = _query_methods(query.encode())
+                asked = [*relayed, *in_query] if method == "POST" else []
+                # Refused exactly where the upstream would be asked for an override the
+                # gateway cannot count by: several, one naming no method, or one in the
+                # query on another method (it cannot be dropped as a header is).
+                refused = (
+                    len(asked) > 1
+                    or (len(asked) == 1 and asked[0].upper() not in ACCEPTED)
+                    or (bool(in_query) and method != "POST")
+                )
+                case = (method, overrides, named, query, body)
+                if refused:
+                    assert status == 400, case
                     assert len(up.recording.requests) == before
                     continue
-                assert status == 200, (method, overrides, named, body)
+                assert status == 200, case
                 await _settle(up, before + 1)
                 received = up.recording.requests[before]
-                applied = _applied(received.method.decode(), received.headers)
+                assert received.target == f"/m{query}".encode()  # the query as it came
+                applied = _applied(received.method.decode(), received.headers, received.target)
                 expected = "m-get" if applied == "HEAD" else f"m-{applied.lower()}"
-                assert _rule(got) == expected, (method, overrides, named, received.headers)
+                assert _rule(got) == expected, (case, received.headers)
                 if received.method != b"POST":
                     # None passed on: an upstream honouring one on any method agrees too.
                     names = {n.lower().decode() for n, _ in received.headers}
@@ -177,6 +209,47 @@ async def test_the_reviewers_override_cases():
             assert not any(n.lower().startswith(b"x-http-method") for n, _ in received.headers)
 
 
+async def test_overrides_the_gateway_does_not_count_by_never_reach_the_upstream():
+    """By default (keep_method_override off): a '_method' query parameter, in any spelling
+    a framework decodes to it, is refused with 400 and nothing reaches the upstream; the
+    path overrides (X-Original-URL, X-Rewrite-URL: IIS URL Rewrite, older Symfony and
+    Zend) are dropped, so the upstream runs the path the rule was chosen by."""
+    async with running_raw_upstream() as up, running_gateway(up.url) as gw:
+        targets = [
+            "/sessions/s1?_method=DELETE", "/sessions/s1?a=1&%5Fmethod=delete",
+            "/sessions/s1?b=2;_%6Dethod=DELETE", "/runs/query?_method%5B0%5D=GET",
+        ]  # fmt: skip
+        for target in targets:
+            for method in ["POST", "GET"]:
+                status, fields, body = await _send(
+                    _port(gw),
+                    f"{method} {target} HTTP/1.1\r\nHost: a\r\nx-api-key: k\r\n".encode()
+                    + b"Content-Length: 0\r\nConnection: close\r\n\r\n",
+                )
+                assert status == 400, (method, target, body)
+                assert fields["content-type"].startswith("application/json")
+                assert "'_method'" in json.loads(body)["detail"]
+        assert up.recording.requests == []
+        # Other parameters, and '_method' only as a value, pass as they came.
+        status, fields, _ = await _send(
+            _port(gw),
+            b"POST /runs/query?q=_method&x_method=1&%41=2 HTTP/1.1\r\nHost: a\r\n"
+            b"x-api-key: k\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        assert status == 200 and _rule(fields) == "runs-query-api-key"
+        status, fields, _ = await _send(
+            _port(gw),
+            b"GET /public/download/x HTTP/1.1\r\nHost: a\r\nx-api-key: k\r\n"
+            b"X-Original-URL: /runs/stats\r\nx-rewrite-url: /runs/stats\r\n"
+            b"Connection: close\r\n\r\n",
+        )
+        assert status == 200 and _rule(fields) == "public-download"
+        await _settle(up, 2)
+        assert up.recording.requests[0].target == b"/runs/query?q=_method&x_method=1&%41=2"
+        names = {n.lower() for n, _ in up.recording.requests[1].headers}
+        assert not names & {b"x-original-url", b"x-rewrite-url"}, names
+
+
 # --- 2. '_' spellings of the headers the gateway reads
 
 # Every header name the gateway reads for a decision, sets, or drops (the identity
@@ -187,6 +260,7 @@ READ_NAMES = [
     "x-forwarded-port", "x-real-ip", "x-request-id", "x-http-method-override",
     "x-http-method", "x-method-override", "content-length", "transfer-encoding",
     "keep-alive", "proxy-connection", "proxy-authorization", "content-type", "user-agent",
+    "x-original-url", "x-rewrite-url",
 ]  # fmt: skip
 
 

@@ -496,7 +496,10 @@ local function decide(k0, limits_of, n, out)
       local has_room = total < limit
       local newer = nil
       if admitted and has_room then
-        values[key] = nil -- counted: in place or rewritten, below (read again if needed)
+        -- A later read of this key in the call would take the written value, not this
+        -- one. The gateway never sends one (a request's keys are distinct, and a key
+        -- several requests use takes the kept path above); kept for a caller that would.
+        values[key] = nil
         local cur = floor(now / width)
         total = total + 1
         local life = window + width
