@@ -656,7 +656,7 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
     pattern: re.Pattern[str] | None = None
     if kind is PathKind.REGEX:
         try:
-            pattern = re.compile(value)
+            pattern = re.compile(value, re.IGNORECASE)  # paths match whatever their case
         except Exception as exc:  # re.error, or RecursionError for deeply nested groups
             ctx.error(path_field, f"bad regular expression: {exc}")
             return None
@@ -691,7 +691,7 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
         ctx.error(field, "unbalanced '{' or '}' in template")
         return None
     parts.append(re.escape(rest))
-    return re.compile("".join(parts))
+    return re.compile("".join(parts), re.IGNORECASE)
 
 
 def _limits(

@@ -66,13 +66,16 @@ class PathMatcher:
     pattern: re.Pattern[str] | None = None
 
     # Built once per matcher so the hot path is one call, not a chain of kind checks.
+    # It takes the path folded to lower case: paths match whatever their case, as
+    # case-insensitive upstreams (express, ASP.NET Core) route them, so /RUNS/QUERY is
+    # counted by the rule for /runs/query (a case-sensitive upstream answers it 404).
     test: Callable[[str], bool] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "test", _path_test(self.kind, self.value, self.pattern))
+        object.__setattr__(self, "test", _path_test(self.kind, self.value.lower(), self.pattern))
 
     def matches(self, path: str) -> bool:
-        return self.test(path)
+        return self.test(path.lower())
 
     def describe(self) -> str:
         if self.kind is PathKind.ANY:
@@ -115,9 +118,10 @@ class MatchAlternative:
     path: PathMatcher
 
     def matches(self, method: str, path: str) -> bool:
-        return (self.methods is None or method in self.methods) and self.path.test(path)
+        return (self.methods is None or method in self.methods) and self.path.test(path.lower())
 
     def compiled(self) -> Callable[[str, str], bool]:
+        """The test of a method and a path already folded to lower case."""
         methods, test = self.methods, self.path.test
         if methods is None:
             return lambda method, path: test(path)
@@ -156,7 +160,7 @@ class Rule:
     refusal_detail: str = ""
 
     def matches(self, method: str, path: str) -> bool:
-        return self.matcher(method, path)
+        return self.matcher(method, path.lower())
 
     def limits_for(self, region: str) -> tuple[LimitSpec, ...]:
         return self.limits.get(region, ())
@@ -200,7 +204,8 @@ class RuleTable:
         key = (region, method, path)
         found = self.match_cache.get(key)
         if found is None:
-            found = tuple(r for r in self.for_region(region) if r.matcher(method, path))
+            folded = path.lower()  # rules match paths whatever their case (PathMatcher)
+            found = tuple(r for r in self.for_region(region) if r.matcher(method, folded))
             if len(path) > MATCH_CACHE_MAX_PATH:
                 return found  # long paths would make the bounded cache large in bytes
             if len(self.match_cache) >= MATCH_CACHE_ENTRIES:
@@ -213,8 +218,9 @@ class RuleTable:
         key = (region, method, path)
         found = self.ceiling_cache.get(key)
         if found is None:
+            folded = path.lower()
             found = tuple(
-                c for c in self.ceilings if c.limits_for(region) and c.matcher(method, path)
+                c for c in self.ceilings if c.limits_for(region) and c.matcher(method, folded)
             )
             if len(path) > MATCH_CACHE_MAX_PATH:
                 return found

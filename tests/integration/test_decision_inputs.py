@@ -250,6 +250,25 @@ async def test_overrides_the_gateway_does_not_count_by_never_reach_the_upstream(
         assert not names & {b"x-original-url", b"x-rewrite-url"}, names
 
 
+async def test_a_path_is_counted_by_its_rule_whatever_its_case():
+    """Express and ASP.NET Core route /RUNS/QUERY as /runs/query: it is counted by that
+    rule (not the looser default) and forwarded as it came."""
+    async with running_raw_upstream() as up, running_gateway(up.url) as gw:
+        for target in ["/RUNS/QUERY", "/Runs/Query", "/runs/STATS"]:
+            method = "GET" if target.endswith("STATS") else "POST"
+            status, fields, _ = await _send(
+                _port(gw),
+                f"{method} {target} HTTP/1.1\r\nHost: a\r\nx-api-key: k\r\n".encode()
+                + b"Content-Length: 0\r\nConnection: close\r\n\r\n",
+            )
+            expected = "runs-stats" if method == "GET" else "runs-query-api-key"
+            assert status == 200 and _rule(fields) == expected, (target, fields)
+        await _settle(up, 3)
+        assert [r.target for r in up.recording.requests] == [
+            b"/RUNS/QUERY", b"/Runs/Query", b"/runs/STATS"
+        ]
+
+
 # --- 2. '_' spellings of the headers the gateway reads
 
 # Every header name the gateway reads for a decision, sets, or drops (the identity

@@ -84,9 +84,13 @@ def model_template(template: str, path: str) -> bool:
 
 
 def model_path(form: dict[str, str], path: str) -> bool:
+    """Paths match whatever their case (docs/rules.md): path and value folded."""
     if not form:
         return True
     ((kind, value),) = form.items()
+    if kind == "regex":
+        return re.fullmatch(value, path, re.IGNORECASE) is not None  # anchored at both ends
+    path, value = path.lower(), value.lower()
     if kind == "path":
         return path == value
     if kind == "prefix":
@@ -95,9 +99,8 @@ def model_path(form: dict[str, str], path: str) -> bool:
         return value in path
     if kind == "suffix":
         return path.endswith(value)
-    if kind == "template":
-        return model_template(value, path)
-    return re.fullmatch(value, path) is not None  # regex: anchored at both ends
+    assert kind == "template", kind
+    return model_template(value, path)
 
 
 def model_alternative(alt: dict[str, Any], method: str, path: str) -> bool:
@@ -280,6 +283,9 @@ def request_paths(draw: st.DrawFn) -> str:
         st.text("abcxyz0123456789-_:%+", max_size=8),
     )
     raw = "/" + "/".join(draw(st.lists(pieces, min_size=0, max_size=4)))
+    if draw(st.booleans()):  # any letter in either case
+        flips = draw(st.lists(st.booleans(), min_size=len(raw), max_size=len(raw)))
+        raw = "".join(c.swapcase() if f else c for c, f in zip(raw, flips, strict=True))
     try:
         return normalise_path(raw)
     except PathError:
