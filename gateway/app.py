@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__, logs, native
 from gateway.counters.base import CounterBackend
+from gateway.counters.factory import parse_counter_url
 from gateway.counters.memory import MemoryBackend
 from gateway.explain import Reading, ReadRequest, Refused, identity_notes
 from gateway.identity.config import parse_identity_config
@@ -720,7 +721,7 @@ def log_startup(settings: Settings, rules: RuleSource, router: Router, worker: s
     )
     for region in settings.region_table():
         url = region.counter_url
-        backend = "in-process memory" if url is None else display_url(url)
+        backend = "in-process memory" if url is None else _counter_shown(url)
         hosts = f" (Host: {', '.join(region.hosts)})" if region.hosts else ""
         default = " [default]" if region.name == settings.region_table()[0].name else ""
         log.info("region %s%s%s: counters in %s", region.name, default, hosts, backend)
@@ -736,6 +737,15 @@ def _reload(rules: RuleSource, certificates: Sequence[TlsReloader] = ()) -> None
     rules.request_reload("SIGHUP")  # parsed in a worker thread, not on the event loop
     for certificate in certificates:  # read in a worker thread too
         certificate.request_reload("SIGHUP")
+
+
+def _counter_shown(url: str) -> str:
+    """A counter URL as its own parser reads it (hosts, database, socket; never the
+    credentials), or as ``display_url`` shows it when that parser refuses it."""
+    try:
+        return parse_counter_url(url).display
+    except ValueError:
+        return display_url(url)
 
 
 class ConsoleIdentities:

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.policy.loader import DEFAULT_REGIONS
+from gateway.urls import display_url
 
 
 class SettingsError(ValueError):
@@ -349,29 +350,22 @@ def upstream_url_problem(url: str) -> str | None:
     """What is wrong with an upstream URL (None: nothing): it must be http:// or https://
     with a host and, if given, a valid port. Checked at start-up: such a URL used to be
     taken, and every request on its route answered 502 at run time."""
-    shown = _display(url)
+    shown = display_url(url)
     if not url.startswith(("http://", "https://")):
         return f"must be an http:// or https:// URL, not {shown!r}"
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
     except ValueError:  # (its text may quote part of a password)
-        return f"{shown!r} is not a valid URL (is its port a number from 0 to 65535?)"
+        return (
+            f"{shown!r} is not a valid URL (is its port a number from 0 to 65535? a "
+            "password holding '/', '?', '#', '[' or ']' must be percent-encoded)"
+        )
     if not parts.hostname:
         return f"{shown!r} names no host; write it as http://HOST:PORT"
     if any(c.isspace() for c in url):
         return f"{shown!r} holds whitespace"
     return None
-
-
-def _display(url: str) -> str:
-    """The URL without a password, for messages (``gateway.urls.display_url`` says less
-    of a URL that does not parse: here the message is about what is wrong with it). The
-    last '@' ends the credentials, whatever they hold ('/' included)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        return f"{scheme}://***@{rest.rpartition('@')[2]}"
-    return url
 
 
 def _routes(raw: Any, source: str | None) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
@@ -393,7 +387,8 @@ def _routes(raw: Any, source: str | None) -> tuple[tuple[tuple[str, str], ...], 
                     "(true or false)"
                 )
         if not str(prefix).startswith("/") or not isinstance(url, str):
-            raise SettingsError(f"config file {source}: route {prefix!r} -> {url!r} is not valid")
+            shown = display_url(url) if isinstance(url, str) else repr(url)
+            raise SettingsError(f"config file {source}: route {prefix!r} -> {shown} is not valid")
         url = url.strip()  # (a YAML block scalar ends in a newline)
         problem = upstream_url_problem(url)
         if problem is not None:

@@ -4,7 +4,15 @@ control-plane client, which imports nothing else of the gateway, included."""
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
+
+# Query keys whose values say where a service is and never hold a secret (libpq's host,
+# port, database and TLS mode; a Redis URL's db): shown, so an outage message still says
+# which socket or host is down. Every other value is shown as ``***``.
+SHOWN_QUERY_KEYS = frozenset({"host", "hostaddr", "port", "dbname", "sslmode", "db",
+                              "target_session_attrs", "application_name"})  # fmt: skip
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 def display_url(url: str) -> str:
@@ -13,8 +21,10 @@ def display_url(url: str) -> str:
     A '@' after the host (Firebase's and Google's service-account JWKS paths hold one)
     may also be the end of a password holding an unencoded '/', which a URL parser
     takes for the end of the host: then the path is not shown, nor a host that has a
-    ':' (it may be ``user:password``). A list of hosts (``h1:5432,h2:5432``: libpq's and
-    Redis Cluster's and Sentinel's forms) is shown as it is.
+    ':' (it may be ``user:password``) or no '.' (it may be a user name). Of the query
+    only the values of ``SHOWN_QUERY_KEYS`` are shown (where a database is), the rest as
+    ``***``; characters that are not printable as ``?``. A list of hosts
+    (``h1:5432,h2:5432``: libpq's, Redis Cluster's and Sentinel's forms) is shown as it is.
 
     Every URL a message, a log line or ``/info`` shows goes through here: the counter
     store's, the database's, the upstreams', a JWKS's, the control plane's."""
@@ -30,13 +40,42 @@ def display_url(url: str) -> str:
     if "@" in netloc:
         shown = "***@" + hosts
     elif "@" in path or "@" in parts.query or "@" in parts.fragment:
-        shown = "***" if ":" in netloc else netloc
+        # The part before may be a user, or a user and a password, written with a '/',
+        # '?' or '#' that ended it early: shown only when it reads as a host name.
+        shown = netloc if ":" not in netloc and "." in netloc else "***"
         path = "/..." if path else ""
     else:
         shown = netloc
-    tail = "?***" if parts.query else ""
+    if not parts.query:
+        tail = ""
+    elif path == "/...":  # the query may be a password's tail too
+        tail = "?***"
+    else:
+        tail = _query(parts.query)
     tail += "#***" if parts.fragment else ""
-    return f"{parts.scheme}://{shown}{path}{tail}"
+    text = f"{parts.scheme}://{shown}{path}{tail}"
+    if not text.isprintable():  # a log line stays one line, and a terminal's own
+        text = "".join(c if c.isprintable() else "?" for c in text)
+    return text
+
+
+def _query(query: str) -> str:
+    """``?`` and the query with each value hidden but those of ``SHOWN_QUERY_KEYS``."""
+    pieces = []
+    for piece in query.split("&"):
+        key, sep, value = piece.partition("=")
+        if key in SHOWN_QUERY_KEYS and value.isprintable() and "@" not in value:
+            pieces.append(piece)
+        else:
+            pieces.append(f"{key}=***" if sep and key.isidentifier() else "***")
+    return "?" + "&".join(pieces)
+
+
+def urls_shown(text: str, shown: str) -> str:
+    """``text`` (a library's error message, say) with every URL in it replaced by
+    ``shown``: libraries name the URL they were given in their own forms (aiohttp without
+    the user, with the query), so replacing the configured spelling is not enough."""
+    return _URL_IN_TEXT.sub(shown, text)
 
 
 def _hosts_parse(hosts: str) -> bool:

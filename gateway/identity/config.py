@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
+from gateway.urls import display_url
+
 # Asymmetric algorithms only: with a symmetric one (HS*) the verification key is a shared
 # secret, and a gateway holding a public key as an HMAC secret is the classic algorithm
 # confusion (an HS256 token "signed" with the RSA public key's bytes).
@@ -199,7 +201,12 @@ def _jwt(raw: Any, base_dir: Path) -> JwtConfig:
 
 def _jwks_url(section: Mapping[str, Any], where: str) -> str:
     url = _string(section["jwks_url"], f"{where}.jwks_url", required=True)
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # (its text may quote part of a password)
+        raise IdentityConfigError(
+            f"{where}.jwks_url: does not parse: {display_url(url)!r}"
+        ) from None
     # Keys fetched over plain HTTP could be swapped by anyone on the path, which would let
     # them mint any user's token; a loopback IdP (a sidecar, a test) is the one exception.
     if parts.scheme == "https" and parts.hostname:
@@ -207,7 +214,8 @@ def _jwks_url(section: Mapping[str, Any], where: str) -> str:
     if parts.scheme == "http" and parts.hostname in _LOOPBACK_HOSTS:
         return url
     raise IdentityConfigError(
-        f"{where}.jwks_url: must be an https:// URL (http:// only to a loopback host), got {url!r}"
+        f"{where}.jwks_url: must be an https:// URL (http:// only to a loopback host), "
+        f"got {display_url(url)!r}"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Final
 import aiohttp
 
 from gateway.identity.jwks import MAX_JWKS_BYTES
-from gateway.urls import display_url
+from gateway.urls import display_url, urls_shown
 
 FETCH_TIMEOUT_SECONDS: Final = 10.0
 
@@ -64,7 +64,7 @@ class JwksFetcher:
                 return bytes(body)
         except (aiohttp.ClientError, TimeoutError) as exc:
             # (aiohttp's own text may name the URL: shown, not as configured)
-            why = str(exc).replace(self.url, self.shown)
+            why = urls_shown(str(exc), self.shown)
             raise JwksFetchError(f"cannot fetch {self.shown}: {type(exc).__name__}: {why}") from exc
 
     def _own(self) -> aiohttp.ClientSession:

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "app": {"logs", "settings", "proxy", "counters", "metrics", "secrets", "native", "ratelimit",
             "policy", "upstreams", "identity", "explain", "replay", "tls_setup", "urls"},
     "tls_setup": {"settings", "proxy", "metrics"},
-    "settings": {"counters", "identity", "policy", "ratelimit", "upstreams"},
+    "settings": {"counters", "identity", "policy", "ratelimit", "upstreams", "urls"},
     "explain": {"policy", "ratelimit", "identity"},
     "proxy": {"ratelimit", "policy", "identity", "metrics", "counters", "replay", "explain",
               "native", "upstreams", "urls"},

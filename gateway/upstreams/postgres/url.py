@@ -16,7 +16,13 @@ def is_postgres_url(url: str) -> bool:
 
 def check_url(url: str) -> str:
     """``url`` when it is a PostgreSQL URL; a ``ValueError`` (without the password) if not."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # (its text may quote part of a password)
+        raise ValueError(
+            f"database_url does not parse: {display_url(url)!r} (a password holding '/', "
+            "'?', '#', '[' or ']' must be percent-encoded)"
+        ) from None
     if parts.scheme not in SCHEMES:
         raise ValueError(f"database_url must start with postgresql://, not {display_url(url)!r}")
     if not parts.hostname and "host=" not in parts.query:

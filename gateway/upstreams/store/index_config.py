@@ -14,6 +14,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from gateway.upstreams.store.text_index import INDEX_PATH_PATTERN
+from gateway.urls import display_url
 
 Ranking = Literal["hybrid", "vector"]
 Fusion = Literal["convex", "rrf"]
@@ -104,7 +105,7 @@ class IndexConfig:
             "model": self.model,
             "dims": self.dims,
             "fields": list(self.fields),
-            "url": self.url,
+            "url": display_url(self.url),
             "api_key_set": self.api_key is not None,
             "ranking": self.ranking,
             "fusion": self.fusion,
