@@ -655,6 +655,13 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
         return None
     pattern: re.Pattern[str] | None = None
     if kind is PathKind.REGEX:
+        if "(?-i" in value or re.search(r"\(\?[aiLmsux]*-", value):
+            ctx.error(
+                path_field,
+                "a case-sensitive group ('(?-i:...)') cannot be honoured: paths match "
+                "whatever their case",
+            )
+            return None
         try:
             pattern = re.compile(value, re.IGNORECASE)  # paths match whatever their case
         except Exception as exc:  # re.error, or RecursionError for deeply nested groups
@@ -674,7 +681,8 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
     parts: list[str] = []
     position = 0
     for number, param in enumerate(TEMPLATE_PARAM.finditer(value)):
-        parts.append(re.escape(value[position : param.start()]))
+        # Literal text folded: paths are matched folded to lower case (PathMatcher).
+        parts.append(re.escape(value[position : param.start()].lower()))
         name, kind = param.group(1), param.group(2)
         if kind is None:
             kind = name if name in TEMPLATE_TYPES else "str"
@@ -690,8 +698,8 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
     if "{" in rest or "}" in rest:
         ctx.error(field, "unbalanced '{' or '}' in template")
         return None
-    parts.append(re.escape(rest))
-    return re.compile("".join(parts), re.IGNORECASE)
+    parts.append(re.escape(rest.lower()))
+    return re.compile("".join(parts))
 
 
 def _limits(

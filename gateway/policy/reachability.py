@@ -49,10 +49,12 @@ def path_covers(outer: PathMatcher, inner: PathMatcher) -> bool:
         return False
     if i is PathKind.PATH:
         return outer.matches(inner.value)
+    # Compared folded: paths match whatever their case (PathMatcher).
+    ov, iv = outer.value.lower(), inner.value.lower()
     if o is PathKind.PREFIX and i is PathKind.PREFIX:
-        return inner.value == outer.value or inner.value.startswith(outer.value + "/")
+        return iv == ov or iv.startswith(ov + "/")
     if o is PathKind.CONTAINS and i in (PathKind.PREFIX, PathKind.CONTAINS, PathKind.SUFFIX):
-        return outer.value in inner.value
+        return ov in iv
     if o is PathKind.SUFFIX and i is PathKind.SUFFIX:
-        return inner.value.endswith(outer.value)
-    return o is i and outer.value == inner.value
+        return iv.endswith(ov)
+    return o is i and (ov == iv if o is not PathKind.REGEX else outer.value == inner.value)

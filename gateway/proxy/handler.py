@@ -327,7 +327,7 @@ class Gateway:
         else:
             raw = target[:qmark]
             query = req.query = target[qmark:]  # with the "?", byte for byte
-            if b"%" in query or b"_method" in query:  # else no key can read '_method'
+            if b"method" in query or b"%" in query:  # else no key can read '_method'
                 problem = self._query_override(req, query)
                 if problem is not None:
                     return problem
@@ -994,13 +994,18 @@ def _method_override(
 
 def query_overrides(query: bytes) -> list[bytes]:
     """The values of the ``_method`` parameters of ``query`` (``?...``), its keys read as
-    frameworks read them: split at '&' and ';', '+' a space, percent-decoded; a key
-    ``_method[...]`` (PHP's arrays) counts too, with its value."""
+    any framework reads them: split at '&' (and ';', as Rack 2 does), '+' a space,
+    percent-decoded, then as PHP names ``$_GET``'s keys (Laravel, Symfony): leading
+    spaces dropped, '.' and ' ' read as '_', cut at a NUL; a key ``_method[...]`` (PHP's
+    arrays) counts too."""
     found: list[bytes] = []
     for part in query[1:].replace(b";", b"&").split(b"&"):
         key, _, value = part.partition(b"=")
         if b"%" in key or b"+" in key:
             key = unquote_to_bytes(key.replace(b"+", b" "))
+        if b"method" not in key:
+            continue
+        key = key.split(b"\0", 1)[0].lstrip(b" ").replace(b".", b"_").replace(b" ", b"_")
         if key == b"_method" or key.startswith(b"_method["):
             found.append(unquote_to_bytes(value.replace(b"+", b" ")))
     return found

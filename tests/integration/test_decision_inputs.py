@@ -88,7 +88,8 @@ def _recase(draw, name: str) -> str:
 OVERRIDE_VALUES = [*METHODS, "delete", "put", "BREW", "get"]
 # Spellings of a query key, those frameworks read as '_method' and those they do not.
 QUERY_KEYS = ["_method", "%5Fmethod", "%5fmethod", "_%6Dethod", "_method%5B0%5D",
-              "_METHOD", "x_method", "method"]  # fmt: skip
+              ".method", "%2Emethod", "+_method", "%20_method", "_method%00", "_method%00x",
+              "_METHOD", "x_method", "method", "-method"]  # fmt: skip
 
 
 @st.composite
@@ -110,12 +111,20 @@ def _override_request(draw) -> tuple[str, list[tuple[str, str]], list[str], str]
     return method, overrides, [_recase(draw, n) for n in named], query
 
 
+def _php_name(key: str) -> str:
+    """A decoded query key as PHP names it in ``$_GET`` (Laravel and Symfony read the
+    override there): cut at a NUL, leading spaces dropped, '.' and ' ' made '_'."""
+    return key.split("\0", 1)[0].lstrip(" ").replace(".", "_").replace(" ", "_")
+
+
 def _query_methods(target: bytes) -> list[str]:
-    """The '_method' values a framework reads from the target's query (urllib's own
-    parsing, ';' a separator as for Rack and PHP)."""
+    """The '_method' values some framework reads from the target's query: keys decoded
+    by urllib's own parser, split at '&' and ';' (Rack 2 takes both; PHP and Node '&'),
+    then named as PHP names them, which takes every key the others take and more."""
     query = target.decode("latin-1").partition("?")[2].replace(";", "&")
     pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    return [v for k, v in pairs if k == "_method" or k.startswith("_method[")]
+    names = [(_php_name(k), v) for k, v in pairs]
+    return [v for k, v in names if k == "_method" or k.startswith("_method[")]
 
 
 def _applied(method: str, headers: list[tuple[bytes, bytes]], target: bytes = b"/") -> str:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import pytest
+
 from gateway.policy import model
-from gateway.policy.loader import load_rules_from_texts
+from gateway.policy.loader import RuleLoadError, load_rules_from_texts
 from gateway.policy.matcher import select
 from gateway.policy.model import IdentityKind
 
@@ -83,3 +85,31 @@ def test_uuid_spellings_python_accepts_stay_in_the_uuid_rule():
         assert select(table, "us", "GET", path, lookup()).rule.id == "run", spelling
     for other in ["stats", plain[:31], f"%7B{RUN}%7Dx", f"{RUN}/x", "%7B%7D"]:
         assert select(table, "us", "GET", f"/runs/{other}", lookup()).rule.id == "rest", other
+
+
+def test_rule_values_match_whatever_their_case_and_reachability_folds_too():
+    table = load_rules_from_texts(
+        [("t.yaml", "rules:\n"
+          "  - {id: q, match: {path: /Runs/Query}, identity: ip, limits: {us: 1/1}}\n"
+          "  - {id: t, match: {template: '/Repos/{o}/{int}'}, identity: ip, limits: {us: 1/1}}\n"
+          "  - {id: r, match: {regex: '/CODES/[A-Z]+'}, identity: ip, limits: {us: 1/1}}\n"
+          "  - {id: rest, identity: ip, limits: {us: 9/1}}\n")]
+    )  # fmt: skip
+    for path, rule in [("/runs/query", "q"), ("/RUNS/QUERY", "q"), ("/repos/Me/7", "t"),
+                       ("/codes/abc", "r"), ("/Codes/ABC", "r"), ("/codes/1", "rest")]:  # fmt: skip
+        assert select(table, "us", "GET", path, lookup()).rule.id == rule, path
+    # a rule that differs from one before it only in case can never match: refused
+    for first, second in [("prefix: /Runs", "prefix: /runs/query"), ("suffix: /X", "suffix: /x"),
+                          ("path: /A", "path: /a")]:  # fmt: skip
+        with pytest.raises(RuleLoadError, match="unreachable"):
+            load_rules_from_texts(
+                [("t.yaml", "rules:\n"
+                  f"  - {{id: a, match: {{{first}}}, identity: ip, limits: {{us: 9/1}}}}\n"
+                  f"  - {{id: b, match: {{{second}}}, identity: ip, limits: {{us: 1/1}}}}\n")]
+            )  # fmt: skip
+    # a case-sensitive regex group cannot be honoured on folded paths: refused, saying why
+    with pytest.raises(RuleLoadError, match="case-sensitive group"):
+        load_rules_from_texts(
+            [("t.yaml", "rules:\n"
+              "  - {id: a, match: {regex: '/f/(?-i:[A-Z]+)'}, identity: ip, limits: {us: 1/1}}\n")]
+        )  # fmt: skip

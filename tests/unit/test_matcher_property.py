@@ -40,9 +40,10 @@ SECRET = b"fuzzing-secret-0123456789"
 HASHER = IdentityHasher(SECRET)
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
 REGIONS = ["us", "eu", "us2"]
-WORDS = ["a", "b", "runs", "x1", "42"]
+WORDS = ["a", "b", "runs", "x1", "42", "Runs", "B"]  # rule values in either case too
 TEMPLATE_PARAMS = ["{uuid}", "{uuid}", "{rid:uuid}", "{int}", "{str}", "{id}", "{n:int}", "{s:str}"]
-REGEXES = [r"^/a/[0-9]+$", r"/runs/.*", r"/(a|b)(/(a|b))*", r".*/x1", r"/[^/]+/42"]
+REGEXES = [r"^/a/[0-9]+$", r"/runs/.*", r"/(a|b)(/(a|b))*", r".*/x1", r"/[^/]+/42",
+           r"/RUNS/[A-Z]+", r"/B/.*"]  # fmt: skip
 
 
 # --- the reference model ----------------------------------------------------------
