@@ -16,8 +16,9 @@ _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 def display_url(url: str) -> str:
-    """``url`` as logs and ``/info`` show it: without a user, a password, a query or a
-    fragment, any of which may hold a secret (an IdP's basic auth, a token parameter).
+    """``url`` as logs and ``/info`` show it: without a user, a password, a fragment or
+    the query's values, any of which may hold a secret (an IdP's basic auth, a token
+    parameter), but those that say where a database is.
     A '@' after the host (Firebase's and Google's service-account JWKS paths hold one)
     may also be the end of a password holding an unencoded '/', which a URL parser
     takes for the end of the host: then the path is not shown, nor a host that has a
@@ -26,8 +27,10 @@ def display_url(url: str) -> str:
     ``***``; characters that are not printable as ``?``. A list of hosts
     (``h1:5432,h2:5432``: libpq's, Redis Cluster's and Sentinel's forms) is shown as it is.
 
-    Every URL a message, a log line or ``/info`` shows goes through here: the counter
-    store's, the database's, the upstreams', a JWKS's, the control plane's."""
+    Every URL a message, a log line or ``/info`` shows goes through here (the database's,
+    the upstreams', a JWKS's, the control plane's, the Store index's), but for the
+    counter store's start-up line, which shows what its own parser read
+    (``CounterUrl.display``) and falls back to this."""
     try:
         parts = urlsplit(url)
     except ValueError:

@@ -49,7 +49,8 @@ def path_covers(outer: PathMatcher, inner: PathMatcher) -> bool:
         return False
     if i is PathKind.PATH:
         return outer.matches(inner.value)
-    # Compared folded: paths match whatever their case (PathMatcher).
+    # Compared folded: paths match whatever their case (PathMatcher). A regex is compared
+    # as written (folding would turn \S into \s).
     ov, iv = outer.value.lower(), inner.value.lower()
     if o is PathKind.PREFIX and i is PathKind.PREFIX:
         return iv == ov or iv.startswith(ov + "/")
@@ -57,4 +58,6 @@ def path_covers(outer: PathMatcher, inner: PathMatcher) -> bool:
         return ov in iv
     if o is PathKind.SUFFIX and i is PathKind.SUFFIX:
         return iv.endswith(ov)
-    return o is i and (ov == iv if o is not PathKind.REGEX else outer.value == inner.value)
+    if o is not i:
+        return False
+    return outer.value == inner.value if o is PathKind.REGEX else ov == iv
