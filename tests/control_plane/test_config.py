@@ -112,3 +112,63 @@ def test_bootstrap_rejects_a_corrupt_credential_file(tmp_path):
     config.credential_file.write_text("{not json")
     with pytest.raises(ValueError, match="credential"):
         bootstrap_credentials(config)
+
+
+# Tenants are answered with the install URL and every repository URL as written, so a
+# credential in one would be handed to every tenant that may see it: refused at load,
+# in either place and whatever its spelling, and the error never quotes it.
+_SECRET = "s3cr%40t-Tok:en"
+_WITH_CREDENTIALS = [
+    f"https://x-access-token:{_SECRET}@github.com/acme/app",
+    f"https://{_SECRET}@github.com/acme/app",
+    f"HTTPS://user:{_SECRET}@github.com:443/acme/app",
+    f"http://:{_SECRET}@github.com/acme/app",
+    f"https://u:{_SECRET}@[::1]:8443/acme/app",
+    f"https://{_SECRET}@/acme/app",
+]
+_NOT_URLS = [
+    f"https://github.com/acme/{_SECRET} app",
+    f"https://github.com/acme/\n{_SECRET}",
+    f"https://[{_SECRET}/acme",
+    f"https://github.com:{_SECRET}/acme",
+    "ftp://github.com/acme/app",
+    "https:///acme/app",
+    42,
+]
+
+
+def _integrations(install_url=None, repo_url=None):
+    github = {"installations": [{"id": "i1", "repos": [{"owner": "acme", "name": "app"}]}]}
+    if install_url is not None:
+        github["install_url"] = install_url
+    if repo_url is not None:
+        github["installations"][0]["repos"][0]["url"] = repo_url
+    return {"integrations": {"github": github}}
+
+
+@pytest.mark.parametrize("place", ["install_url", "url"])
+@pytest.mark.parametrize("value", _WITH_CREDENTIALS + _NOT_URLS)
+def test_urls_shown_to_tenants_carry_no_credentials(tmp_path, place, value):
+    section = _integrations(**{("install_url" if place == "install_url" else "repo_url"): value})
+    with pytest.raises(ValueError) as caught:
+        ControlPlaneConfig.from_mapping(section, tmp_path, {})
+    message = str(caught.value)
+    assert place in message
+    assert "s3cr" not in message and "Tok" not in message
+    if value in _WITH_CREDENTIALS:
+        assert "credentials" in message
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "https://github.com/acme/app",
+        "https://github.example.com:8443/acme/app?tab=readme#top",
+        "http://[::1]:3000/acme/app",
+        "https://gitlab.example.com/group/sub/app.git",
+    ],
+)
+def test_urls_shown_to_tenants_as_written(tmp_path, value):
+    config = ControlPlaneConfig.from_mapping(_integrations(value, value), tmp_path, {})
+    assert config.github_install_url == value
+    assert config.github_integrations[0].repos[0].url == value

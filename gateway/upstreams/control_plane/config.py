@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .credentials import (
     MAX_API_KEY_BYTES,
@@ -293,6 +294,30 @@ def _parse_credentials(raw: object) -> list[Credential]:
     return out
 
 
+def _tenant_url(value: object, where: str) -> str:
+    """An http(s) URL that every tenant allowed to see it is answered with, as written:
+    so it may not carry credentials (a user or password before the host), and the error
+    never quotes it (it may hold one)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected an http(s) URL (a string)")
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in value):
+        raise ValueError(f"{where}: expected an http(s) URL without spaces or control characters")
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        raise ValueError(f"{where}: not a URL that parses (it is not shown here)") from None
+    if "@" in parts.netloc:
+        raise ValueError(
+            f"{where}: must not carry credentials (a user or password before '@'): tenants "
+            "are answered with this URL as written; give the code host's credentials "
+            "elsewhere (the URL is not shown here)"
+        )
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where}: expected an http(s) URL with a host")
+    return value
+
+
 def _parse_integrations(raw: object) -> tuple[str, tuple[GithubIntegration, ...]]:
     if not isinstance(raw, Mapping):
         raise ValueError("control_plane.integrations: expected a mapping")
@@ -308,9 +333,9 @@ def _parse_integrations(raw: object) -> tuple[str, tuple[GithubIntegration, ...]
     unknown = sorted(set(github) - {"install_url", "installations"})
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}")
-    install_url = github.get("install_url", DEFAULT_GITHUB_INSTALL_URL)
-    if not isinstance(install_url, str) or not install_url.startswith(("https://", "http://")):
-        raise ValueError(f"{where}.install_url: expected an http(s) URL")
+    install_url = _tenant_url(
+        github.get("install_url", DEFAULT_GITHUB_INSTALL_URL), f"{where}.install_url"
+    )
     installations = github.get("installations", [])
     if not isinstance(installations, list):
         raise ValueError(f"{where}.installations: expected a list")
@@ -362,10 +387,12 @@ def _parse_integration(item: object, where: str) -> GithubIntegration:
             or not repo_name
         ):
             raise ValueError(f"{r_where}: owner and name must be non-empty strings")
-        url = repo.get("url", f"https://github.com/{owner}/{repo_name}")
+        url = _tenant_url(
+            repo.get("url", f"https://github.com/{owner}/{repo_name}"), f"{r_where}.url"
+        )
         branch = repo.get("default_branch", "main")
         private = repo.get("private", False)
-        if not isinstance(url, str) or not isinstance(branch, str) or not isinstance(private, bool):
-            raise ValueError(f"{r_where}: url/default_branch must be strings, private a boolean")
+        if not isinstance(branch, str) or not isinstance(private, bool):
+            raise ValueError(f"{r_where}: default_branch must be a string, private a boolean")
         repos.append(GithubRepo(owner, repo_name, url, branch, private))
     return GithubIntegration(ident, name, tenant_set, tuple(repos))
