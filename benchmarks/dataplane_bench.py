@@ -411,6 +411,17 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def serve_command(python: str, upstream: str, port: int, admin: int, data: Path) -> list[str]:
+    """``gateway serve`` on 127.0.0.1:port (admin port ``admin``), forwarding to
+    ``upstream``, with its data in ``data``: every flag but the rules and counters."""
+    return [
+        python, "-m", "gateway", "serve", "--upstream", upstream,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--admin-host", "127.0.0.1", "--admin-port", str(admin),
+        "--data-dir", str(data),
+    ]  # fmt: skip
+
+
 def tcp_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -934,26 +945,8 @@ class Bench:
             label, src = source
             admin = free_port_pair() if row.workers > 1 else free_port()
             data = self.tmp / f"data-{tag}"
-            cmd = [
-                self.python_for(label),
-                "-m",
-                "gateway",
-                "serve",
-                "--upstream",
-                upstream,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--admin-host",
-                "127.0.0.1",
-                "--admin-port",
-                str(admin),
-                "--data-dir",
-                str(data),
-                "--shutdown-timeout",
-                "5",
-            ]
+            cmd = [*serve_command(self.python_for(label), upstream, port, admin, data)]
+            cmd += ["--shutdown-timeout", "5"]
             if self.table.name == "shipped":
                 # Default settings: no --access-log (plain), the checkout's rules/.
                 cmd += ["--rules", str(self.shipped_rules(src))]

@@ -44,6 +44,7 @@ from benchmarks.dataplane_bench import (  # noqa: E402
     SHIPPED_PROXY_PATH,
     body_104,
     free_port,
+    serve_command,
     tcp_open,
 )
 from benchmarks.machine import describe  # noqa: E402
@@ -271,23 +272,9 @@ def main() -> None:
 
 
 def gateway_cmd(port: int, upstream: str, rules: Path, tmp: Path, extra: list[str]) -> list[str]:
+    data = tmp / f"data-{port}"
     return [
-        PYTHON,
-        "-m",
-        "gateway",
-        "serve",
-        "--upstream",
-        upstream,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--admin-host",
-        "127.0.0.1",
-        "--admin-port",
-        str(free_port()),
-        "--data-dir",
-        str(tmp / f"data-{port}"),
+        *serve_command(PYTHON, upstream, port, free_port(), data),
         "--rules",
         str(rules),
         *extra,
