@@ -510,6 +510,7 @@ def _parse_rule(
         source=file,
         index=index,
         matcher=_compile(alternatives),
+        exact=_compile(alternatives, exact=True) if unlimited else None,
         ceiling=ceiling,
         refusal_status=refusal_status,
         refusal_detail=refusal_detail,
@@ -654,6 +655,7 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
         ctx.error(path_field, "a prefix is whole segments; drop the trailing '/'")
         return None
     pattern: re.Pattern[str] | None = None
+    exact_pattern: re.Pattern[str] | None = None
     if kind is PathKind.REGEX:
         if "(?-i" in value or re.search(r"\(\?[aiLmsux]*-", value):
             ctx.error(
@@ -664,6 +666,7 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
             return None
         try:
             pattern = re.compile(value, re.IGNORECASE)  # paths match whatever their case
+            exact_pattern = re.compile(value)  # an exemption's, as written
         except Exception as exc:  # re.error, or RecursionError for deeply nested groups
             ctx.error(path_field, f"bad regular expression: {exc}")
             return None
@@ -671,18 +674,26 @@ def _alternative(ctx: _RuleContext, field: str, entry: Any) -> MatchAlternative 
         pattern = _template(ctx, path_field, value)
         if pattern is None:
             return None
+        exact_pattern = _template(ctx, path_field, value, fold=False)
     if kind is PathKind.PREFIX and value == "/":
         kind = PathKind.ANY
-    return MatchAlternative(methods, PathMatcher(kind, value, pattern))
+    return MatchAlternative(methods, PathMatcher(kind, value, pattern, exact_pattern))
 
 
-def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | None:
-    """``/runs/{uuid}`` or ``/runs/{run_id:uuid}``: a parameter is one typed segment."""
+def _template(
+    ctx: _RuleContext, field: str, value: str, fold: bool = True
+) -> re.Pattern[str] | None:
+    """``/runs/{uuid}`` or ``/runs/{run_id:uuid}``: a parameter is one typed segment.
+    ``fold``: literal text in lower case (paths are matched folded: PathMatcher), else as
+    written (an exemption's confirming test)."""
     parts: list[str] = []
     position = 0
+
+    def literal(text: str) -> str:
+        return re.escape(text.lower() if fold else text)
+
     for number, param in enumerate(TEMPLATE_PARAM.finditer(value)):
-        # Literal text folded: paths are matched folded to lower case (PathMatcher).
-        parts.append(re.escape(value[position : param.start()].lower()))
+        parts.append(literal(value[position : param.start()]))
         name, kind = param.group(1), param.group(2)
         if kind is None:
             kind = name if name in TEMPLATE_TYPES else "str"
@@ -698,7 +709,7 @@ def _template(ctx: _RuleContext, field: str, value: str) -> re.Pattern[str] | No
     if "{" in rest or "}" in rest:
         ctx.error(field, "unbalanced '{' or '}' in template")
         return None
-    parts.append(re.escape(rest.lower()))
+    parts.append(literal(rest))
     return re.compile("".join(parts))
 
 
@@ -766,9 +777,12 @@ def _limit(ctx: _RuleContext, field: str, raw: Any) -> LimitSpec | None:
     return LimitSpec(count, seconds)
 
 
-def _compile(alternatives: tuple[MatchAlternative, ...]) -> Callable[[str, str], bool]:
-    """One closure per rule, built once at load time so matching does no parsing."""
-    tests = tuple(a.compiled() for a in alternatives)
+def _compile(
+    alternatives: tuple[MatchAlternative, ...], exact: bool = False
+) -> Callable[[str, str], bool]:
+    """One closure per rule, built once at load time so matching does no parsing; with
+    ``exact``, the test of the path as written (case-sensitive), for exemptions."""
+    tests = tuple(a.exact_compiled() if exact else a.compiled() for a in alternatives)
     if len(tests) == 1:
         return tests[0]
     return lambda method, path: any(test(method, path) for test in tests)

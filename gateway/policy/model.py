@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,12 +37,80 @@ MATCH_CACHE_MAX_PATH: Final = 256
 UUID_GROUP_PREFIX: Final = "uuid_"  # a template's {uuid} parameters are the groups named so
 
 
+# What Java's String.trim() drops (every character up to U+0020) and what .NET's
+# String.Trim() drops (Unicode white space), around a value: Spring trims a path variable
+# before UUID.fromString, ASP.NET's Guid.Parse trims its input.
+_TRIMMED: Final = "".join(chr(c) for c in range(0x3001) if c <= 0x20 or chr(c).isspace())
+_LONG_MAX: Final = (1 << 63) - 1
+
+
+def _java_hex_digit(char: str) -> int:
+    """Java's ``Character.digit(char, 16)``: a Unicode decimal digit, or a Latin letter A-F
+    in either case, ASCII or fullwidth; -1 for any other character."""
+    if char.isdecimal():
+        return unicodedata.decimal(char)
+    code = ord(char)
+    for first in (0x41, 0x61, 0xFF21, 0xFF41):  # A, a, fullwidth A, fullwidth a
+        if first <= code <= first + 5:
+            return code - first + 10
+    return -1
+
+
+# .NET's "X" format: {0x…,0x…,0x…,{0x…,…}} with 8, 4, 4 and eight times 2 hex digits at most.
+_DOTNET_X: Final = re.compile(
+    r"\{0[xX][0-9A-Fa-f]{1,8},0[xX][0-9A-Fa-f]{1,4},0[xX][0-9A-Fa-f]{1,4},"
+    r"\{(?:0[xX][0-9A-Fa-f]{1,2},){7}0[xX][0-9A-Fa-f]{1,2}\}\}"
+)
+
+
+def _java_uuid(text: str) -> bool:
+    """``java.util.UUID.fromString(text)`` succeeds: at most 36 characters, exactly four
+    '-', and five groups that ``Long.parseLong(group, 16)`` reads (an optional '+', then
+    one or more hex digits, the value below 2**63)."""
+    if len(text) > 36:
+        return False
+    groups = text.split("-")
+    if len(groups) != 5:
+        return False
+    for group in groups:
+        digits = group[1:] if group[:1] == "+" else group
+        if not digits:
+            return False
+        value = 0
+        for char in digits:
+            digit = _java_hex_digit(char)
+            if digit < 0:
+                return False
+            value = value * 16 + digit
+        if value > _LONG_MAX:
+            return False
+    return True
+
+
 def is_uuid_segment(segment: str) -> bool:
-    """Whether a path segment, percent-decoded, is a UUID to Python's ``uuid.UUID``: the
-    most lenient common reading, so every spelling an upstream may serve for one id is
-    caught by the rule that limits that id."""
+    """Whether a path segment, percent-decoded, is a UUID to any common reader: Python's
+    ``uuid.UUID`` (32 hex digits, hyphens anywhere, braces, ``urn:uuid:``), Java's
+    ``UUID.fromString`` (five groups of hex digits, a '+' allowed) or .NET's
+    ``Guid.Parse`` (also in parentheses, or its ``{0x…}`` form), after the white space
+    Spring and ASP.NET trim (Python's reading is applied to the value as it is, trimmed,
+    and trimmed without .NET's parentheses). The most lenient reading wins, so that every
+    spelling an upstream may serve for one id is caught by the rule that limits that id
+    (a stricter rule, over-matched, refuses early; a looser one, under-matched, would be
+    a way around it)."""
+    text = unquote(segment)
+    if _python_uuid(text):
+        return True
+    trimmed = text.strip(_TRIMMED)
+    if _java_uuid(trimmed) or _DOTNET_X.fullmatch(trimmed) is not None:
+        return True
+    if trimmed[:1] == "(" and trimmed[-1:] == ")":  # .NET's "P" format
+        trimmed = trimmed[1:-1]
+    return trimmed != text and _python_uuid(trimmed)
+
+
+def _python_uuid(text: str) -> bool:
     try:
-        uuid.UUID(unquote(segment))
+        uuid.UUID(text)
     except ValueError:
         return False
     return True
@@ -64,6 +133,9 @@ class PathMatcher:
     value: str
     # For template and regex: the compiled pattern (matched against the whole path).
     pattern: re.Pattern[str] | None = None
+    # The same pattern, case-sensitive (the template's literals as written, the regex
+    # without IGNORECASE): what an exemption is confirmed with (``exact_test``).
+    exact_pattern: re.Pattern[str] | None = field(default=None, compare=False)
 
     # Built once per matcher so the hot path is one call, not a chain of kind checks.
     # It takes the path folded to lower case: paths match whatever their case, as
@@ -76,6 +148,10 @@ class PathMatcher:
 
     def matches(self, path: str) -> bool:
         return self.test(path.lower())
+
+    def exact_test(self) -> Callable[[str], bool]:
+        """The test of a path as written, case-sensitive."""
+        return _path_test(self.kind, self.value, self.exact_pattern or self.pattern)
 
     def describe(self) -> str:
         if self.kind is PathKind.ANY:
@@ -127,6 +203,13 @@ class MatchAlternative:
             return lambda method, path: test(path)
         return lambda method, path: method in methods and test(path)
 
+    def exact_compiled(self) -> Callable[[str, str], bool]:
+        """The test of a method and a path as written (case-sensitive)."""
+        methods, test = self.methods, self.path.exact_test()
+        if methods is None:
+            return lambda method, path: test(path)
+        return lambda method, path: method in methods and test(path)
+
     def describe(self) -> str:
         methods = "any method" if self.methods is None else "|".join(sorted(self.methods))
         return f"{methods} on {self.path.describe()}"
@@ -158,9 +241,15 @@ class Rule:
     # ("" : the gateway's own; "{rule}" and "{retry_after}" are filled in).
     refusal_status: int = 429
     refusal_detail: str = ""
+    # An exemption (``unlimited``) applies only where the path also matches as written,
+    # case-sensitive: folding the case widens what a rule takes in, which for a limit
+    # only makes it stricter, but for an exemption would let /OK, /Ok, ... through
+    # uncounted to an upstream that may route them elsewhere. None: no such check.
+    exact: Callable[[str, str], bool] | None = field(default=None, compare=False)
 
     def matches(self, method: str, path: str) -> bool:
-        return self.matcher(method, path.lower())
+        exact = self.exact
+        return self.matcher(method, path.lower()) and (exact is None or exact(method, path))
 
     def limits_for(self, region: str) -> tuple[LimitSpec, ...]:
         return self.limits.get(region, ())
@@ -205,7 +294,11 @@ class RuleTable:
         found = self.match_cache.get(key)
         if found is None:
             folded = path.lower()  # rules match paths whatever their case (PathMatcher)
-            found = tuple(r for r in self.for_region(region) if r.matcher(method, folded))
+            found = tuple(
+                r
+                for r in self.for_region(region)
+                if r.matcher(method, folded) and (r.exact is None or r.exact(method, path))
+            )
             if len(path) > MATCH_CACHE_MAX_PATH:
                 return found  # long paths would make the bounded cache large in bytes
             if len(self.match_cache) >= MATCH_CACHE_ENTRIES:

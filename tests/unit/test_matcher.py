@@ -55,7 +55,7 @@ def test_match_cache_gives_the_same_answers_and_stays_bounded():
 RUN = "0b6f2a4c-1d2e-4f00-8a9b-0123456789ab"
 
 
-def test_uuid_spellings_python_accepts_stay_in_the_uuid_rule():
+def test_uuid_spellings_any_common_reader_accepts_stay_in_the_uuid_rule():
     # Regression: these spellings, all read by uuid.UUID() as one id, used to leave the
     # run-lookup rule (found by tests/unit/test_matcher_property.py).
     table = load_rules_from_texts(
@@ -79,11 +79,27 @@ def test_uuid_spellings_python_accepts_stay_in_the_uuid_rule():
         # counting it by the run rule takes nothing from anyone.
         f"URN:{RUN}",
         f"{RUN.upper()}",
+        # Spring reads a path variable with UUID.fromString after String.trim(): groups of
+        # any length, '+' signs, Unicode digits, white space around (a security review
+        # counted these by the looser default rule); ASP.NET's Guid.Parse trims too, and
+        # reads "(...)" and "{0x...}" forms.
+        f"{RUN}%20",
+        f"%20%20{RUN}%C2%A0",
+        RUN.lstrip("0") if RUN.startswith("0") else "1" + RUN[1:].replace("-", "-0", 1),
+        "1-1-1-1-1",
+        "+1-+2-3-4-5",
+        "%EF%BC%A6-%D9%A0-1-1-1",  # a fullwidth F and an Arabic-Indic zero
+        "7fffffffffffffff-1-1-1-1",
+        f"%28{RUN}%29",
+        "%7B0x1,0x2,0x3,%7B0x4,0x5,0x6,0x7,0x8,0x9,0xa,0xb%7D%7D",
     ]
     for spelling in spellings:
         path = f"/runs/{spelling}"
         assert select(table, "us", "GET", path, lookup()).rule.id == "run", spelling
-    for other in ["stats", plain[:31], f"%7B{RUN}%7Dx", f"{RUN}/x", "%7B%7D"]:
+    not_ids = ["stats", plain[:31], f"%7B{RUN}%7Dx", f"{RUN}/x", "%7B%7D", "1-1-1-1",
+               "1-1-1-1-1-1", "8000000000000000-1-1-1-1", "g-1-1-1-1", "1-1-1-1-", "+-1-1-1-1",
+               "%7B0x1,0x2,0x3,%7B0x4%7D%7D", f"x{RUN}"]  # fmt: skip
+    for other in not_ids:
         assert select(table, "us", "GET", f"/runs/{other}", lookup()).rule.id == "rest", other
 
 
@@ -113,3 +129,34 @@ def test_rule_values_match_whatever_their_case_and_reachability_folds_too():
             [("t.yaml", "rules:\n"
               "  - {id: a, match: {regex: '/f/(?-i:[A-Z]+)'}, identity: ip, limits: {us: 1/1}}\n")]
         )  # fmt: skip
+
+
+def test_an_exemption_applies_only_to_the_path_as_written():
+    # A security review: paths match whatever their case, so /OK matched the shipped
+    # `health` exemption, and reached the upstream uncounted, without even the per-address
+    # ceiling (an exemption skips ceilings). Folding may make a limit stricter, never an
+    # exemption wider: each path form, the template's literals and a regex alike.
+    from pathlib import Path
+
+    from gateway.policy.loader import load_rules
+
+    shipped = load_rules([Path(__file__).resolve().parents[2] / "rules"])
+    assert select(shipped, "us", "GET", "/ok", lookup()).exempt
+    for path in ["/OK", "/Ok", "/oK"]:
+        chosen = select(shipped, "us", "GET", path, lookup(api_key="k"))
+        assert chosen.rule is not None and chosen.rule.id == "default-api-key", path
+        assert [c.id for c, _ in chosen.ceilings] == ["per-address"], path
+    table = load_rules_from_texts(
+        [("t.yaml", "rules:\n"
+          "  - {id: p, match: {prefix: /Static}, unlimited: true}\n"
+          "  - {id: t, match: {template: '/Files/{uuid}/Raw'}, unlimited: true}\n"
+          "  - {id: r, match: {regex: '/Img/[a-z]+'}, unlimited: true}\n"
+          "  - {id: rest, identity: ip, limits: {us: 9/1}}\n")]
+    )  # fmt: skip
+    exempt = ["/Static", "/Static/a/B", f"/Files/{RUN}/Raw", f"/Files/{RUN.upper()}/Raw", "/Img/ab"]
+    counted = ["/static", "/STATIC/a", f"/files/{RUN}/raw", f"/Files/{RUN}/RAW", "/img/ab",
+               "/Img/AB"]  # fmt: skip
+    for path in exempt:
+        assert select(table, "us", "GET", path, lookup()).exempt, path
+    for path in counted:
+        assert select(table, "us", "GET", path, lookup()).rule.id == "rest", path

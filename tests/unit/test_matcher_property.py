@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import unicodedata
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -55,12 +56,101 @@ def model_hash(kind: str, value: str) -> str:
     return mac.hexdigest()[:32]
 
 
-def model_is_uuid(segment: str) -> bool:
+def python_reads(text: str) -> bool:
     try:
-        uuid.UUID(urllib.parse.unquote(segment))
+        uuid.UUID(text)
     except ValueError:
         return False
     return True
+
+
+def java_digit(char: str) -> int:
+    """java.lang.Character.digit(char, 16), from its javadoc: a character whose
+    Character.isDigit is true (Unicode category Nd) has its decimal value; an ASCII or
+    fullwidth Latin letter A-F, either case, is 10-15; anything else is -1."""
+    if unicodedata.category(char) == "Nd":
+        return unicodedata.digit(char)
+    for letters in ("ABCDEF", "abcdef", "\uff21\uff22\uff23\uff24\uff25\uff26",
+                    "\uff41\uff42\uff43\uff44\uff45\uff46"):  # fmt: skip
+        if char in letters:
+            return 10 + letters.index(char)
+    return -1
+
+
+def java_parse_long(text: str, begin: int, end: int) -> int | None:
+    """Long.parseLong(text, begin, end, 16): an optional sign, then one or more digits,
+    the result within a long; None where it throws NumberFormatException."""
+    if begin >= end:
+        return None
+    negative = text[begin] == "-"
+    if text[begin] in "+-":
+        begin += 1
+        if begin == end:
+            return None
+    value = 0
+    for char in text[begin:end]:
+        digit = java_digit(char)
+        if digit < 0:
+            return None
+        value = value * 16 + digit
+    value = -value if negative else value
+    return value if -(2**63) <= value < 2**63 else None
+
+
+def java_reads(name: str) -> bool:
+    """java.util.UUID.fromString(name) as JDK 17 writes it (fromString1): the length, the
+    positions of the first five '-' found by indexOf, and five Long.parseLong calls."""
+    if len(name) > 36:
+        return False
+    dash1 = name.find("-", 0)
+    dash2 = name.find("-", dash1 + 1)
+    dash3 = name.find("-", dash2 + 1)
+    dash4 = name.find("-", dash3 + 1)
+    dash5 = name.find("-", dash4 + 1)
+    if dash4 < 0 or dash5 >= 0:
+        return False
+    bounds = [(0, dash1), (dash1 + 1, dash2), (dash2 + 1, dash3), (dash3 + 1, dash4),
+              (dash4 + 1, len(name))]  # fmt: skip
+    return all(java_parse_long(name, b, e) is not None for b, e in bounds)
+
+
+def java_trim(text: str) -> str:
+    """String.trim(): every character up to U+0020 off both ends."""
+    start, end = 0, len(text)
+    while start < end and text[start] <= " ":
+        start += 1
+    while end > start and text[end - 1] <= " ":
+        end -= 1
+    return text[start:end]
+
+
+def dotnet_trim(text: str) -> str:
+    """String.Trim(): Unicode white space off both ends."""
+    return text.strip()
+
+
+DOTNET_X = re.compile(
+    r"\{0x[0-9a-f]{1,8},0x[0-9a-f]{1,4},0x[0-9a-f]{1,4},\{(0x[0-9a-f]{1,2},){7}0x[0-9a-f]{1,2}\}\}",
+    re.IGNORECASE,
+)
+
+
+def model_is_uuid(segment: str) -> bool:
+    """docs/rules.md: a segment, percent-decoded, that Python's uuid.UUID reads, that
+    Spring reads (java.util.UUID.fromString after String.trim) or that ASP.NET reads
+    (Guid.Parse after Trim: its "P" form in parentheses, read here by uuid.UUID, or its
+    "X" form); what either trims is trimmed before each of these readers."""
+    text = urllib.parse.unquote(segment)
+    if python_reads(text):
+        return True
+    value = text
+    while (again := dotnet_trim(java_trim(value))) != value:  # what either trims, all of it
+        value = again
+    if java_reads(value) or DOTNET_X.fullmatch(value):
+        return True
+    if value.startswith("(") and value.endswith(")"):
+        value = value[1:-1]
+    return value != text and python_reads(value)
 
 
 def model_template(template: str, path: str) -> bool:
@@ -84,14 +174,16 @@ def model_template(template: str, path: str) -> bool:
     return True
 
 
-def model_path(form: dict[str, str], path: str) -> bool:
-    """Paths match whatever their case (docs/rules.md): path and value folded."""
+def model_path(form: dict[str, str], path: str, fold: bool = True) -> bool:
+    """Paths match whatever their case (docs/rules.md): path and value folded; with
+    ``fold`` false, as written (how an exemption is confirmed)."""
     if not form:
         return True
     ((kind, value),) = form.items()
-    if kind == "regex":
-        return re.fullmatch(value, path, re.IGNORECASE) is not None  # anchored at both ends
-    path, value = path.lower(), value.lower()
+    if kind == "regex":  # anchored at both ends
+        return re.fullmatch(value, path, re.IGNORECASE if fold else 0) is not None
+    if fold:
+        path, value = path.lower(), value.lower()
     if kind == "path":
         return path == value
     if kind == "prefix":
@@ -104,12 +196,12 @@ def model_path(form: dict[str, str], path: str) -> bool:
     return model_template(value, path)
 
 
-def model_alternative(alt: dict[str, Any], method: str, path: str) -> bool:
+def model_alternative(alt: dict[str, Any], method: str, path: str, fold: bool = True) -> bool:
     methods = alt.get("methods")
     head_as_get = method == "HEAD" and "GET" in (methods or ())
     if methods is not None and method not in methods and not head_as_get:
         return False
-    return model_path({k: v for k, v in alt.items() if k != "methods"}, path)
+    return model_path({k: v for k, v in alt.items() if k != "methods"}, path, fold)
 
 
 def model_applies_in(rule: dict[str, Any], region: str) -> bool:
@@ -137,6 +229,12 @@ def model_select(
         match = rule.get("match", {})
         alternatives = match if isinstance(match, list) else [match]
         if not any(model_alternative(a, method, path) for a in alternatives):
+            continue
+        # An exemption applies only where the path also matches as written (docs/rules.md):
+        # folding the case may make a limit stricter, never an exemption wider.
+        if rule.get("unlimited") and not any(
+            model_alternative(a, method, path, fold=False) for a in alternatives
+        ):
             continue
         identity = model_identity(rule.get("identity", "ip"), *who)
         if identity is None:
@@ -273,12 +371,39 @@ def encode_char(draw: st.DrawFn, char: str) -> str:
     return quoted if draw(st.booleans()) else quoted.lower()
 
 
+JAVA_DIGITS = "0123456789abcdefABCDEF\uff10\uff41\uff26\u0660\u0966"  # Character.digit reads all
+PADDING = ["", "", " ", "  ", "\u00a0", "\u3000", "\u2009"]  # what Spring or ASP.NET trims
+
+
+@st.composite
+def java_and_dotnet_spellings(draw: st.DrawFn) -> str:
+    """A segment Spring or ASP.NET reads as a UUID (or nearly: every draw is kept, the
+    model decides): java.util.UUID's five groups of 1-16 digits with optional '+' signs,
+    .NET's forms in parentheses or as {0x…}, white space around, percent-encoded."""
+    form = draw(st.sampled_from(["java", "java", "paren", "x"]))
+    if form == "java":
+        signs = st.sampled_from(["", "", "+"])
+        digits = st.text(JAVA_DIGITS, min_size=1, max_size=17)
+        count = draw(st.sampled_from([5, 5, 5, 4, 6]))
+        text = "-".join(draw(signs) + draw(digits) for _ in range(count))
+    elif form == "paren":
+        text = f"({draw(st.uuids())})"
+    else:
+        value = draw(st.uuids()).hex
+        head = ",".join(f"0x{value[a:b]}" for a, b in ((0, 8), (8, 12), (12, 16)))
+        tail = ",".join(f"0x{value[i : i + 2]}" for i in range(16, 32, 2))
+        text = f"{{{head},{{{tail}}}}}"
+    text = draw(st.sampled_from(PADDING)) + text + draw(st.sampled_from(PADDING))
+    return "".join("%20" if c == " " else encode_char(draw, c) for c in text)  # raw: refused
+
+
 @st.composite
 def request_paths(draw: st.DrawFn) -> str:
     pieces = st.one_of(
         st.sampled_from(WORDS),
         st.sampled_from(["", ".", "..", "7", "runs", "%7B", "x%2Dy", "stats"]),
         uuid_spellings().map(lambda pair: pair[0]),
+        java_and_dotnet_spellings(),
         st.uuids().map(lambda u: str(u)[: draw(st.integers(20, 36))]),  # near misses
         st.uuids().map(lambda u: f"%7B{u}%7Dx"),
         st.text("abcxyz0123456789-_:%+", max_size=8),
@@ -382,3 +507,28 @@ def test_every_uuid_spelling_is_one_counter_key(
     keys = counter_keys(region, method, path)
     assert keys == counter_keys(region, "GET", canonical)
     assert all(key.startswith(f"rl:{{{region}:run-lookup:") for key in keys)
+
+
+@FUZZ
+@given(
+    spelling=java_and_dotnet_spellings(),
+    base=st.sampled_from(["/runs/", "/api/v1/runs/", "/RUNS/"]),
+    region=st.sampled_from(REGIONS),
+)
+@example(spelling="0190a1b2-c3d4-7e5f-8a6b-7c8d9e0f1a2b%20", base="/runs/", region="us")
+@example(spelling="190a1b2-c3d4-7e5f-8a6b-7c8d9e0f1a2b", base="/runs/", region="us")
+def test_spellings_spring_or_aspnet_read_as_an_id_stay_in_its_rule(
+    spelling: str, base: str, region: str
+) -> None:
+    # A security review: Spring trims a path variable and reads it with
+    # java.util.UUID.fromString, which takes groups of any length, so
+    # /runs/<a UUIDv7 without its leading 0> and /runs/<uuid>%20 reached it as that run
+    # while the default table counted them by the looser default rule.
+    try:
+        path = normalise_path(base + spelling)
+    except PathError:
+        assume(False)
+        raise
+    keys = counter_keys(region, "GET", path)
+    rule = "run-lookup" if model_is_uuid(spelling) else "default-api-key"
+    assert keys and all(key.startswith(f"rl:{{{region}:{rule}:") for key in keys), (path, keys)
