@@ -36,7 +36,7 @@ from gateway.proxy.relay import (
 from gateway.proxy.reload import RuleSource
 from gateway.proxy.request import Incoming
 from gateway.proxy.request_id import accept_request_id, new_request_id
-from gateway.proxy.routing import RegionMap, Router
+from gateway.proxy.routing import RegionMap, Router, valid_host
 from gateway.proxy.upstream_pool import Upstream
 from gateway.proxy.wire import Answer, json_body
 from gateway.ratelimit.decision import Decision, LimitReport, Outcome
@@ -692,8 +692,14 @@ class Gateway:
             if expect != b"100-continue":
                 return Answer.error(417, "the only expectation accepted is 100-continue")
             req.expect_continue = True
-        if req.host is None and req.version == "1.1":
-            return Answer.error(400, "an HTTP/1.1 request must carry a Host header (RFC 9112)")
+        host = req.host
+        if host is None:
+            if req.version == "1.1":
+                return Answer.error(400, "an HTTP/1.1 request must carry a Host header (RFC 9112)")
+        elif not valid_host(host):
+            return Answer.error(
+                400, "the Host header must be one host name or address and an optional :port"
+            )
         if too_big is not None:
             shown = too_big[:64].decode("latin-1")
             return Answer.error(431, f"request header {repr(shown)} is over {limit} bytes")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 from gateway.proxy.upstream_pool import Upstream
 from gateway.urls import display_url
@@ -43,6 +45,30 @@ class Router:
              "upgrade": u.upgrade}
             for prefix, u in rows
         ]  # fmt: skip
+
+
+# RFC 9110 7.2 / RFC 3986 3.2.2-3.2.3: Host = uri-host [ ":" port ]; uri-host is an
+# IP-literal in brackets, or a reg-name (unreserved, sub-delims, %HH: an IPv4 address is
+# one too); port is digits. Anything else is refused (RFC 9112 3.2: 400), so that the
+# gateway and the upstream cannot read two hosts from one value: "api.eu.example.com:80:80"
+# was in no region's list here while nginx, which ends the host at the first ':', served
+# it as api.eu.example.com.
+_HOST_SYNTAX: Final = re.compile(
+    rb"(?:\[[0-9A-Za-z._~!$&'()*+,;=:%-]+\]|(?:[0-9A-Za-z._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)"
+    rb"(?::[0-9]*)?"
+)
+_last_valid_host = b""  # a connection's requests repeat one Host: checked once
+
+
+def valid_host(value: bytes) -> bool:
+    """Whether a Host header's value is one host and an optional port (RFC 9110 7.2)."""
+    global _last_valid_host
+    if value == _last_valid_host:
+        return True
+    if _HOST_SYNTAX.fullmatch(value) is None:
+        return False
+    _last_valid_host = value
+    return True
 
 
 class RegionMap:

@@ -483,3 +483,36 @@ def test_rules_check_reports_regions_without_limits(tmp_path):
     )
     checked = _check(str(ceiling), "--region", "eu", "--region", "ap")
     assert checked.returncode == 1 and "'ap'" in checked.stderr and "'eu'" not in checked.stderr
+
+
+async def test_a_host_two_readers_would_read_apart_is_refused(tmp_path):
+    """A security review: ``Host: eu.example:80:80`` was in no region's list (counted in
+    the default region, its own quota) while nginx serves it as eu.example. Every Host
+    value that is not ``host[:port]`` is refused (RFC 9112 3.2) and never forwarded; one
+    that is names its region whatever the port (tests/unit/test_host_header.py: the
+    property over values)."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text("regions:\n  us: {hosts: [us.example]}\n  eu: {hosts: [eu.example]}\n")
+    async with (
+        running_raw_upstream() as up,
+        running_gateway(up.url, config_file=str(config)) as gw,
+    ):
+        for host in [b"eu.example:80:80", b"eu.example:80 x", b"eu.example/x", b"eu.example@us"]:
+            status, _, body = await _send(
+                _port(gw), b"GET /a HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
+            )
+            assert status == 400 and b"Host header" in body, (host, status, body)
+        status, fields, _ = await _send(
+            _port(gw), b"GET /a HTTP/1.1\r\nHost: EU.example.:8080\r\nConnection: close\r\n\r\n"
+        )
+        assert status == 200, fields
+        await _settle(up, 1)
+        assert [r.target for r in up.recording.requests] == [b"/a"]
+        samples = {
+            (sample.labels.get("region"), sample.labels.get("status_class")): sample.value
+            for family in gw.metrics.registry.collect()
+            if family.name == "gateway_responses"
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+        assert samples.get(("eu", "2xx")) == 1 and ("us", "2xx") not in samples, samples
