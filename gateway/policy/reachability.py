@@ -22,7 +22,7 @@ def shadowing_rule(rule: Rule, earlier: Sequence[Rule]) -> Rule | None:
         if not candidate.unlimited and not set(rule.limits) <= set(candidate.limits):
             continue  # the rule still applies in a region the candidate does not
         if all(
-            any(_alternative_covers(b, a) for b in candidate.alternatives)
+            any(_alternative_covers(b, a, candidate.unlimited) for b in candidate.alternatives)
             for a in rule.alternatives
         ):
             return candidate
@@ -34,10 +34,19 @@ def _identity_covers(earlier: IdentityKind, later: IdentityKind) -> bool:
     return earlier is IdentityKind.IP or earlier is later
 
 
-def _alternative_covers(outer: MatchAlternative, inner: MatchAlternative) -> bool:
+def _alternative_covers(outer: MatchAlternative, inner: MatchAlternative, exempt: bool) -> bool:
     if outer.methods is not None and (inner.methods is None or not inner.methods <= outer.methods):
         return False
+    if exempt and outer.path.kind is not PathKind.ANY and _cased(inner.path.value):
+        # An exemption takes a path only as written (Rule.exact), while a later rule takes
+        # every case of its own: the other spellings reach it.
+        return False
     return path_covers(outer.path, inner.path)
+
+
+def _cased(text: str) -> bool:
+    """Whether the text holds a letter whose case can differ."""
+    return text.lower() != text.upper()
 
 
 def path_covers(outer: PathMatcher, inner: PathMatcher) -> bool:

@@ -160,3 +160,23 @@ def test_an_exemption_applies_only_to_the_path_as_written():
         assert select(table, "us", "GET", path, lookup()).exempt, path
     for path in counted:
         assert select(table, "us", "GET", path, lookup()).rule.id == "rest", path
+
+
+def test_a_rule_after_an_exemption_is_reachable_by_the_other_cases():
+    # An exemption applies to the path as written, so a later rule matching the same path
+    # still takes its other spellings: not reported unreachable (and the file loads).
+    table = load_rules_from_texts(
+        [("t.yaml", "rules:\n"
+          "  - {id: ok, match: {path: /ok}, unlimited: true}\n"
+          "  - {id: ok-counted, match: {path: /ok}, identity: ip, limits: {us: 5/1}}\n"
+          "  - {id: digits, match: {path: /1/2}, unlimited: true}\n"
+          "  - {id: rest, identity: ip, limits: {us: 9/1}}\n")]
+    )  # fmt: skip
+    assert select(table, "us", "GET", "/OK", lookup()).rule.id == "ok-counted"
+    assert select(table, "us", "GET", "/ok", lookup()).exempt
+    with pytest.raises(RuleLoadError, match="unreachable"):
+        load_rules_from_texts(
+            [("t.yaml", "rules:\n"
+              "  - {id: digits, match: {path: /1/2}, unlimited: true}\n"
+              "  - {id: late, match: {path: /1/2}, identity: ip, limits: {us: 5/1}}\n")]
+        )  # fmt: skip
