@@ -30,6 +30,7 @@ HOT_MODULES = (
     "gateway.policy.matcher",
     "gateway.policy.paths",
     "gateway.policy.model",
+    "gateway.policy.uuid_readings",
     "gateway.counters.base",
     "gateway.ratelimit.ports",
     "gateway.counters.deny_cache",

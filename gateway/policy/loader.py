@@ -67,10 +67,10 @@ MAX_RULES = 1000
 MAX_ALTERNATIVES = 2000  # match alternatives over all rules (a rule without a list has 1)
 MAX_PROBLEMS = 100  # listed in one refusal; the rest are counted, not built into messages
 TEMPLATE_TYPES = {
-    # Any one segment here; the matcher then keeps it only if Python's uuid.UUID reads it
-    # once percent-decoded (model.is_uuid_segment), so a client cannot leave a UUID-keyed
-    # rule by writing the same id in another spelling that server (or a stricter one)
-    # would serve: braces, "urn:"/"uuid:" wherever, hyphens anywhere, "+", "0x", "_"...
+    # Any one segment here; the matcher then keeps it only if a common reader (Python's,
+    # Java's or .NET's) takes it for a UUID once percent-decoded
+    # (uuid_readings.is_uuid_segment), so a client cannot leave a UUID-keyed rule by
+    # writing the same id in another spelling an upstream would serve.
     "uuid": r"[^/]+",
     "int": r"[0-9]+",
     "str": r"[^/]+",
@@ -496,6 +496,15 @@ def _parse_rule(
                     continue
                 tier_limits[tier] = _limits(ctx, spec, regions, field=f"tiers.{tier}")
     refusal_status, refusal_detail = _refusal(ctx, item.get("refusal"), unlimited)
+    if unlimited and alternatives is not None:
+        for alternative in alternatives:
+            exact_pattern = alternative.path.exact_pattern
+            if exact_pattern is not None and exact_pattern.flags & re.IGNORECASE:
+                ctx.error(
+                    "match",
+                    "an exemption's regex cannot ignore case ('(?i)'): an unlimited rule "
+                    "takes only the path as written, so that /OK is not exempt with /ok",
+                )
     if ctx.failed or identity is None or alternatives is None:
         return None
     rule = Rule(

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import unicodedata
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
-from urllib.parse import unquote
+
+from gateway.policy.uuid_readings import is_canonical_uuid, is_uuid_segment
 
 
 class IdentityKind(StrEnum):
@@ -35,85 +34,6 @@ PATH_KINDS: Final = tuple(k.value for k in PathKind if k is not PathKind.ANY)
 MATCH_CACHE_ENTRIES: Final = 16_384
 MATCH_CACHE_MAX_PATH: Final = 256
 UUID_GROUP_PREFIX: Final = "uuid_"  # a template's {uuid} parameters are the groups named so
-
-
-# What Java's String.trim() drops (every character up to U+0020) and what .NET's
-# String.Trim() drops (Unicode white space), around a value: Spring trims a path variable
-# before UUID.fromString, ASP.NET's Guid.Parse trims its input.
-_TRIMMED: Final = "".join(chr(c) for c in range(0x3001) if c <= 0x20 or chr(c).isspace())
-_LONG_MAX: Final = (1 << 63) - 1
-
-
-def _java_hex_digit(char: str) -> int:
-    """Java's ``Character.digit(char, 16)``: a Unicode decimal digit, or a Latin letter A-F
-    in either case, ASCII or fullwidth; -1 for any other character."""
-    if char.isdecimal():
-        return unicodedata.decimal(char)
-    code = ord(char)
-    for first in (0x41, 0x61, 0xFF21, 0xFF41):  # A, a, fullwidth A, fullwidth a
-        if first <= code <= first + 5:
-            return code - first + 10
-    return -1
-
-
-# .NET's "X" format: {0x…,0x…,0x…,{0x…,…}} with 8, 4, 4 and eight times 2 hex digits at most.
-_DOTNET_X: Final = re.compile(
-    r"\{0[xX][0-9A-Fa-f]{1,8},0[xX][0-9A-Fa-f]{1,4},0[xX][0-9A-Fa-f]{1,4},"
-    r"\{(?:0[xX][0-9A-Fa-f]{1,2},){7}0[xX][0-9A-Fa-f]{1,2}\}\}"
-)
-
-
-def _java_uuid(text: str) -> bool:
-    """``java.util.UUID.fromString(text)`` succeeds: at most 36 characters, exactly four
-    '-', and five groups that ``Long.parseLong(group, 16)`` reads (an optional '+', then
-    one or more hex digits, the value below 2**63)."""
-    if len(text) > 36:
-        return False
-    groups = text.split("-")
-    if len(groups) != 5:
-        return False
-    for group in groups:
-        digits = group[1:] if group[:1] == "+" else group
-        if not digits:
-            return False
-        value = 0
-        for char in digits:
-            digit = _java_hex_digit(char)
-            if digit < 0:
-                return False
-            value = value * 16 + digit
-        if value > _LONG_MAX:
-            return False
-    return True
-
-
-def is_uuid_segment(segment: str) -> bool:
-    """Whether a path segment, percent-decoded, is a UUID to any common reader: Python's
-    ``uuid.UUID`` (32 hex digits, hyphens anywhere, braces, ``urn:uuid:``), Java's
-    ``UUID.fromString`` (five groups of hex digits, a '+' allowed) or .NET's
-    ``Guid.Parse`` (also in parentheses, or its ``{0x…}`` form), after the white space
-    Spring and ASP.NET trim (Python's reading is applied to the value as it is, trimmed,
-    and trimmed without .NET's parentheses). The most lenient reading wins, so that every
-    spelling an upstream may serve for one id is caught by the rule that limits that id
-    (a stricter rule, over-matched, refuses early; a looser one, under-matched, would be
-    a way around it)."""
-    text = unquote(segment)
-    if _python_uuid(text):
-        return True
-    trimmed = text.strip(_TRIMMED)
-    if _java_uuid(trimmed) or _DOTNET_X.fullmatch(trimmed) is not None:
-        return True
-    if trimmed[:1] == "(" and trimmed[-1:] == ")":  # .NET's "P" format
-        trimmed = trimmed[1:-1]
-    return trimmed != text and _python_uuid(trimmed)
-
-
-def _python_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,14 +64,17 @@ class PathMatcher:
     test: Callable[[str], bool] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "test", _path_test(self.kind, self.value.lower(), self.pattern))
+        test = _path_test(self.kind, self.value.lower(), self.pattern, is_uuid_segment)
+        object.__setattr__(self, "test", test)
 
     def matches(self, path: str) -> bool:
         return self.test(path.lower())
 
     def exact_test(self) -> Callable[[str], bool]:
-        """The test of a path as written, case-sensitive."""
-        return _path_test(self.kind, self.value, self.exact_pattern or self.pattern)
+        """The test of a path as written, case-sensitive, a ``{uuid}`` parameter taking
+        only a canonical UUID: what an exemption is confirmed with (it must never take a
+        spelling the upstream may route elsewhere)."""
+        return _path_test(self.kind, self.value, self.exact_pattern, is_canonical_uuid)
 
     def describe(self) -> str:
         if self.kind is PathKind.ANY:
@@ -160,7 +83,7 @@ class PathMatcher:
 
 
 def _path_test(
-    kind: PathKind, value: str, pattern: re.Pattern[str] | None
+    kind: PathKind, value: str, pattern: re.Pattern[str] | None, is_uuid: Callable[[str], bool]
 ) -> Callable[[str], bool]:
     if kind is PathKind.ANY:
         return lambda path: True
@@ -180,7 +103,7 @@ def _path_test(
 
         def template_test(path: str) -> bool:
             found = fullmatch(path)
-            return found is not None and all(is_uuid_segment(found[g]) for g in uuid_groups)
+            return found is not None and all(is_uuid(found[g]) for g in uuid_groups)
 
         return template_test
     return lambda path: fullmatch(path) is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -48,14 +49,15 @@ class Router:
 
 
 # RFC 9110 7.2 / RFC 3986 3.2.2-3.2.3: Host = uri-host [ ":" port ]; uri-host is an
-# IP-literal in brackets, or a reg-name (unreserved, sub-delims, %HH: an IPv4 address is
+# IPv6 address in brackets or a reg-name (unreserved, sub-delims, %HH: an IPv4 address is
 # one too); port is digits. Anything else is refused (RFC 9112 3.2: 400), so that the
 # gateway and the upstream cannot read two hosts from one value: "api.eu.example.com:80:80"
 # was in no region's list here while nginx, which ends the host at the first ':', served
-# it as api.eu.example.com.
+# it as api.eu.example.com; "[api.eu.example.com]:80", which Go's SplitHostPort reads as
+# api.eu.example.com. (IPvFuture literals and zone ids, which no client sends, are refused.)
 _HOST_SYNTAX: Final = re.compile(
-    rb"(?:\[[0-9A-Za-z._~!$&'()*+,;=:%-]+\]|(?:[0-9A-Za-z._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)"
-    rb"(?::[0-9]*)?"
+    rb"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?:[0-9A-Za-z._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)"
+    rb"(?::(?P<port>[0-9]{0,5}))?"
 )
 _last_valid_host = b""  # a connection's requests repeat one Host: checked once
 
@@ -65,8 +67,17 @@ def valid_host(value: bytes) -> bool:
     global _last_valid_host
     if value == _last_valid_host:
         return True
-    if _HOST_SYNTAX.fullmatch(value) is None:
+    found = _HOST_SYNTAX.fullmatch(value)
+    if found is None:
         return False
+    v6, port = found["v6"], found["port"]
+    if port and int(port) > 65535:
+        return False
+    if v6 is not None:
+        try:
+            ipaddress.IPv6Address(v6.decode("ascii"))
+        except ValueError:
+            return False
     _last_valid_host = value
     return True
 

@@ -125,10 +125,15 @@ _WITH_CREDENTIALS = [
     f"http://:{_SECRET}@github.com/acme/app",
     f"https://u:{_SECRET}@[::1]:8443/acme/app",
     f"https://{_SECRET}@/acme/app",
+    f"https://github.com/acme/app?access_token={_SECRET}",  # a review: the query and
+    f"https://github.com/acme/app#token={_SECRET}",  # fragment carry tokens too
+    f"https://user%3A{_SECRET}%40github.com/acme/app",  # an encoded user and password
 ]
 _NOT_URLS = [
     f"https://github.com/acme/{_SECRET} app",
     f"https://github.com/acme/\n{_SECRET}",
+    f"https://github.com/acme/app\u00a0{_SECRET}",  # non-ASCII white space
+    f"https://github.com\u2028/{_SECRET}",
     f"https://[{_SECRET}/acme",
     f"https://github.com:{_SECRET}/acme",
     "ftp://github.com/acme/app",
@@ -163,7 +168,7 @@ def test_urls_shown_to_tenants_carry_no_credentials(tmp_path, place, value):
     "value",
     [
         "https://github.com/acme/app",
-        "https://github.example.com:8443/acme/app?tab=readme#top",
+        "https://github.example.com:8443/acme/app",
         "http://[::1]:3000/acme/app",
         "https://gitlab.example.com/group/sub/app.git",
     ],

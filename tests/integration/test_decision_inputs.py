@@ -497,7 +497,8 @@ async def test_a_host_two_readers_would_read_apart_is_refused(tmp_path):
         running_raw_upstream() as up,
         running_gateway(up.url, config_file=str(config)) as gw,
     ):
-        for host in [b"eu.example:80:80", b"eu.example:80 x", b"eu.example/x", b"eu.example@us"]:
+        for host in [b"eu.example:80:80", b"eu.example:80 x", b"eu.example/x", b"eu.example@us",
+                     b"[eu.example]:80", b"eu.example:65536"]:  # fmt: skip
             status, _, body = await _send(
                 _port(gw), b"GET /a HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
             )

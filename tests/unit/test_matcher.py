@@ -180,3 +180,22 @@ def test_a_rule_after_an_exemption_is_reachable_by_the_other_cases():
               "  - {id: digits, match: {path: /1/2}, unlimited: true}\n"
               "  - {id: late, match: {path: /1/2}, identity: ip, limits: {us: 5/1}}\n")]
         )  # fmt: skip
+
+
+def test_an_exemption_takes_only_canonical_ids_and_no_case_blind_regex():
+    # A review: {uuid} reads every spelling any reader takes, which for a limit only makes
+    # it stricter, but an exempt /files/{uuid} then exempted /files/1-1-1-1-1, which a
+    # Python or Go upstream may route elsewhere. An exemption's {uuid} is 8-4-4-4-12 hex.
+    table = load_rules_from_texts(
+        [("t.yaml", "rules:\n"
+          "  - {id: f, match: {template: '/files/{uuid}'}, unlimited: true}\n"
+          "  - {id: rest, identity: ip, limits: {us: 9/1}}\n")]
+    )  # fmt: skip
+    assert select(table, "us", "GET", f"/files/{RUN}", lookup()).exempt
+    assert select(table, "us", "GET", f"/files/{RUN.upper()}", lookup()).exempt
+    for other in ["1-1-1-1-1", f"{RUN}%20", f"%7B{RUN}%7D", RUN.replace("-", "")]:
+        assert select(table, "us", "GET", f"/files/{other}", lookup()).rule.id == "rest", other
+    with pytest.raises(RuleLoadError, match="cannot ignore case"):
+        load_rules_from_texts(
+            [("t.yaml", "rules:\n  - {id: r, match: {regex: '(?i)/img/.*'}, unlimited: true}\n")]
+        )

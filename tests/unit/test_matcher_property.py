@@ -124,36 +124,128 @@ def java_trim(text: str) -> str:
     return text[start:end]
 
 
+def java8_reads(name: str) -> bool:
+    """java.util.UUID.fromString(name) as JDK 8 writes it: name.split("-") (String.split
+    drops trailing empty strings) must give 5 components, each read by
+    Long.decode("0x" + component): hex digits after the prefix, no sign there, within a
+    long."""
+    parts = name.split("-")
+    while parts and parts[-1] == "":
+        parts.pop()
+    if len(parts) != 5:
+        return False
+    for part in parts:
+        if part[:1] == "+":
+            return False  # Long.decode("0x+..."): a sign in the wrong position
+        if java_parse_long(part, 0, len(part)) is None:
+            return False
+    return True
+
+
+def dotnet_space(char: str) -> bool:
+    """char.IsWhiteSpace: U+0009-U+000D, U+0020, U+0085, U+00A0 and the separators."""
+    return char in "\t\n\x0b\x0c\r \x85\xa0" or unicodedata.category(char) in ("Zs", "Zl", "Zp")
+
+
 def dotnet_trim(text: str) -> str:
-    """String.Trim(): Unicode white space off both ends."""
-    return text.strip()
+    """String.Trim(): white space off both ends."""
+    start, end = 0, len(text)
+    while start < end and dotnet_space(text[start]):
+        start += 1
+    while end > start and dotnet_space(text[end - 1]):
+        end -= 1
+    return text[start:end]
 
 
-DOTNET_X = re.compile(
-    r"\{0x[0-9a-f]{1,8},0x[0-9a-f]{1,4},0x[0-9a-f]{1,4},\{(0x[0-9a-f]{1,2},){7}0x[0-9a-f]{1,2}\}\}",
-    re.IGNORECASE,
-)
+def dotnet_hex(span: str) -> tuple[bool, int, bool]:
+    """Guid.TryParseHex(span, out uint, ref overflow), as .NET's Guid.cs writes it: a
+    leading '+' skipped, then "0x"/"0X" if more than one character is left, then leading
+    zeros; every other character a hex digit (ASCII); more than 8 digits overflow.
+    Returns (parsed, value, overflow)."""
+    if span:
+        if span[0] == "+":
+            span = span[1:]
+        if len(span) > 1 and span[0] == "0" and span[1] in "xX":
+            span = span[2:]
+    i = 0
+    while i < len(span) and span[i] == "0":
+        i += 1
+    value, processed = 0, 0
+    for char in span[i:]:
+        if char not in "0123456789abcdefABCDEF":
+            return False, 0, processed > 8
+        value = value * 16 + int(char, 16)
+        processed += 1
+    return True, value & 0xFFFFFFFF, processed > 8
+
+
+def dotnet_d(text: str) -> bool:
+    """TryParseExactD, strict then TryCompatParsing (components at fixed widths)."""
+    if len(text) != 36 or any(text[i] != "-" for i in (8, 13, 18, 23)):
+        return False
+    for start, width in ((0, 8), (9, 4), (14, 4), (19, 4), (24, 4)):
+        if not dotnet_hex(text[start : start + width])[0]:
+            return False
+    return all(c in "0123456789abcdefABCDEF" for c in text[28:36])  # never took 0x or +
+
+
+def dotnet_x(text: str) -> bool:
+    """TryParseExactX, white space already eaten: '{', "0x", a number up to ',' (three
+    times), '{', then eight "0x" bytes up to ',' or '}', then '}' and nothing more."""
+    if not text or text[0] != "{":
+        return False
+    pos = 1  # where the next "0x" must be
+    for index in range(11):
+        if text[pos : pos + 2] not in ("0x", "0X"):
+            return False
+        start = pos + 2
+        end = text.find("}" if index == 10 else ",", start)
+        if end <= start:
+            return False
+        parsed, value, overflow = dotnet_hex(text[start:end])
+        if not parsed or overflow or (index >= 3 and value > 0xFF):
+            return False
+        pos = end + 1
+        if index == 2:
+            if text[pos : pos + 1] != "{":
+                return False
+            pos += 1
+    return pos == len(text) - 1 and text[pos] == "}"
+
+
+def dotnet_reads(text: str) -> bool:
+    """Guid.TryParse(text) (TryParseGuid): trimmed; with a '-', "P" by '(' and "B" by '{'
+    (38 characters around a "D"), else "D"; without, "X" if there is a '{' (white space
+    anywhere eaten), else "N" (32 hex digits)."""
+    text = dotnet_trim(text)
+    if "-" in text:
+        if text[:1] == "(":
+            return len(text) == 38 and text[37] == ")" and dotnet_d(text[1:37])
+        if text[:1] == "{":
+            return len(text) == 38 and text[37] == "}" and dotnet_d(text[1:37])
+        return dotnet_d(text)
+    if "{" in text:
+        return dotnet_x("".join(c for c in text if not dotnet_space(c)))
+    return len(text) == 32 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def model_is_uuid(segment: str) -> bool:
     """docs/rules.md: a segment, percent-decoded, that Python's uuid.UUID reads, that
-    Spring reads (java.util.UUID.fromString after String.trim) or that ASP.NET reads
-    (Guid.Parse after Trim: its "P" form in parentheses, read here by uuid.UUID, or its
-    "X" form); what either trims is trimmed before each of these readers."""
+    Spring reads (java.util.UUID.fromString of JDK 17 or JDK 8 after String.trim) or that
+    ASP.NET reads (Guid.TryParse after its Trim); what either trims is trimmed before the
+    Java and .NET readers."""
     text = urllib.parse.unquote(segment)
     if python_reads(text):
         return True
     value = text
     while (again := dotnet_trim(java_trim(value))) != value:  # what either trims, all of it
         value = again
-    if java_reads(value) or DOTNET_X.fullmatch(value):
-        return True
-    if value.startswith("(") and value.endswith(")"):
-        value = value[1:-1]
-    return value != text and python_reads(value)
+    return java_reads(value) or java8_reads(value) or dotnet_reads(value)
 
 
-def model_template(template: str, path: str) -> bool:
+def model_template(template: str, path: str, canonical: bool = False) -> bool:
+    """``canonical``: a {uuid} parameter takes only 8-4-4-4-12 hex digits (an exemption's
+    test, docs/rules.md)."""
     wanted, given_ = template.split("/"), path.split("/")
     if len(wanted) != len(given_):
         return False
@@ -169,7 +261,11 @@ def model_template(template: str, path: str) -> bool:
             return False
         if kind == "int" and not set(segment) <= set("0123456789"):
             return False
-        if kind == "uuid" and not model_is_uuid(segment):
+        if kind == "uuid" and not (
+            re.fullmatch(r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}", segment)
+            if canonical
+            else model_is_uuid(segment)
+        ):
             return False
     return True
 
@@ -193,7 +289,7 @@ def model_path(form: dict[str, str], path: str, fold: bool = True) -> bool:
     if kind == "suffix":
         return path.endswith(value)
     assert kind == "template", kind
-    return model_template(value, path)
+    return model_template(value, path, canonical=not fold)
 
 
 def model_alternative(alt: dict[str, Any], method: str, path: str, fold: bool = True) -> bool:
@@ -375,24 +471,50 @@ JAVA_DIGITS = "0123456789abcdefABCDEF\uff10\uff41\uff26\u0660\u0966"  # Characte
 PADDING = ["", "", " ", "  ", "\u00a0", "\u3000", "\u2009"]  # what Spring or ASP.NET trims
 
 
+HEX = "0123456789abcdefABCDEF"
+
+
+@st.composite
+def dotnet_component(draw: st.DrawFn, width: int | None) -> str:
+    """What TryParseHex may be given: '+', "0x", zeros and hex digits in any mix (at a
+    fixed ``width`` in the "D" form), sometimes a stray character."""
+    kinds = ["+", "0x", "0X", "0", "0", "a", "F", "9", "00", "x", "g"]
+    pieces = draw(st.lists(st.sampled_from(kinds), max_size=6))
+    text = "".join(pieces)
+    if width is not None:
+        text = (text + draw(st.text(HEX, min_size=width, max_size=width)))[:width]
+    return text
+
+
 @st.composite
 def java_and_dotnet_spellings(draw: st.DrawFn) -> str:
-    """A segment Spring or ASP.NET reads as a UUID (or nearly: every draw is kept, the
-    model decides): java.util.UUID's five groups of 1-16 digits with optional '+' signs,
-    .NET's forms in parentheses or as {0x…}, white space around, percent-encoded."""
-    form = draw(st.sampled_from(["java", "java", "paren", "x"]))
+    """A segment Spring or ASP.NET may read as a UUID (every draw is kept, the model
+    decides): java.util.UUID's groups (JDK 17: one to 17 digits, '+' signs; JDK 8: any
+    length, trailing '-'), .NET's "D" with its compatibility components, "B"/"P" around
+    it, "X" with white space, zeros and signs, white space around; percent-encoded."""
+    form = draw(st.sampled_from(["java", "java", "d", "b", "p", "x", "x"]))
     if form == "java":
         signs = st.sampled_from(["", "", "+"])
-        digits = st.text(JAVA_DIGITS, min_size=1, max_size=17)
+        digits = st.text(JAVA_DIGITS, min_size=1, max_size=draw(st.sampled_from([17, 40])))
         count = draw(st.sampled_from([5, 5, 5, 4, 6]))
         text = "-".join(draw(signs) + draw(digits) for _ in range(count))
-    elif form == "paren":
-        text = f"({draw(st.uuids())})"
+        text += "-" * draw(st.sampled_from([0, 0, 1, 3]))
+    elif form in ("d", "b", "p"):
+        widths = [8, 4, 4, 4, 4]
+        parts = [draw(dotnet_component(w)) for w in widths]
+        text = "-".join(parts[:4]) + "-" + parts[4] + draw(st.text(HEX, min_size=8, max_size=8))
+        if form != "d":
+            text = ("{" + text + "}") if form == "b" else ("(" + text + ")")
     else:
-        value = draw(st.uuids()).hex
-        head = ",".join(f"0x{value[a:b]}" for a, b in ((0, 8), (8, 12), (12, 16)))
-        tail = ",".join(f"0x{value[i : i + 2]}" for i in range(16, 32, 2))
-        text = f"{{{head},{{{tail}}}}}"
+        spaces = st.sampled_from(["", "", "", " ", "\u00a0"])
+        items = [
+            draw(spaces) + "0x" + draw(dotnet_component(None)) + draw(spaces) for _ in range(11)
+        ]
+        if draw(st.booleans()):  # sometimes a well-formed value
+            value = draw(st.uuids()).hex
+            items = [f"0x{value[a:b]}" for a, b in ((0, 8), (8, 12), (12, 16))]
+            items += [f"0x{value[i : i + 2]}" for i in range(16, 32, 2)]
+        text = "{" + ",".join(items[:3]) + ",{" + ",".join(items[3:]) + "}}"
     text = draw(st.sampled_from(PADDING)) + text + draw(st.sampled_from(PADDING))
     return "".join("%20" if c == " " else encode_char(draw, c) for c in text)  # raw: refused
 
@@ -517,6 +639,11 @@ def test_every_uuid_spelling_is_one_counter_key(
 )
 @example(spelling="0190a1b2-c3d4-7e5f-8a6b-7c8d9e0f1a2b%20", base="/runs/", region="us")
 @example(spelling="190a1b2-c3d4-7e5f-8a6b-7c8d9e0f1a2b", base="/runs/", region="us")
+@example(spelling="1-1-1-1-1-", base="/runs/", region="us")  # JDK 8: trailing '-' dropped
+@example(spelling="0000000000000000000000000001-2-3-4-5", base="/runs/", region="us")  # JDK 8
+@example(spelling="d85b1407-0x1d-4694-9392-03acc5870eb1", base="/runs/", region="us")  # .NET
+@example(spelling="%7B0x+,0x+,0x+,%7B0x+,0x+,0x+,0x+,0x+,0x+,0x+,0x+%7D%7D", base="/runs/",
+         region="us")  # fmt: skip
 def test_spellings_spring_or_aspnet_read_as_an_id_stay_in_its_rule(
     spelling: str, base: str, region: str
 ) -> None:

@@ -296,23 +296,28 @@ def _parse_credentials(raw: object) -> list[Credential]:
 
 def _tenant_url(value: object, where: str) -> str:
     """An http(s) URL that every tenant allowed to see it is answered with, as written:
-    so it may not carry credentials (a user or password before the host), and the error
-    never quotes it (it may hold one)."""
+    so it may carry no credential anywhere a URL can (a user or password before the host,
+    a query such as ``?access_token=``, a fragment), only printable ASCII (a host in
+    punycode), and the error never quotes it (it may hold one)."""
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected an http(s) URL (a string)")
-    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in value):
-        raise ValueError(f"{where}: expected an http(s) URL without spaces or control characters")
+    if not all(0x21 <= ord(c) < 0x7F for c in value):
+        raise ValueError(
+            f"{where}: expected an http(s) URL of printable ASCII, without spaces (a host "
+            "in punycode)"
+        )
+    netloc = value.partition("//")[2].partition("/")[0]
+    if "@" in netloc or "%" in netloc or "?" in value or "#" in value:
+        raise ValueError(
+            f"{where}: must not carry credentials (a user or password before the host, an "
+            "encoded one, a query or a fragment): tenants are answered with this URL as "
+            "written; give the code host's credentials elsewhere (the URL is not shown here)"
+        )
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError:
         raise ValueError(f"{where}: not a URL that parses (it is not shown here)") from None
-    if "@" in parts.netloc:
-        raise ValueError(
-            f"{where}: must not carry credentials (a user or password before '@'): tenants "
-            "are answered with this URL as written; give the code host's credentials "
-            "elsewhere (the URL is not shown here)"
-        )
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{where}: expected an http(s) URL with a host")
     return value
