@@ -13,7 +13,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -541,15 +541,34 @@ def build_embedded(settings: Settings) -> Embedded:
         "store": create_store_app(store_config),
         "control-plane": create_control_plane_app(cp_config),
     }
-    sockets = {}
-    for name in apps:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(512)
-        sock.setblocking(False)
-        sockets[name] = sock
+    # The gateway's own ports are bound after these: an ephemeral port the kernel hands
+    # out here must not be one of them, or the gateway fails to start with "address
+    # already in use" on a port the operator chose and nothing else holds.
+    reserved = {settings.port, settings.admin_port}
+    sockets = {name: loopback_listener(reserved) for name in apps}
     return Embedded(apps, sockets, notes, _database_urls(store_config, cp_config))
+
+
+def loopback_listener(avoid: Container[int]) -> socket.socket:
+    """A listening, non-blocking socket on 127.0.0.1 at a kernel-chosen port not in
+    ``avoid``. A refused port stays held until the choice is made, so the kernel cannot
+    hand it out again meanwhile."""
+    refused: list[socket.socket] = []
+    try:
+        for _ in range(64):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))
+            if sock.getsockname()[1] in avoid:
+                refused.append(sock)
+                continue
+            sock.listen(512)
+            sock.setblocking(False)
+            return sock
+        raise OSError("no free loopback port for a built-in upstream")
+    finally:
+        for sock in refused:
+            sock.close()
 
 
 def _closed(breaker: DatabaseBreaker) -> Callable[[], bool]:
