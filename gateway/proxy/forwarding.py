@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Final
 
 from gateway.proxy.handler import Peer
 from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, Relay, request_head, stale_connection
-from gateway.proxy.request import Incoming
+from gateway.proxy.request import Incoming, bodiless_method_with_content
 from gateway.proxy.tunnel import Tunnel
 from gateway.proxy.upstream_pool import Upstream, UpstreamConnection
 from gateway.proxy.wire import CONTINUE_100, Answer
@@ -362,6 +362,12 @@ class Forwarding(asyncio.Protocol):
         host, port, _, prefix = self.upstream_address
         head = req.upstream_head
         if head is None:
+            req.close_upstream = bodiless_method_with_content(
+                req.method, req.content_length, req.chunked
+            ) or (
+                req.keep_override
+                and bodiless_method_with_content(req.rule_method, req.content_length, req.chunked)
+            )
             head = req.upstream_head = request_head(
                 req, upstream, prefix, f"{host}:{port}", self.peer.address or "",
                 self.plane.scheme == "https",
@@ -445,7 +451,12 @@ class Forwarding(asyncio.Protocol):
             self._finish(req, keep=False)
             return
         elif uconn is not None:
-            self.plane.pool.release(uconn)
+            if req.close_upstream:
+                # (A CL.0 upstream may still be reading the content as a request of its
+                # own: its answer must never reach the next client on this connection.)
+                uconn.abort()
+            else:
+                self.plane.pool.release(uconn)
         self._finish(req, keep=not relay.close_after)
 
     def _too_large(self, req: Incoming) -> Answer:

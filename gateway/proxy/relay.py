@@ -171,6 +171,8 @@ def request_head(
     append(b"X-Request-Id: " + req.request_id.encode() + CRLF)
     if req.tunnel:  # hop-by-hop, dropped above; asked of this upstream on purpose
         append(b"Connection: Upgrade\r\nUpgrade: " + req.upgrade_value + CRLF)
+    elif req.close_upstream:  # content the upstream may not read: nothing may follow it
+        append(b"Connection: close\r\n")
     if req.chunked:
         if req.body_done:  # all of it is here: send it with a length
             append(b"Content-Length: %d\r\n" % req.body_size)

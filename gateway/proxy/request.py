@@ -11,6 +11,7 @@ per request; setting ~30 slots in ``__init__`` cost more than the rest of the pa
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from gateway.identity.verified import Refusal
 from gateway.policy.matcher import Selection
@@ -38,6 +39,9 @@ class Incoming:
     content_length: int | None = None
     chunked = False
     expect_continue = False
+    # Content on a method whose requests have none by convention: the upstream
+    # connection is used for this request only (``bodiless_method_with_content``)
+    close_upstream = False
     # the client address whose upload slot this request holds (DataPlane.take_upload)
     upload_client: str | None = None
     # the client address whose download slot this request holds (DataPlane.take_download)
@@ -128,3 +132,17 @@ class Incoming:
         req.table = self.table
         req.selection = self.selection
         return req
+
+
+# Methods whose requests carry no content by convention (RFC 9110 9.3: content on them
+# "has no generally defined semantics"). Servers that handle them without reading a body
+# ("CL.0": Python's http.server, many hand-written handlers) read the content on a kept-
+# alive connection as the next request: one the gateway never counted, whose response a
+# later client on the pooled connection would get.
+BODILESS_METHODS: Final = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+
+
+def bodiless_method_with_content(method: str, content_length: int | None, chunked: bool) -> bool:
+    """Whether a request is one the upstream may not read the content of: it is then sent
+    with ``Connection: close`` and its upstream connection is not used again."""
+    return method in BODILESS_METHODS and (chunked or (content_length or 0) > 0)
