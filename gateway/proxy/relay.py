@@ -30,9 +30,25 @@ HOP_BY_HOP: Final = frozenset(
 )  # fmt: skip
 # From an untrusted peer these are whatever the client wrote: dropped, so the upstream
 # cannot be misled (X-Forwarded-For is replaced with the peer).
+# Headers that name the client, its scheme, host or path prefix as a proxy saw them:
+# frameworks and libraries believe them (Express's and request-ip's client address,
+# Rails' and Spring's scheme, host and prefix, ingress-nginx's originals, CDNs' client
+# headers), so from an untrusted peer they are dropped, never passed on as if a proxy
+# had set them; a trusted proxy's pass on. The gateway itself reads X-Forwarded-For and
+# X-Forwarded-Proto only (and sets both).
 UNTRUSTED_FORWARDING: Final = frozenset(
-    {b"forwarded", b"x-real-ip", b"x-forwarded-host", b"x-forwarded-port"}
-)
+    {
+        b"forwarded", b"forwarded-for", b"x-forwarded", b"x-real-ip",
+        b"x-forwarded-host", b"x-forwarded-port", b"x-forwarded-server",
+        b"x-forwarded-prefix", b"x-forwarded-scheme", b"x-forwarded-ssl",
+        b"x-forwarded-protocol", b"x-url-scheme", b"front-end-https",
+        b"x-original-forwarded-for", b"x-original-host", b"x-host",
+        b"x-client-ip", b"true-client-ip", b"cf-connecting-ip", b"cf-connecting-ipv6",
+        b"cf-pseudo-ipv4", b"fastly-client-ip", b"x-cluster-client-ip",
+        b"x-appengine-user-ip", b"x-proxyuser-ip", b"x-azure-clientip",
+        b"x-azure-socketip", b"x-envoy-external-address",
+    }
+)  # fmt: skip
 # The gateway sets these on the request itself.
 _REQUEST_OWNED: Final = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"via", b"x-request-id"}

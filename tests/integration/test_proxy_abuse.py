@@ -9,6 +9,7 @@ import uuid
 
 import aiohttp
 
+from gateway.proxy.relay import UNTRUSTED_FORWARDING
 from tests.support.gateway import raw_request, running_gateway
 
 
@@ -63,6 +64,50 @@ async def test_malformed_host_headers_are_not_500(upstream):
             )
             status = int(reply.split(b" ")[1])
             assert status < 500, (host, reply[:200])
+
+
+# Read as the client's address, scheme, host or prefix by: npm request-ip (X-Client-IP,
+# CF-Connecting-IP, Fastly-Client-Ip, True-Client-Ip, X-Real-IP, X-Cluster-Client-IP,
+# X-Forwarded, Forwarded-For, appengine-user-ip, Cf-Pseudo-IPv4), Rails (X-Forwarded-Ssl,
+# X-Forwarded-Scheme, Front-End-Https, X-Url-Scheme), Spring and Traefik
+# (X-Forwarded-Prefix), ingress-nginx (X-Original-Forwarded-For, X-Forwarded-Server,
+# X-Original-Host), Envoy (X-Envoy-External-Address), Azure Front Door (X-Azure-ClientIP).
+CLIENT_NAMING = {
+    "forwarded", "x-real-ip", "x-forwarded-host", "x-forwarded-port", "x-client-ip",
+    "cf-connecting-ip", "fastly-client-ip", "true-client-ip", "x-cluster-client-ip",
+    "x-forwarded", "forwarded-for", "x-appengine-user-ip", "cf-pseudo-ipv4",
+    "x-forwarded-ssl", "x-forwarded-scheme", "front-end-https", "x-url-scheme",
+    "x-forwarded-prefix", "x-original-forwarded-for", "x-forwarded-server",
+    "x-original-host", "x-envoy-external-address", "x-azure-clientip",
+}  # fmt: skip
+
+
+async def test_every_client_naming_header_is_dropped_from_untrusted_peers_only(upstream):
+    """The class: every header a framework or CDN library reads as the client's address,
+    scheme, host or prefix (UNTRUSTED_FORWARDING) is dropped from an untrusted peer and
+    passed on from a trusted proxy; its '_' spelling is refused (a CGI-style upstream
+    would read it as the header)."""
+    names = sorted({n.decode() for n in UNTRUSTED_FORWARDING} | CLIENT_NAMING)
+    sent = {name: "203.0.113.9" for name in names}
+    async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/x", headers=sent) as r:
+            assert r.status == 200
+            seen = {k.lower() for k in (await r.json())["headers"]}
+        assert not seen & set(names), seen & set(names)
+        for name in names:
+            if "-" not in name:
+                continue
+            spelled = name.replace("-", "_")
+            async with http.get(gw.url + "/x", headers={spelled: "203.0.113.9"}) as r:
+                assert r.status == 400, spelled
+    async with (
+        running_gateway(upstream, trusted_proxies=["127.0.0.0/8"]) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(gw.url + "/x", headers=sent) as r:
+            assert r.status == 200
+            passed = {k.lower() for k in (await r.json())["headers"]}
+        assert set(names) <= passed, set(names) - passed
 
 
 async def test_spoofable_forwarding_headers_are_dropped_from_untrusted_peers(upstream):
