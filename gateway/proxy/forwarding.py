@@ -438,6 +438,7 @@ class Forwarding(asyncio.Protocol):
             # mid-request and cannot be reused; the rest of the body is read and dropped
             # so the client's connection stays usable (bounded by max_body_bytes).
             req.sink = self._discard
+            req.answered_early = True
             if uconn is not None:
                 uconn.abort()
         elif not relay.forwarded_whole():

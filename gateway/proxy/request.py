@@ -42,6 +42,8 @@ class Incoming:
     # Content on a method whose requests have none by convention: the upstream
     # connection is used for this request only (``bodiless_method_with_content``)
     close_upstream = False
+    # answered before its body ended: the rest of the body is read and dropped
+    answered_early = False
     # the client address whose upload slot this request holds (DataPlane.take_upload)
     upload_client: str | None = None
     # the client address whose download slot this request holds (DataPlane.take_download)

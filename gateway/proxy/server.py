@@ -721,6 +721,7 @@ class ClientConnection(Forwarding):
         if not req.body_done:
             req.body = []
             req.sink = self._discard
+            req.answered_early = True
         self._finish(req, keep)
 
     def _finish(self, req: Incoming, keep: bool) -> None:
@@ -934,6 +935,15 @@ class ClientConnection(Forwarding):
         detail = f"malformed HTTP request: {reason}"
         req = self.active
         if req is None:
+            current = self.current
+            if current is not None and current.answered_early:
+                # In the body of a request already answered: a 400 now would read as
+                # the answer to a request the client has not sent. Close, no answer.
+                log.info("%s: %s after the answer rid=%s", self.peer.address or "-",
+                         detail, current.request_id)  # fmt: skip
+                self.dead_parser = True
+                self._linger_close()
+                return
             self._fatal(400, detail)
         elif not req.body_done:
             # The error is in this request's own body: it cannot be forwarded whole.
