@@ -149,7 +149,11 @@ def request_head(
                 via.append(value)
                 continue
             elif lower == b"content-length":
-                pass  # framing: kept whatever Connection names (the body follows it)
+                # Framing, kept whatever Connection names (the body follows it), and
+                # written as the gateway read it: '007' is 7 here, and an upstream that
+                # read leading zeros otherwise (octal) would frame the body differently.
+                append(b"Content-Length: %d\r\n" % (req.content_length or 0))
+                continue
             elif trusted and lower in UNTRUSTED_FORWARDING and lower not in tokens:
                 pass  # a trusted proxy's own forwarding headers pass on
             elif req.keep_override and lower in METHOD_OVERRIDES and lower not in tokens:

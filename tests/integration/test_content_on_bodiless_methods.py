@@ -149,3 +149,20 @@ async def test_requests_with_content_on_post_and_bodiless_ones_keep_the_pooled_c
             assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     assert [p for _, p, _ in seen.requests] == ["/p", "/g"] * 3 + ["/e"]
     assert len({port for _, _, port in seen.requests}) == 1, seen.requests
+
+
+@pytest.mark.parametrize("written", [b"3", b"003", b"0003"])
+async def test_content_length_goes_upstream_as_the_gateway_read_it(written):
+    """'003' is 3 to the gateway; the upstream gets '3', so no reader of leading zeros
+    (octal) can frame the body otherwise."""
+    from tests.support.raw_upstream import running_raw_upstream
+
+    async with running_raw_upstream() as up, running_gateway(up.url) as gw:
+        reply = await _one(
+            _port(gw),
+            b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: " + written + b"\r\n\r\nabc",
+        )
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    [seen] = up.recording.requests
+    lengths = [v for n, v in seen.headers if n.lower() == b"content-length"]
+    assert lengths == [b"3"] and seen.body == b"abc", seen

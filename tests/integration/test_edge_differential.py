@@ -609,7 +609,17 @@ def end_to_end(m: Message, client: Message) -> list[Header]:
         skip.update(_ows(token).lower() for token in value.split(b","))
     if client.values(b"transfer-encoding"):
         skip.add(b"content-length")
-    return [(n.lower(), _ows(v)) for n, v in m.headers if n.lower() not in skip]
+    return [
+        (n.lower(), _length(_ows(v)) if n.lower() == b"content-length" else _ows(v))
+        for n, v in m.headers
+        if n.lower() not in skip
+    ]
+
+
+def _length(value: bytes) -> bytes:
+    """A Content-Length as its number: '005' and '5' are one length (RFC 9110 8.6), and
+    the gateway writes the length it read, without leading zeros."""
+    return str(int(value)).encode() if value.isdigit() else value
 
 
 def compare_forwarded(up: Message, ref: Message, target: bytes, used: list[str]) -> list[str]:
