@@ -30,9 +30,10 @@ HOP_BY_HOP: Final = frozenset(
 )  # fmt: skip
 # From an untrusted peer these are whatever the client wrote: dropped, so the upstream
 # cannot be misled (X-Forwarded-For is replaced with the peer).
-# Headers that name the client, its scheme, host or path prefix as a proxy saw them:
-# frameworks and libraries believe them (Express's and request-ip's client address,
-# Rails' and Spring's scheme, host and prefix, ingress-nginx's originals, CDNs' client
+# Headers that name the client, its scheme, host, path or certificate as a proxy saw
+# them: frameworks and libraries believe them (Express's and request-ip's client address,
+# Rails', Spring's and Tornado's scheme, host and prefix, ingress-nginx's originals, nginx
+# auth_request's and Traefik forward-auth's URI, Envoy's client certificate, CDNs' client
 # headers), so from an untrusted peer they are dropped, never passed on as if a proxy
 # had set them; a trusted proxy's pass on. The gateway itself reads X-Forwarded-For and
 # X-Forwarded-Proto only (and sets both).
@@ -46,7 +47,9 @@ UNTRUSTED_FORWARDING: Final = frozenset(
         b"x-client-ip", b"true-client-ip", b"cf-connecting-ip", b"cf-connecting-ipv6",
         b"cf-pseudo-ipv4", b"fastly-client-ip", b"x-cluster-client-ip",
         b"x-appengine-user-ip", b"x-proxyuser-ip", b"x-azure-clientip",
-        b"x-azure-socketip", b"x-envoy-external-address",
+        b"x-azure-socketip", b"x-envoy-external-address", b"x-envoy-internal",
+        b"x-scheme", b"x-original-proto", b"x-real-port", b"x-forwarded-client-cert",
+        b"x-original-uri", b"x-forwarded-uri",
     }
 )  # fmt: skip
 # The gateway sets these on the request itself.

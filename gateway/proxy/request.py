@@ -136,15 +136,17 @@ class Incoming:
         return req
 
 
-# Methods whose requests carry no content by convention (RFC 9110 9.3: content on them
-# "has no generally defined semantics"). Servers that handle them without reading a body
-# ("CL.0": Python's http.server, many hand-written handlers) read the content on a kept-
-# alive connection as the next request: one the gateway never counted, whose response a
-# later client on the pooled connection would get.
-BODILESS_METHODS: Final = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+# Methods whose requests carry content by convention, which servers read: POST, PUT and
+# PATCH. Servers that handle any other method without reading a body ("CL.0": Python's
+# http.server, many hand-written handlers; GET, HEAD, DELETE, OPTIONS, and PURGE or
+# UNLOCK alike) read its content, on a kept-alive connection, as the next request: one
+# the gateway never counted, whose response a later client on the pooled connection
+# would get.
+CONTENT_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 
 def bodiless_method_with_content(method: str, content_length: int | None, chunked: bool) -> bool:
-    """Whether a request is one the upstream may not read the content of: it is then sent
-    with ``Connection: close`` and its upstream connection is not used again."""
-    return method in BODILESS_METHODS and (chunked or (content_length or 0) > 0)
+    """Whether a request is one the upstream may not read the content of (content on a
+    method other than POST, PUT and PATCH): it is then sent with ``Connection: close`` and
+    its upstream connection is not used again."""
+    return method not in CONTENT_METHODS and (chunked or (content_length or 0) > 0)

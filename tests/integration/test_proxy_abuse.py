@@ -71,7 +71,9 @@ async def test_malformed_host_headers_are_not_500(upstream):
 # X-Forwarded, Forwarded-For, appengine-user-ip, Cf-Pseudo-IPv4), Rails (X-Forwarded-Ssl,
 # X-Forwarded-Scheme, Front-End-Https, X-Url-Scheme), Spring and Traefik
 # (X-Forwarded-Prefix), ingress-nginx (X-Original-Forwarded-For, X-Forwarded-Server,
-# X-Original-Host), Envoy (X-Envoy-External-Address), Azure Front Door (X-Azure-ClientIP).
+# X-Original-Host), Envoy (X-Envoy-External-Address, X-Forwarded-Client-Cert), Azure Front
+# Door (X-Azure-ClientIP), Tornado (X-Scheme), nginx auth_request and Traefik forward-auth
+# backends (X-Original-URI, X-Forwarded-Uri).
 CLIENT_NAMING = {
     "forwarded", "x-real-ip", "x-forwarded-host", "x-forwarded-port", "x-client-ip",
     "cf-connecting-ip", "fastly-client-ip", "true-client-ip", "x-cluster-client-ip",
@@ -79,6 +81,8 @@ CLIENT_NAMING = {
     "x-forwarded-ssl", "x-forwarded-scheme", "front-end-https", "x-url-scheme",
     "x-forwarded-prefix", "x-original-forwarded-for", "x-forwarded-server",
     "x-original-host", "x-envoy-external-address", "x-azure-clientip",
+    "x-scheme", "x-forwarded-client-cert", "x-original-uri", "x-forwarded-uri",
+    "x-original-proto", "x-envoy-internal", "x-real-port",
 }  # fmt: skip
 
 
