@@ -28,15 +28,13 @@ HOP_BY_HOP: Final = frozenset(
         b"trailer", b"transfer-encoding", b"upgrade", b"proxy-connection",
     }
 )  # fmt: skip
-# From an untrusted peer these are whatever the client wrote: dropped, so the upstream
-# cannot be misled (X-Forwarded-For is replaced with the peer).
 # Headers that name the client, its scheme, host, path or certificate as a proxy saw
 # them: frameworks and libraries believe them (Express's and request-ip's client address,
 # Rails', Spring's and Tornado's scheme, host and prefix, ingress-nginx's originals, nginx
 # auth_request's and Traefik forward-auth's URI, Envoy's client certificate, CDNs' client
 # headers), so from an untrusted peer they are dropped, never passed on as if a proxy
 # had set them; a trusted proxy's pass on. The gateway itself reads X-Forwarded-For and
-# X-Forwarded-Proto only (and sets both).
+# X-Forwarded-Proto only (and replaces both for an untrusted peer).
 UNTRUSTED_FORWARDING: Final = frozenset(
     {
         b"forwarded", b"forwarded-for", b"x-forwarded", b"x-real-ip",

@@ -39,8 +39,8 @@ class Incoming:
     content_length: int | None = None
     chunked = False
     expect_continue = False
-    # Content on a method whose requests have none by convention: the upstream
-    # connection is used for this request only (``bodiless_method_with_content``)
+    # Content on a method other than POST, PUT and PATCH: the upstream connection is
+    # used for this request only (``bodiless_method_with_content``)
     close_upstream = False
     # answered before its body ended: the rest of the body is read and dropped
     answered_early = False
