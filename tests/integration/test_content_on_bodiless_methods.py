@@ -168,3 +168,27 @@ async def test_content_length_goes_upstream_as_the_gateway_read_it(written):
     [seen] = up.recording.requests
     lengths = [v for n, v in seen.headers if n.lower() == b"content-length"]
     assert lengths == [b"3"] and seen.body == b"abc", seen
+
+
+async def test_a_kept_method_override_to_a_bodiless_method_closes_the_upstream_connection():
+    """With keep_method_override, POST + X-HTTP-Method-Override: GET is a GET to an
+    override-honouring upstream, which may then leave the content unread as well."""
+    from tests.support.raw_upstream import running_raw_upstream
+
+    async with (
+        running_raw_upstream() as up,
+        running_gateway(up.url, keep_method_override=True) as gw,
+    ):
+        port = _port(gw)
+        for override in (b"GET", b"POST"):
+            reply = await _one(
+                port,
+                b"POST /o HTTP/1.1\r\nHost: a\r\nX-HTTP-Method-Override: " + override
+                + b"\r\nContent-Length: 3\r\n\r\nabc",
+            )
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    closes = [
+        [v.lower() for n, v in r.headers if n.lower() == b"connection"]
+        for r in up.recording.requests
+    ]
+    assert closes == [[b"close"], []], closes
