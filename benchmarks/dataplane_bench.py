@@ -38,9 +38,11 @@ is the exception: it may use both cores (a figure, not a goal).
 Every row: req/s, p50 and p99 latency (wrk ``--latency``), the ratio to Envoy (proxy rows)
 or to aiohttp's bare ``web.Server`` answering a fixed 429 (flood rows), CPU microseconds
 per request of the process under test (utime + stime of its process tree from /proc,
-before and after the measured window, over the requests wrk completed), and how busy each
-core was during the window. A Markdown table goes to stdout; ``--out`` gets
-``dataplane.json``, ``dataplane.md`` and ``dataplane.png``. Without wrk, the asyncio load
+before and after the measured window, over the requests wrk completed), how busy each
+core was during the window, and the CPU a request of each process on core 1 (the load
+generator, nginx, redis-server): what a server costs the core it shares with them. A
+Markdown table goes to stdout; ``--out`` gets ``dataplane.json``, ``dataplane.md`` and
+``dataplane.png``. Without wrk, the asyncio load
 generator ``benchmarks/dataplane_load.py`` stands in (same fields).
 
 Everything listens on 127.0.0.1 only, on free ports; every process started here is stopped
@@ -380,6 +382,10 @@ class Result:
     errors: int = 0
     cpu_us_per_request: float | None = None
     load_cpu_us_per_request: float | None = None  # wrk + nginx + redis-server
+    # The same split by process (generator, nginx, redis): what the process under test
+    # costs the shared core 1 besides its own work (a server whose answers cost the
+    # generator or the upstream more leaves less of core 1 for the next request).
+    load_split_us: dict[str, float] = field(default_factory=dict)
     kernel_share: float | None = None  # of cpu_us_per_request, the kernel's (stime)
     other_cpu_pct: float | None = None  # CPU of processes not started here, % of a core
     core_busy: dict[str, float] = field(default_factory=dict)
@@ -1058,7 +1064,14 @@ class Bench:
                     )
                     total += more["requests"]
                 result.notes.append(f"{total} warm-up requests")
-            helpers = [p.pid for p in (self.nginx, self.redis, *self.cluster) if p is not None]
+            named = [("nginx", self.nginx), ("redis", self.redis)] + [
+                ("redis", p) for p in self.cluster
+            ]
+            helpers = [p.pid for _, p in named if p is not None]
+            apart0 = {n: 0.0 for n, p in named if p is not None}
+            for n, p in named:
+                if p is not None:
+                    apart0[n] += cpu_seconds(p.pid)
             profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
             split0, cores0 = cpu_split(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
@@ -1069,6 +1082,10 @@ class Bench:
                 self.finish_profile(profiler, tag)
             split1, cores1 = cpu_split(proc.pid), core_times()
             helpers1, wall1 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
+            apart1 = {n: 0.0 for n in apart0}
+            for n, p in named:
+                if p is not None:
+                    apart1[n] += cpu_seconds(p.pid)
             if not out["requests"]:
                 raise RuntimeError(
                     f"no request completed ({out['errors']} socket errors); log of "
@@ -1097,6 +1114,9 @@ class Bench:
             result.load_cpu_us_per_request = (
                 ((helpers1 - helpers0) + out["cpu_seconds"]) * 1e6 / out["requests"]
             )
+            result.load_split_us = {"generator": out["cpu_seconds"] * 1e6 / out["requests"]}
+            for n in apart0:
+                result.load_split_us[n] = (apart1[n] - apart0[n]) * 1e6 / out["requests"]
         process_time = 0
         for core in ("cpu0", "cpu1"):
             if core in cores0 and core in cores1:
@@ -1277,17 +1297,23 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def markdown(results: list[Result]) -> str:
     lines = [
         "| row | req/s | p50 ms | p99 ms | vs Envoy | vs bare 429 | CPU µs/req | of it kernel "
-        "| MB/s | core 0 / 1 busy | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| MB/s | core 0 / 1 busy | core 1 µs/req: load / nginx / redis | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         if r.error:
             why = r.error.splitlines()[0][:120]
-            lines.append(f"| {r.title} | failed | | | | | | | | | {why} |")
+            lines.append(f"| {r.title} | failed | | | | | | | | | | {why} |")
             continue
         busy = (
             f"{r.core_busy.get('cpu0', 0):.0f} % / {r.core_busy.get('cpu1', 0):.0f} %"
             if r.core_busy
+            else "—"
+        )
+        part = r.load_split_us
+        split = (
+            " / ".join(f"{part.get(n, 0):.0f}" for n in ("generator", "nginx", "redis"))
+            if part
             else "—"
         )
         lines.append(
@@ -1295,7 +1321,7 @@ def markdown(results: list[Result]) -> str:
             f"| {fmt(r.p99_ms, '.2f')} | {fmt(r.vs_envoy, '.2f')} | {fmt(r.vs_bare_429, '.2f')} "
             f"| {fmt(r.cpu_us_per_request, ',.0f')} "
             f"| {fmt(None if r.kernel_share is None else r.kernel_share * 100, '.0f', ' %')} "
-            f"| {fmt(r.mb_per_s, ',.0f')} | {busy} "
+            f"| {fmt(r.mb_per_s, ',.0f')} | {busy} | {split} "
             f"| {'; '.join(r.notes)} |"
         )
     return "\n".join(lines)
