@@ -424,6 +424,7 @@ end
 -- Per key of the request being decided (entries 1 to n), reused from request to request.
 local limits, windows, widths, enforced = {}, {}, {}, {}
 local stores, froms, uptos, totals, expiries, skipped = {}, {}, {}, {}, {}, {}
+local firsts = {} -- the first live record's bucket, false or nil (``first_b`` below)
 
 local function decide(k0, limits_of, n, out)
   local admitted = true
@@ -444,6 +445,9 @@ local function decide(k0, limits_of, n, out)
     end
     local total, from, expires = 0, 1, 0
     local first, upto = 0, 0
+    -- The first live record's bucket as the trim below finds it (false: no live record),
+    -- nil where it is not known (a kept key, a rewritten value): then until_room() reads it.
+    local first_b = false
     if type(stored) == 'string' and #stored >= TAIL and (#stored - TAIL) % REC == 0 then
       upto = #stored - TAIL
       first, total, expires = unpack('<ddd', stored, upto + 1)
@@ -462,6 +466,7 @@ local function decide(k0, limits_of, n, out)
       while from < upto do -- skip the records that left the window
         local b, c = unpack('<dd', stored, from)
         if b >= oldest then
+          first_b = b
           break
         end
         total = total - c
@@ -477,6 +482,7 @@ local function decide(k0, limits_of, n, out)
     limits[i], windows[i], widths[i] = limit, window, width
     enforced[i] = enforce == 1
     stores[i], froms[i], uptos[i], totals[i], expiries[i] = stored, from, upto, total, expires
+    firsts[i] = first_b
     if enforced[i] and total >= limit then
       admitted = false
     end
@@ -493,6 +499,7 @@ local function decide(k0, limits_of, n, out)
     else
       local stored, from, upto = stores[i], froms[i], uptos[i] -- upto: the records' last byte
       local total, expires = totals[i], expiries[i]
+      local first_b = firsts[i]
       local has_room = total < limit
       local newer = nil
       if admitted and has_room then
@@ -537,6 +544,7 @@ local function decide(k0, limits_of, n, out)
             expires = now + 2 * life
           end
           stored, from, upto = records, 1, #records
+          first_b = nil -- (the new bucket may be the first record now)
           local value = records .. pack('<ddd', 0, total, expires)
           redis.call('SET', key, value, 'PX', format('%d', expires - now))
         end
@@ -552,7 +560,21 @@ local function decide(k0, limits_of, n, out)
       end
       out[#out + 1] = has_room and 1 or 0
       out[#out + 1] = remaining
-      out[#out + 1] = until_room(stored, from, upto, newer, total, limit, window, width)
+      if first_b ~= nil and total <= limit then
+        -- until_room() with ``need`` 1, without reading the record again: the first live
+        -- record frees it (every record counts at least 1), else the one just counted.
+        local found = first_b or newer
+        local r = 0
+        if found then
+          r = (found + 1) * width + window - now
+          if r < 0 then
+            r = 0
+          end
+        end
+        out[#out + 1] = r
+      else
+        out[#out + 1] = until_room(stored, from, upto, newer, total, limit, window, width)
+      end
     end
   end
 end
