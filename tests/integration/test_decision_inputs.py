@@ -259,6 +259,34 @@ async def test_overrides_the_gateway_does_not_count_by_never_reach_the_upstream(
         assert not names & {b"x-original-url", b"x-rewrite-url"}, names
 
 
+async def test_a_query_with_more_spellings_of_method_than_the_bound_is_refused():
+    """What the '_method' check costs is bounded by the query's size: more spellings of
+    "method" than MAX_METHOD_SPELLINGS are refused (400, JSON), nothing reaches the
+    upstream; a query of tens of thousands of escaped parameters that spell none passes."""
+    from gateway.proxy.handler import MAX_METHOD_SPELLINGS
+
+    async with running_raw_upstream() as up, running_gateway(up.url) as gw:
+        over = "&".join(["payment_method=card"] * (MAX_METHOD_SPELLINGS + 1))
+        status, fields, body = await _send(
+            _port(gw),
+            f"GET /runs/query?{over} HTTP/1.1\r\nHost: a\r\nx-api-key: k\r\n".encode()
+            + b"Connection: close\r\n\r\n",
+        )
+        assert status == 400, body
+        assert fields["content-type"].startswith("application/json")
+        assert "spellings of 'method'" in json.loads(body)["detail"]
+        many = "%41=1&" * 5000  # 30 KB, under the head's bound
+        status, fields, _ = await _send(
+            _port(gw),
+            f"POST /runs/query?{many}q=1 HTTP/1.1\r\nHost: a\r\nx-api-key: k\r\n".encode()
+            + b"Content-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        assert status == 200 and _rule(fields) == "runs-query-api-key"
+        await _settle(up, 1)
+        assert len(up.recording.requests) == 1
+        assert up.recording.requests[0].target.endswith(b"q=1")
+
+
 async def test_a_path_is_counted_by_its_rule_whatever_its_case():
     """Express and ASP.NET Core route /RUNS/QUERY as /runs/query: it is counted by that
     rule (not the looser default) and forwarded as it came."""
