@@ -18,6 +18,11 @@ from pydantic_core import PydanticCustomError
 # Arrays and objects inside one field may nest at most this deep (the field's own value is
 # level 1); deeper documents are refused before anything walks them recursively.
 MAX_JSON_DEPTH = 64
+# Values (arrays, objects, texts, numbers, booleans, nulls) one field may hold in all: what
+# walking, indexing and writing a value costs is bounded by this, not only by the body's
+# size (a 1 MiB body holds up to ~350,000 empty arrays).
+MAX_JSON_NODES = 100_000
+_TOO_DEEP = f"arrays and objects may nest at most {MAX_JSON_DEPTH} levels deep"
 _LARGEST_NUMBER = sys.float_info.max
 
 PathStep = str | int
@@ -41,38 +46,92 @@ def require_utf8(text: str) -> str:
 
 def check_json_tree(value: Any) -> Any:
     """``value`` when every node is storable JSON: text without lone surrogates (keys too),
-    finite numbers within a double's range, nesting at most ``MAX_JSON_DEPTH`` levels.
+    finite numbers within a double's range, nesting at most ``MAX_JSON_DEPTH`` levels, at
+    most ``MAX_JSON_NODES`` values in all.
 
-    Iterative, so a deep document cannot exhaust the interpreter's stack here.
+    Iterative, so a deep document cannot exhaust the interpreter's stack here; one pass
+    that builds no path per node (a node's path is made only for the error), so what it
+    costs is a fraction of a microsecond a value, bounded by MAX_JSON_NODES: 300,000
+    empty arrays in a 900 KB Store item held the event loop ~1 s when every node carried
+    its own path list (review, seventeenth session).
     """
-    stack: list[tuple[Any, int, list[PathStep]]] = [(value, 1, [])]
+    # Each array or object met: (its parent's place, its step from the parent); a node's
+    # path is the chain of places up to the root (place 0, the field itself).
+    places: list[tuple[int, PathStep]] = [(-1, "")]
+    stack: list[tuple[Any, int, int]] = []  # (array or object, depth, its place)
+    nodes = 1
+    if isinstance(value, dict | list):
+        stack.append((value, 1, 0))
+    else:
+        _leaf(value, places, 0, None)
     while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, str):
-            _text(node, path)
-        elif isinstance(node, float) or (isinstance(node, int) and not isinstance(node, bool)):
-            if not -_LARGEST_NUMBER <= node <= _LARGEST_NUMBER:  # also False for NaN
-                raise invalid_at(path, "must be a finite number (at most about 1.8e308)")
-        elif isinstance(node, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                raise invalid_at(
-                    path, f"arrays and objects may nest at most {MAX_JSON_DEPTH} levels deep"
-                )
-            if isinstance(node, dict):
-                for key, child in node.items():
-                    _text(key, [*path, key])
-                    stack.append((child, depth + 1, [*path, key]))
-            else:
-                stack.extend((child, depth + 1, [*path, i]) for i, child in enumerate(node))
+        node, depth, place = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise invalid_at(_path(places, place, None), _TOO_DEEP)
+        nodes += len(node)
+        if nodes > MAX_JSON_NODES:
+            raise invalid_at(
+                _path(places, place, None),
+                f"a value may hold at most {MAX_JSON_NODES} arrays, objects, texts, "
+                "numbers, booleans and nulls in all; store it as several items",
+            )
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if not key.isascii():
+                    _text(key, places, place, key)
+                kind = type(child)
+                if kind is dict or kind is list:
+                    if child:
+                        places.append((place, key))
+                        stack.append((child, depth + 1, len(places) - 1))
+                    elif depth >= MAX_JSON_DEPTH:  # (an empty one is not walked)
+                        raise invalid_at(_path(places, place, key), _TOO_DEEP)
+                elif kind is not bool and child is not None:
+                    _leaf(child, places, place, key)
+        else:
+            for index, child in enumerate(node):
+                kind = type(child)
+                if kind is dict or kind is list:
+                    if child:
+                        places.append((place, index))
+                        stack.append((child, depth + 1, len(places) - 1))
+                    elif depth >= MAX_JSON_DEPTH:  # (an empty one is not walked)
+                        raise invalid_at(_path(places, place, index), _TOO_DEEP)
+                elif kind is not bool and child is not None:
+                    _leaf(child, places, place, index)
     return value
 
 
-def _text(text: str, path: list[PathStep]) -> None:
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise invalid_at(path, LONE_SURROGATE) from None
+def _leaf(node: Any, places: list[tuple[int, PathStep]], place: int, step: PathStep | None) -> None:
+    """A node that is not an array or object: text must have a UTF-8 form, a number be
+    finite within a double's range (anything else JSON cannot hold is not looked at)."""
+    if isinstance(node, str):
+        if not node.isascii():
+            _text(node, places, place, step)
+    elif isinstance(node, float) or (isinstance(node, int) and not isinstance(node, bool)):
+        if not -_LARGEST_NUMBER <= node <= _LARGEST_NUMBER:  # also False for NaN
+            raise invalid_at(
+                _path(places, place, step), "must be a finite number (at most about 1.8e308)"
+            )
+    elif isinstance(node, dict | list):  # (a subclass: walked as the tree's own would be)
+        check_json_tree(node)
+
+
+def _path(places: list[tuple[int, PathStep]], place: int, step: PathStep | None) -> list[PathStep]:
+    """The path from the field to the node ``step`` below ``places[place]``."""
+    path: list[PathStep] = [] if step is None else [step]
+    while place > 0:
+        place, at = places[place]
+        path.append(at)
+    path.reverse()
+    return path
+
+
+def _text(text: str, places: list[tuple[int, PathStep]], place: int, step: PathStep | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid_at(_path(places, place, step), LONE_SURROGATE) from None
 
 
 def _integral(value: Any) -> Any:
