@@ -75,6 +75,8 @@ def check_json_tree(value: Any) -> Any:
                 f"a value may hold at most {MAX_JSON_NODES} arrays, objects, texts, "
                 "numbers, booleans and nulls in all; store it as several items",
             )
+        # Two loops alike, for objects and arrays, rather than one over (step, child) pairs
+        # made for both: this is the walk's hot loop, run once a value.
         if isinstance(node, dict):
             for key, child in node.items():
                 if not key.isascii():
