@@ -171,8 +171,10 @@ class ControlPlaneStore(TenantTables):
                 ),
             )
             self._insert_revision(deployment, now)
-        out = self._get(DEPLOYMENTS, tenant_id, deployment["id"])
-        assert out is not None
+            # Read in the same transaction: after its commit, another gateway on the same
+            # database may already have deleted the row (review: 500s under a race).
+            out = self._get(DEPLOYMENTS, tenant_id, deployment["id"])
+        assert out is not None  # (written by this transaction)
         return out
 
     def get_deployment(self, tenant_id: str, deployment_id: str) -> Deployment | None:
@@ -247,8 +249,8 @@ class ControlPlaneStore(TenantTables):
             new_revision = "source_revision_config" in patch or "secrets" in patch
             if new_revision:
                 self._insert_revision(updated, now)
-        out = self.get_deployment(tenant_id, deployment_id)
-        assert out is not None
+            out = self.get_deployment(tenant_id, deployment_id)  # (in the transaction)
+        assert out is not None  # (updated by this transaction)
         return out, new_revision
 
     def delete_deployment(self, tenant_id: str, deployment_id: str) -> bool:

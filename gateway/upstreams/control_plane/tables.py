@@ -150,10 +150,12 @@ class TenantTables:
                     f"INSERT INTO {table.name} ({columns}) VALUES ({marks})",
                     tuple(values.values()),
                 )
+                # Read in the same transaction: after its commit, another gateway on the
+                # same database may already have deleted the row.
+                out = self._get(table, values["tenant_id"], values[table.key])
         except INTEGRITY_ERRORS:
             raise Conflict(conflict) from None
-        out = self._get(table, values["tenant_id"], values[table.key])
-        assert out is not None
+        assert out is not None  # (written by this transaction)
         return out
 
     def _patch(
