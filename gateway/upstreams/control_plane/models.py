@@ -17,7 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 from typing_extensions import TypedDict
 
-from gateway.upstreams.http_api.json_values import INTEGRAL, UTF8, JsonObject, invalid_at, omissible
+from gateway.upstreams.http_api.json_values import (
+    INTEGRAL,
+    JsonObject,
+    invalid_at,
+    omissible,
+)
+from gateway.upstreams.http_api.json_values import STORABLE_TEXT as UTF8
+
+# (Every text of the control plane is checked as ``STORABLE_TEXT``: a UTF-8 form and no
+# NUL, which PostgreSQL's text columns refuse; named UTF8 here as the Store's checks are.)
 
 MAX_NAME = 128
 MAX_TEXT = 2048

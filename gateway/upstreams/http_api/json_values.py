@@ -12,8 +12,14 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
 # Arrays and objects inside one field may nest at most this deep (the field's own value is
 # level 1); deeper documents are refused before anything walks them recursively.
@@ -129,6 +135,17 @@ def _path(places: list[tuple[int, PathStep]], place: int, step: PathStep | None)
     return path
 
 
+NUL_IN_TEXT = "must not hold a NUL character (\\u0000): no database text column can store it"
+
+
+def require_storable_text(text: str) -> str:
+    """``text`` when it has a UTF-8 form and holds no NUL, which PostgreSQL's text columns
+    refuse (an API answering the same on every backend refuses it on SQLite too)."""
+    if "\x00" in text:
+        raise invalid_at([], NUL_IN_TEXT)
+    return require_utf8(text)
+
+
 def _text(text: str, places: list[tuple[int, PathStep]], place: int, step: PathStep | None) -> None:
     try:
         text.encode("utf-8")
@@ -147,6 +164,31 @@ def _integral(value: Any) -> Any:
 # pydantic then keeps the constraints in the JSON Schema (minimum, maxLength, pattern, ...).
 UTF8 = AfterValidator(require_utf8)
 """The string has a UTF-8 form."""
+NO_NUL_PATTERN = "^[^\\x00]*$"
+
+
+class _StorableText:
+    """The check ``require_storable_text``, and in the JSON Schema the part of it a schema
+    can say (no NUL: a ``pattern``, or beside the field's own pattern under ``allOf``), so
+    clients generated from the document do not send what is refused."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return core_schema.no_info_after_validator_function(
+            require_storable_text, handler(source)
+        )
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        found = handler(schema)
+        target = handler.resolve_ref_schema(found)
+        if "pattern" in target:
+            target.setdefault("allOf", []).append({"pattern": NO_NUL_PATTERN})
+        else:
+            target["pattern"] = NO_NUL_PATTERN
+        return found
+
+
+STORABLE_TEXT = _StorableText()
+"""The string has a UTF-8 form and holds no NUL (any database's text column keeps it)."""
 INTEGRAL = BeforeValidator(_integral)
 """A number with a zero fraction (``2.0``) counts as the integer."""
 
