@@ -99,6 +99,15 @@ async def test_provider_crud_never_returns_client_secret(http):
     assert patched["name"] == "GitHub 2" and patched["uses_pkce"] is True
     r = await http.patch("/v2/auth/providers/github-oauth", json={"auth_url": "ftp://x"}, headers=H)
     assert r.status == 422
+    # A fragment would hide the flow's parameters appended after it (RFC 6749 3.1).
+    for body, send in [
+        ({"auth_url": "https://a.example/x?y=1#frag"}, http.patch),
+        ({**PROVIDER, "provider_id": "other", "auth_url": "https://a.example/#"}, http.post),
+    ]:
+        path = "/v2/auth/providers" + ("" if send == http.post else "/github-oauth")
+        r = await send(path, json=body, headers=H)
+        assert r.status == 422, await r.text()
+        assert (await r.json())["detail"].startswith("auth_url:")
     r = await http.patch("/v2/auth/providers/github-oauth", json={"provider_id": "x"}, headers=H)
     assert r.status == 422
     r = await http.delete("/v2/auth/providers/github-oauth", headers=H)

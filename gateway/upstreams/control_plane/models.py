@@ -45,6 +45,9 @@ PROVIDER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _URL_BODY = r"https?://[^/?#\x00-\x20\x7f]+(?:[/?#][^\x00-\x20\x7f]*)?"
 HTTP_URL = rf"^{_URL_BODY}$"
 HTTP_URL_OR_EMPTY = rf"^(?:{_URL_BODY})?$"
+# An http(s) URL without a fragment: an OAuth authorization endpoint (RFC 6749 3.1), whose
+# flow parameters are appended to its query (after a '#' a browser never sends them).
+HTTP_URL_NO_FRAGMENT = r"^https?://[^/?#\x00-\x20\x7f]+(?:[/?][^#\x00-\x20\x7f]*)?$"
 
 # What each pattern means, for error details.
 PATTERNS = {
@@ -52,6 +55,8 @@ PATTERNS = {
     SECRET_NAME: "letters, digits and '_', not starting with a digit",
     PROVIDER_ID: "letters, digits, '.', '_' or '-', starting with a letter or digit",
     HTTP_URL: "expected an http(s) URL",
+    HTTP_URL_NO_FRAGMENT: "expected an http(s) URL without a fragment ('#...': the flow's "
+    "parameters are appended to its query)",
     HTTP_URL_OR_EMPTY: "expected an http(s) URL",
 }
 
@@ -62,6 +67,10 @@ FilledText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT), UTF8]
 RequiredText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=NOT_BLANK), UTF8]
 HttpUrl = Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=HTTP_URL), UTF8]
 PathId = Annotated[str, Field(min_length=1, max_length=MAX_PATH_ID), UTF8]
+
+AuthUrl = Annotated[
+    str, Field(min_length=1, max_length=MAX_TEXT, pattern=HTTP_URL_NO_FRAGMENT), UTF8
+]
 """An identifier in a path (deployment, revision, listener, provider, flow, integration)."""
 
 
@@ -289,7 +298,7 @@ class ProviderCreate(_Body):
     name: Name
     client_id: RequiredText
     client_secret: Text | None = None
-    auth_url: HttpUrl
+    auth_url: AuthUrl
     token_url: HttpUrl
     uses_pkce: bool = False
     code_challenge_method: CodeChallengeMethod = "S256"
@@ -302,7 +311,7 @@ class ProviderPatch(_Body):
     name: Name = omissible()
     client_id: RequiredText = omissible()
     client_secret: Text | None = None
-    auth_url: HttpUrl = omissible()
+    auth_url: AuthUrl = omissible()
     token_url: HttpUrl = omissible()
     uses_pkce: bool = omissible()
     code_challenge_method: CodeChallengeMethod = omissible()
