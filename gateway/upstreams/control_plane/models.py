@@ -17,16 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 from typing_extensions import TypedDict
 
+# Every text of the control plane is checked as ``STORABLE_TEXT``: a UTF-8 form and no NUL,
+# which PostgreSQL's text columns refuse.
 from gateway.upstreams.http_api.json_values import (
     INTEGRAL,
+    STORABLE_TEXT,
     JsonObject,
     invalid_at,
     omissible,
 )
-from gateway.upstreams.http_api.json_values import STORABLE_TEXT as UTF8
-
-# (Every text of the control plane is checked as ``STORABLE_TEXT``: a UTF-8 form and no
-# NUL, which PostgreSQL's text columns refuse; named UTF8 here as the Store's checks are.)
 
 MAX_NAME = 128
 MAX_TEXT = 2048
@@ -60,16 +59,18 @@ PATTERNS = {
     HTTP_URL_OR_EMPTY: "expected an http(s) URL",
 }
 
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=NOT_BLANK), UTF8]
-ShortText = Annotated[str, Field(max_length=MAX_NAME), UTF8]
-Text = Annotated[str, Field(max_length=MAX_TEXT), UTF8]
-FilledText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT), UTF8]
-RequiredText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=NOT_BLANK), UTF8]
-HttpUrl = Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=HTTP_URL), UTF8]
-PathId = Annotated[str, Field(min_length=1, max_length=MAX_PATH_ID), UTF8]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=NOT_BLANK), STORABLE_TEXT]
+ShortText = Annotated[str, Field(max_length=MAX_NAME), STORABLE_TEXT]
+Text = Annotated[str, Field(max_length=MAX_TEXT), STORABLE_TEXT]
+FilledText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT), STORABLE_TEXT]
+RequiredText = Annotated[
+    str, Field(min_length=1, max_length=MAX_TEXT, pattern=NOT_BLANK), STORABLE_TEXT
+]
+HttpUrl = Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=HTTP_URL), STORABLE_TEXT]
+PathId = Annotated[str, Field(min_length=1, max_length=MAX_PATH_ID), STORABLE_TEXT]
 
 AuthUrl = Annotated[
-    str, Field(min_length=1, max_length=MAX_TEXT, pattern=HTTP_URL_NO_FRAGMENT), UTF8
+    str, Field(min_length=1, max_length=MAX_TEXT, pattern=HTTP_URL_NO_FRAGMENT), STORABLE_TEXT
 ]
 """An identifier in a path (deployment, revision, listener, provider, flow, integration)."""
 
@@ -191,7 +192,7 @@ class Secret(_Body):
     """A named secret value; values are write-only (answers show names only)."""
 
     name: Annotated[str, Field(max_length=MAX_NAME, pattern=SECRET_NAME)]
-    value: Annotated[str, Field(max_length=MAX_SECRET_VALUE), UTF8]
+    value: Annotated[str, Field(max_length=MAX_SECRET_VALUE), STORABLE_TEXT]
 
 
 Secrets = Annotated[
@@ -328,7 +329,7 @@ class AuthenticateRequest(_Body):
     agent_id: ShortText | None = None
     token_id: ShortText | None = None
     redirect_uri: (
-        Annotated[str, Field(max_length=MAX_TEXT, pattern=HTTP_URL_OR_EMPTY), UTF8] | None
+        Annotated[str, Field(max_length=MAX_TEXT, pattern=HTTP_URL_OR_EMPTY), STORABLE_TEXT] | None
     ) = None
     force_new: bool = False
     check_only: bool = False
