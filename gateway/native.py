@@ -18,6 +18,7 @@ HOT_MODULES = (
     "gateway.proxy.relay",
     "gateway.proxy.request",
     "gateway.proxy.wire",
+    "gateway.proxy.batched_writes",
     "gateway.proxy.access_log",
     "gateway.proxy.upstream_pool",
     "gateway.proxy.request_id",

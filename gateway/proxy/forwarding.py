@@ -20,6 +20,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
+from gateway.proxy.batched_writes import BatchedTransport
 from gateway.proxy.handler import Peer
 from gateway.proxy.relay import BUFFER_BEFORE_FORWARD, Relay, request_head, stale_connection
 from gateway.proxy.request import Incoming, bodiless_method_with_content
@@ -59,7 +60,7 @@ class Forwarding(asyncio.Protocol):
         self.plane = plane
         self.gateway = plane.gateway
         self.limits = plane.limits
-        self.transport: asyncio.Transport | None = None
+        self.transport: BatchedTransport | None = None
         self.peer = NO_PEER
         self.active: Incoming | None = None  # being answered
         self.pipeline: deque[Incoming] = deque()
@@ -209,8 +210,13 @@ class Forwarding(asyncio.Protocol):
         self.upgrade_early = None
         req.tunnel = False  # the reservation becomes the tunnel
         address = self._per_client(req)
+        # (the 101 answer still held is written first; the tunnel writes straight on)
         tunnel = self.tunnel = Tunnel(
-            self.plane.tunnels, client, upstream, address, self._tunnel_client_lost
+            self.plane.tunnels,
+            client.detach(),
+            upstream.detach(),
+            address,
+            self._tunnel_client_lost,
         )
         self.plane.tunnels.opened(tunnel)
         metrics.child(metrics.tunnels_opened).inc()

@@ -13,6 +13,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.proxy.batched_writes import write_batch
 from gateway.proxy.handler import Gateway
 from gateway.proxy.server import ClientConnection
 from gateway.proxy.tls import TlsListener
@@ -51,6 +52,7 @@ class DataPlane:
         self.pool = pool
         self.limits = limits
         self.loop = asyncio.get_running_loop()
+        self.writes = write_batch(self.loop)  # shared with the upstream connections
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self.refused = 0

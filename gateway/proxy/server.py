@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Final, cast
 import httptools
 
 from gateway.policy.model import IdentityKind
+from gateway.proxy.batched_writes import BatchedTransport
 from gateway.proxy.forwarding import (
     HEAD,
     IDLE,
@@ -133,9 +134,10 @@ class ClientConnection(Forwarding):
     # --- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it
-        self.transport = cast(asyncio.Transport, transport)
+        # uvloop's transports implement asyncio.Transport without subclassing it; writes
+        # wait for the end of the loop's turn (gateway.proxy.batched_writes)
         plane = self.plane
+        self.transport = BatchedTransport(cast(asyncio.Transport, transport), plane.writes)
         if len(plane.connections) >= self.limits.max_connections:
             plane.refused_connection()
             self.transport.abort()
@@ -455,6 +457,11 @@ class ClientConnection(Forwarding):
         if self.relay is not None:
             self.relay.client_writable(False)
         self.set_paused("writing", True)
+        if self._idle() and self.deadline_kind == HEAD and not self.draining:
+            # Answers are written at the end of the loop's turn (batched_writes), after
+            # the head deadline of a request still arriving was set: from now on the
+            # client is the one not reading, timed as idle as _drain_pipeline times it.
+            self._set_deadline(IDLE, self.limits.client_idle_timeout)
 
     def resume_writing(self) -> None:
         if self.relay is not None:
@@ -637,7 +644,7 @@ class ClientConnection(Forwarding):
         if self.tls:
             # (read per request: the TLS port tells a connection about itself before its
             # handshake; the subject is parsed once per connection and kept there)
-            req.client_cert = peer_subject(self.transport) if self.transport else None
+            req.client_cert = peer_subject(self.transport.raw) if self.transport else None
         self.gateway.metrics.inflight.inc()
         self.response_started = False
         self.deadline_kind = 0

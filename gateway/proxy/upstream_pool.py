@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.proxy.batched_writes import BatchedTransport, write_batch
+
 # The clock, bound once: a module attribute is a dict lookup on every call.
 _monotonic: Final = time.monotonic
 
@@ -73,7 +75,7 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
         self.pool = pool
         self.key = key
-        self.transport: asyncio.Transport | None = None
+        self.transport: BatchedTransport | None = None
         self.sink: ResponseSink | None = None
         self.reusable = True
         self.used = 0  # exchanges carried, for "a reused connection went stale" retries
@@ -92,8 +94,11 @@ class UpstreamConnection(asyncio.Protocol):
     # --- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it
-        self.transport = cast(asyncio.Transport, transport)
+        # uvloop's transports implement asyncio.Transport without subclassing it; writes
+        # wait for the end of the loop's turn (gateway.proxy.batched_writes)
+        self.transport = BatchedTransport(
+            cast(asyncio.Transport, transport), write_batch(asyncio.get_running_loop())
+        )
 
     def data_received(self, data: bytes) -> None:
         sink = self.sink

@@ -431,7 +431,7 @@ def test_required_client_certificates_and_the_verified_subject(
                     assert "RateLimit" in response.headers
                 # The verified subject, on the connection the gateway keeps open.
                 subjects = [
-                    peer_subject(conn.transport)
+                    peer_subject(conn.transport.raw)
                     for conn in plane.connections
                     if conn.transport is not None
                 ]
