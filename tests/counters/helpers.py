@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -93,3 +94,45 @@ class ViaSubmit:
 def called(backend: CounterBackend, via: str) -> CounterBackend:
     """``backend`` as the tests call it: by ``hit`` or through ``submit``."""
     return ViaSubmit(backend) if via == "submit" else backend
+
+
+class LoopLag:
+    """How late the event loop ran a 10 ms timer while in use (``async with``, or
+    ``start`` and ``stop``): ``worst`` is the largest lateness, ``stalled`` the sum of
+    every lateness over 2 ms (the time a slow, loaded machine did not run the loop). A
+    wall-clock bound plus a multiple of ``stalled`` tolerates such stalls and still
+    tells a real defect apart on a machine that ran the loop on time."""
+
+    TICK = 0.01
+    SLACK = 0.002  # (the coalescer's LAG_SLACK_SECONDS: later than this is a stall)
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.stalled = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopLag:
+        self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.TICK
+            await asyncio.sleep(self.TICK)
+            late = loop.time() - due
+            self.worst = max(self.worst, late)
+            if late > self.SLACK:
+                self.stalled += late

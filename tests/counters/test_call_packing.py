@@ -55,7 +55,9 @@ checks_strategy = st.builds(
 )
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(pool=st.lists(checks_strategy, min_size=1, max_size=6), picks=st.data())
 async def test_assembled_calls_are_the_calls_packed_whole(
     backend: RedisBackend, pool: list[LimitCheck], picks: st.DataObject

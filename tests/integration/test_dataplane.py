@@ -385,13 +385,32 @@ async def test_a_connection_reads_on_after_an_answered_upload(tmp_path, upstream
     assert json.loads(replies[2][1])["path"] == "/echo/next"
 
 
-async def test_inflight_gauge_counts_requests_being_answered(upstream):
-    async with running_gateway(upstream) as gw, aiohttp.ClientSession() as http:
+async def test_inflight_gauge_counts_requests_being_answered():
+    # The upstream answers when the test lets it, not after a fixed time: the gauge is
+    # read while the request is surely in flight, however slow the machine.
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"held": True})
+
+    app = web.Application()
+    app.router.add_get("/held", held)
+    async with (
+        running_app(app) as upstream,
+        running_gateway(upstream) as gw,
+        aiohttp.ClientSession() as http,
+    ):
         sample = gw.metrics.registry.get_sample_value
-        slow = asyncio.ensure_future(http.get(gw.url + "/slow?s=0.5"))
-        await asyncio.sleep(0.2)
-        assert sample("gateway_inflight_requests") == 1
-        async with await slow as r:
+        pending = asyncio.ensure_future(http.get(gw.url + "/held"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while sample("gateway_inflight_requests") != 1:
+            assert loop.time() < deadline, sample("gateway_inflight_requests")
+            assert not pending.done(), "answered before the upstream was let answer"
+            await asyncio.sleep(0.01)
+        release.set()
+        async with await pending as r:
             assert r.status == 200
         assert sample("gateway_inflight_requests") == 0
 
