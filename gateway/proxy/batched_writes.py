@@ -10,11 +10,14 @@ reader woken by the first finds the others waiting. Measured (benchmarks/README.
 "Third round, eighteenth step"): the upstream's wake-ups a request fell about 3-4x and
 the gateway's CPU a proxied request by about a third.
 
-Nothing is reordered: every operation on a connection's transport goes through its
-``BatchedTransport``, which writes what it holds before closing, half-closing or
-handing the transport over (a tunnel), and drops it on abort, as the transport does
-with its own buffer. Writes wait at most until the loop runs its next callbacks (the
-flush is scheduled with ``call_soon`` by the turn's first write).
+Nothing is reordered or lost: every operation on a connection's transport goes through
+its ``BatchedTransport``, which writes what it holds before closing, half-closing,
+aborting or handing the transport over (a tunnel), so the transport sees the same calls
+in the same order as before, only later. The one close that does not pass through it is
+the transport's own when its protocol's ``eof_received`` returns false: those protocols
+(``ClientConnection``, ``UpstreamConnection``) call ``flush`` first. Writes wait at most
+until the loop runs its next callbacks (the flush is scheduled with ``call_soon`` by the
+turn's first write).
 """
 
 from __future__ import annotations
@@ -35,26 +38,37 @@ class WriteBatch:
     """The transports of one event loop holding writes, flushed by one callback."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # (weakly: the registry below is keyed by the loop, which must stay collectable)
+        self._loop = weakref.ref(loop)
         self._held: list[BatchedTransport] = []
         self._scheduled = False
 
     def hold(self, transport: BatchedTransport) -> None:
         self._held.append(transport)
         if not self._scheduled:
-            self._scheduled = True
-            self.loop.call_soon(self.flush)
+            loop = self._loop()
+            if loop is not None:
+                self._scheduled = True
+                loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._scheduled = False
         held = self._held
         self._held = []
-        for transport in held:
-            try:
-                transport.flush()
-            except Exception:  # one transport's failure must not keep the others' bytes
-                log.exception("a held write failed; closing that connection")
-                transport.abort()
+        done = 0
+        try:
+            for transport in held:
+                try:
+                    transport.flush()
+                except Exception:  # one transport's failure must not keep the others' bytes
+                    log.exception("a held write failed; closing that connection")
+                    transport.drop()
+                done += 1
+        finally:
+            # (a BaseException: the rest are held again, or their next write would not
+            # schedule a flush, their list not being empty)
+            for transport in held[done + 1 :]:
+                self.hold(transport)
 
 
 # One batch per loop (a process may run loops in several threads, as tests do).
@@ -121,6 +135,13 @@ class BatchedTransport:
         self.raw.close()
 
     def abort(self) -> None:
+        # Written first, as a straight write would have been before the abort (a partial
+        # answer cut off by a broken upstream still reaches the client before the end).
+        self.flush()
+        self.raw.abort()
+
+    def drop(self) -> None:
+        """Abort, dropping what is held (its write has just failed)."""
         self._out.clear()
         self._held = 0
         self.raw.abort()

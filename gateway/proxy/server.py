@@ -436,6 +436,10 @@ class ClientConnection(Forwarding):
             self._after_active(431, detail)
 
     def eof_received(self) -> bool | None:
+        # The transport closes itself when this returns False, not through the batch:
+        # what this turn answered is written first (batched_writes).
+        if self.transport is not None:
+            self.transport.flush()
         # A half-closed client may still read its answers: keep the transport while a
         # request is being answered, close once it is done. A request whose head or
         # body was cut off can never complete: close (connection_lost ends it).

@@ -144,6 +144,8 @@ class UpstreamConnection(asyncio.Protocol):
         sink.flush()
 
     def eof_received(self) -> bool | None:
+        if self.transport is not None:
+            self.transport.flush()  # (it closes itself, not through the batch)
         return None  # close the transport; connection_lost reports the end
 
     def connection_lost(self, exc: Exception | None) -> None:
