@@ -103,6 +103,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,10 @@ RESPONSE = (
 KEYS = 1_001
 WARM = KEYS
 CONNECTIONS = 50  # the redis kind: requests in flight at once, one per connection
+# The other kinds: requests read in one turn of the loop before its held writes leave
+# (checkouts with gateway.proxy.batched_writes); the benchmark's gateway read ~17-19 a
+# turn (epoll_pwait per request, counted with perf). Each has an upstream connection.
+TURN = 16
 # Client addresses: connection i's peer is 127.0.0.(2 + i % SOURCES), as
 # dataplane_bench.py --clients sources (its default) spreads its connections; main() sets
 # it from --sources. 1: every connection from 127.0.0.1 (the harness before the ninth step).
@@ -410,15 +415,18 @@ async def drive(kind: str, count: int, variant: Variant) -> dict[str, float]:
                 plane.gateway.rate_limit_headers = variant.rate_headers
             pool = plane.pool
             key = ("127.0.0.1", 9, False)
-            upstream = UpstreamConnection(pool, key)
-            utransport = UpstreamTransport()
-            utransport.protocol = upstream
-            upstream.connection_made(utransport)  # type: ignore[arg-type]
-            upstream.idle_since = time.monotonic()
-            pool._all.add(upstream)
-            pool.open += 1
-            pool._idle[key] = deque([upstream])
+            pool._idle[key] = deque()
             width = CONNECTIONS if kind in STORES else 1
+            # A turn's requests (or those in flight) each hold one till the turn's end.
+            for _ in range(max(TURN, width)):
+                upstream = UpstreamConnection(pool, key)
+                utransport = UpstreamTransport()
+                utransport.protocol = upstream
+                upstream.connection_made(utransport)  # type: ignore[arg-type]
+                upstream.idle_since = time.monotonic()
+                pool._all.add(upstream)
+                pool.open += 1
+                pool._idle[key].append(upstream)
             conns: list[tuple[Any, ClientTransport]] = []
             # Behind a trusted proxy (xff) every connection comes from it, 127.0.0.1.
             sources = 1 if variant.trusted else variant.sources
@@ -430,10 +438,27 @@ async def drive(kind: str, count: int, variant: Variant) -> dict[str, float]:
                 conn.connection_made(transport)  # type: ignore[arg-type]
                 conns.append((conn, transport))
 
+            # Checkouts that hold writes to the end of the loop's turn (batched_writes):
+            # the turn's flush runs after every TURN requests, then the flush of the
+            # turn that reads the upstream's answers (here written back at once).
+            flush: Callable[[], None] | None = None
+            try:
+                from gateway.proxy.batched_writes import write_batch
+            except ImportError:
+                pass
+            else:
+                flush = write_batch(asyncio.get_running_loop()).flush
+
+            # (one request a connection in a turn: a second would wait behind the first)
+            turn = min(TURN, len(conns))
+
             async def feed(batch: list[bytes]) -> None:
                 if width == 1:  # one request at a time, the connections in turn
                     for i, data in enumerate(batch):
                         conns[i % len(conns)][0].data_received(data)
+                        if flush is not None and i % turn == turn - 1:
+                            flush()  # the requests upstream (their answers read at once)
+                            flush()  # the answers to the clients
                         if i % 64 == 63:
                             await asyncio.sleep(0)  # a loop turn: the access log is written
                     await asyncio.sleep(0)

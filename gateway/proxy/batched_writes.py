@@ -7,7 +7,7 @@ core, is woken for one message, handles it and sleeps again, and every wake-up c
 the writing core too (an inter-processor interrupt; on a virtual machine, an exit to
 the hypervisor). Held to the end of the turn, a turn's writes leave back to back and a
 reader woken by the first finds the others waiting. Measured (benchmarks/README.md,
-"Third round, eighteenth step"): the upstream's wake-ups a request fell about 3-4x and
+"Third round, eighteenth step"): the upstream's wake-ups a request fell about 5x and
 the gateway's CPU a proxied request by about a third.
 
 Nothing is reordered or lost: every operation on a connection's transport goes through
