@@ -3,7 +3,8 @@ upstream fields pass, which are replaced, which are dropped, whatever their spel
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from gateway.metrics import Metrics
 from gateway.proxy import relay as relay_module
+from gateway.proxy.batched_writes import BatchedTransport, WriteBatch
 from gateway.proxy.relay import Relay
 from gateway.proxy.request import Incoming
 from gateway.proxy.upstream_pool import Upstream
@@ -163,9 +165,13 @@ def _exchange(raw: bytes, method: str = "GET") -> bytes:
     relay = Relay(client, req, Upstream("u", "http://127.0.0.1:9"), Metrics())
     # (a real pool: compiled code checks the type)
     conn = UpstreamConnection(UpstreamPool(4, 1.0), ("h", 1, False))
-    conn.transport = _Transport()
-    conn.start(relay, b"", req.head_only)
-    conn.data_received(raw)
+    loop = asyncio.new_event_loop()  # (the batch's; nothing here is held: no write)
+    try:
+        conn.transport = BatchedTransport(cast(Any, _Transport()), WriteBatch(loop))
+        conn.start(relay, b"", req.head_only)
+        conn.data_received(raw)
+    finally:
+        loop.close()
     return b"".join(client.written)
 
 
