@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.gateway import running_app
+from tests.support.loops import run  # noqa: F401 (a fixture: the scenario on both event loops)
 from tests.support.upstream import create_upstream_app
 
 

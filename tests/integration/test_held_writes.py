@@ -10,22 +10,11 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
-import uvloop
-
 from tests.support.gateway import running_app, running_gateway
+from tests.support.loops import Runner
 from tests.support.upstream import create_upstream_app
-
-Runner = Callable[[Awaitable[Any]], Any]
-RUNNERS: dict[str, Runner] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
-
-
-@pytest.fixture(params=sorted(RUNNERS))
-def run(request: pytest.FixtureRequest) -> Runner:
-    return RUNNERS[request.param]
 
 
 def _port(gw: Any) -> int:

@@ -13,7 +13,6 @@ import gc
 import logging
 import socket
 import weakref
-from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import pytest
@@ -22,14 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.proxy.batched_writes import FLUSH_AT, BatchedTransport, WriteBatch, write_batch
-
-Runner = Callable[[Awaitable[Any]], Any]
-RUNNERS: dict[str, Runner] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
-
-
-@pytest.fixture(params=sorted(RUNNERS))
-def run(request: pytest.FixtureRequest) -> Runner:
-    return RUNNERS[request.param]
+from tests.support.loops import RUNNERS, Runner
 
 
 class Peer:
