@@ -733,6 +733,27 @@ def redis_call(port: int, *args: str) -> bytes:
         return sock.recv(4096)
 
 
+def redis_script_stats(port: int) -> tuple[int, int]:
+    """Script calls (EVALSHA, EVAL, FCALL) a Redis server ran so far and the µs they
+    took it (``INFO commandstats``): how many calls a request costs the store."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
+        data = b""
+        while b"\r\n" not in data or len(data) < int(data[1 : data.index(b"\r\n")]) + 3:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    calls = usec = 0
+    for line in data.decode(errors="replace").splitlines():
+        name, _, fields = line.partition(":")
+        if name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"):
+            values = dict(f.split("=", 1) for f in fields.split(",") if "=" in f)
+            calls += int(values.get("calls", 0))
+            usec += int(values.get("usec", 0))
+    return calls, usec
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args = args
@@ -1072,6 +1093,9 @@ class Bench:
             for n, p in named:
                 if p is not None:
                     apart0[n] += cpu_seconds(p.pid)
+            stores = [self.redis_port] if row.counters == "redis" else []
+            stores += self.cluster_ports if row.counters == "redis-cluster" else []
+            scripts0 = [redis_script_stats(port) for port in stores]
             profiler = self.start_profiler(proc, tag) if row.target == "gateway" else None
             split0, cores0 = cpu_split(proc.pid), core_times()
             helpers0, wall0 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
@@ -1082,6 +1106,7 @@ class Bench:
                 self.finish_profile(profiler, tag)
             split1, cores1 = cpu_split(proc.pid), core_times()
             helpers1, wall1 = sum(cpu_seconds(p) for p in helpers), time.monotonic()
+            scripts1 = [redis_script_stats(port) for port in stores]
             apart1 = {n: 0.0 for n in apart0}
             for n, p in named:
                 if p is not None:
@@ -1139,6 +1164,13 @@ class Bench:
             result.notes.append(f"{wrong} of {out['requests']} {kind}")
         if out["errors"]:
             result.notes.append(f"{out['errors']} socket errors")
+        calls = sum(b[0] - a[0] for a, b in zip(scripts0, scripts1, strict=True))
+        if calls and out["requests"]:
+            usec = sum(b[1] - a[1] for a, b in zip(scripts0, scripts1, strict=True))
+            result.notes.append(
+                f"{out['requests'] / calls:.1f} requests a script call, "
+                f"{usec / calls:.0f} µs a call ({usec / out['requests']:.1f} µs a request)"
+            )
         if row.workers > 1:
             result.notes.append("pinned to both cores")
         return result
