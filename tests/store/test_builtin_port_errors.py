@@ -10,7 +10,10 @@ Everything is real HTTP on loopback: raw sockets for what a client library will 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import logging
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +22,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.upstreams.control_plane import create_control_plane_app
-from gateway.upstreams.http_api.serving import SERVER_NAME, ApiAppRunner, runner_for
+from gateway.upstreams.http_api.serving import (
+    CODED_BODY_DETAIL,
+    SERVER_NAME,
+    ApiAppRunner,
+    runner_for,
+)
 from gateway.upstreams.store import StoreConfig, create_store_app
 from tests.control_plane.support import make_config
 from tests.support.gateway import running_gateway
@@ -150,6 +160,132 @@ async def test_ordinary_answers_name_no_server_version(served: Served) -> None:
             async with http.request(method, served.url + path) as r:
                 assert r.headers.get("Server") == SERVER_NAME, (method, path, r.status)
                 _assert_no_version_banner({"server": r.headers.get("Server", "")})
+
+
+# --- request bodies with a content coding (aiohttp would inflate them, unbounded per chunk)
+
+ITEM = json.dumps({"namespace": ["coded"], "key": "k", "value": {"x": 1}}).encode()
+# 64 MiB of zeros in ~65 KB: inflated as it arrived, it held the loop for ~0.1 s a request.
+BOMB = zlib.compress(b"\0" * (64 << 20), 9)
+
+CODED_BODIES: dict[str, tuple[list[str], bytes]] = {
+    "gzip": (["gzip"], gzip.compress(ITEM)),
+    "GZIP, any case": (["GZip"], gzip.compress(ITEM)),
+    "x-gzip": (["x-gzip"], gzip.compress(ITEM)),
+    "deflate": (["deflate"], zlib.compress(ITEM)),
+    "br": (["br"], b"\x0b\x02\x80" + ITEM),
+    "an unknown coding": (["zstd"], ITEM),
+    "identity, then gzip": (["identity, gzip"], gzip.compress(ITEM)),
+    "gzip on a second field line": (["identity", "gzip"], gzip.compress(ITEM)),
+    "bytes that are not gzip": (["gzip"], b"\x1f\x8bnot gzip at all" * 50),
+    "a deflate bomb": (["deflate"], BOMB),
+}
+
+
+def _coded_request(path: str, codings: list[str], body: bytes, chunked: bool = False) -> bytes:
+    fields = b"".join(b"Content-Encoding: " + c.encode() + b"\r\n" for c in codings)
+    if chunked:
+        framing, payload = (
+            b"Transfer-Encoding: chunked\r\n",
+            b"%x\r\n%s\r\n0\r\n\r\n"
+            % (
+                len(body),
+                body,
+            ),
+        )
+    else:
+        framing, payload = b"Content-Length: %d\r\n" % len(body), body
+    return (
+        b"PUT " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + fields + framing + b"Connection: close\r\n\r\n" + payload
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+@pytest.mark.parametrize("case", sorted(CODED_BODIES))
+async def test_a_body_with_a_content_coding_is_refused_before_anything_reads_it(
+    served: Served, case: str, chunked: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    codings, body = CODED_BODIES[case]
+    path = "/store/items" if served.name == "store" else "/v2/deployments"
+    with caplog.at_level(logging.DEBUG):
+        answer = await _raw(served.port, _coded_request(path, codings, body, chunked))
+    status, fields, raw = _parse(answer)
+    assert status == 415, answer[:300]
+    assert json.loads(raw) == {"detail": CODED_BODY_DETAIL}
+    assert fields["accept-encoding"] == "identity"
+    assert fields["content-type"].startswith("application/json")
+    # Nothing inflated it: no decoding error, no traceback, at any level.
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    for statuses in await _documented_statuses(served.url, served.document):
+        assert 415 in statuses
+    if served.name == "store":  # nothing was written
+        params = {"namespace": "coded", "key": "k"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(served.url + "/store/items", params=params) as r:
+                assert r.status == 200 and await r.json() is None  # no such item
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    codings=st.lists(
+        st.lists(
+            st.sampled_from(["identity", "IDENTITY", " identity ", "", "gzip", "br", "x-y"]),
+            min_size=1,
+            max_size=3,
+        ).map(",".join),
+        min_size=1,
+        max_size=3,
+    )
+)
+async def test_only_identity_codings_reach_the_store(tmp_path: Path, codings: list[str]) -> None:
+    """Property: a PUT is refused with 415 exactly when some listed coding is not
+    ``identity`` (any case, any spacing, any number of field lines); otherwise stored."""
+    coded = any(
+        token.strip(" \t").lower() not in ("", "identity")
+        for line in codings
+        for token in line.split(",")
+    )
+    runner = runner_for(_store(tmp_path / str(abs(hash(tuple(codings))))), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        answer = await _raw(runner.addresses[0][1], _coded_request("/store/items", codings, ITEM))
+        status = _parse(answer)[0]
+        assert status == (415 if coded else 204), (codings, answer[:300])
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_bodiless_request_passes_whatever_its_content_encoding_says(served: Served) -> None:
+    async with aiohttp.ClientSession() as http:
+        headers = {"Content-Encoding": "gzip"}
+        async with http.get(served.url + served.document, headers=headers) as r:
+            assert r.status == 200
+
+
+async def test_a_coded_body_through_the_gateway_is_refused_by_the_store(tmp_path: Path) -> None:
+    runner = runner_for(_store(tmp_path), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    store_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with (
+            running_gateway(None, builtin={"store": store_url}) as gw,
+            aiohttp.ClientSession(auto_decompress=False) as http,
+        ):
+            headers = {"Content-Encoding": "deflate", "Content-Type": "application/json"}
+            async with http.put(gw.url + "/store/items", data=BOMB, headers=headers) as r:
+                assert r.status == 415
+                assert (await r.json()) == {"detail": CODED_BODY_DETAIL}
+            async with http.put(gw.url + "/store/items", data=ITEM) as r:
+                assert r.status == 204, await r.text()  # the same connection serves on
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture

@@ -9,6 +9,13 @@ Two things aiohttp does on its own that these APIs must not:
   answers ``{"detail": ...}`` JSON instead, with a fixed sentence per kind of error (no
   request bytes) and a status the APIs' OpenAPI documents list (400; 500 for a failure
   outside every handler). The connection is closed after it, as aiohttp does.
+* aiohttp inflates a request body sent with ``Content-Encoding: gzip`` (or deflate, br)
+  as it arrives, a whole received chunk at a time, before any size check: a 200 KB gzip
+  bomb cost the loop 0.3 s, and bad gzip an "Unhandled exception" traceback. The built-in
+  APIs take JSON bodies as sent (the langgraph-sdk client sends them so): their server
+  never inflates (``auto_decompress=False``), and a body with any content coding but
+  ``identity`` is refused with 415 and ``Accept-Encoding: identity`` (RFC 9110 15.5.16)
+  before anything reads it (``refuse_coded_bodies``).
 * Every answer carries ``Server: Python/3.x aiohttp/3.y``, which the gateway's proxy passes
   on to clients. ``neutral_server_header`` (installed by the applications themselves) and
   the error answers above send ``Server: SERVER_NAME`` instead, which names no software
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -46,8 +54,22 @@ MALFORMED_REQUEST: Final = Response(
 # The Server header of the built-in APIs: no implementation, no version.
 SERVER_NAME: Final = "ratelimit-gateway"
 
+# Every operation of a built-in API may answer this too (``refuse_coded_bodies``).
+CODED_BODY: Final = Response(
+    "The request body has a content coding (Content-Encoding other than identity): send "
+    "it uncompressed",
+    ErrorResponse,
+)
+
+CODED_BODY_DETAIL: Final = (
+    "the request body has a content coding (Content-Encoding other than identity), which "
+    "this API does not take: send the body uncompressed"
+)
+
 # A built-in API application: served by ``ApiAppRunner`` (see ``runner_for``).
 BUILTIN_API_KEY: Final = web.AppKey("builtin_api", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MALFORMED: Final = "malformed HTTP request"
 # Parser errors by kind, most specific first: what the client is told (never its bytes).
@@ -116,8 +138,9 @@ class _JsonErrorServer(web.Server):
     """aiohttp's ``Server`` whose connections use ``JsonErrorRequestHandler``."""
 
     def __init__(self, base: web.Server, loop: asyncio.AbstractEventLoop) -> None:
-        # The handler options (limits, timeouts, logging) the runner chose for ``base``.
-        self._handler_options: dict[str, Any] = dict(base._kwargs)
+        # The handler options (limits, timeouts, logging) the runner chose for ``base``;
+        # bodies are never inflated (module docstring).
+        self._handler_options: dict[str, Any] = {**base._kwargs, "auto_decompress": False}
         super().__init__(
             base.request_handler,
             request_factory=base.request_factory,
@@ -152,8 +175,35 @@ async def _neutral_server(request: web.Request, response: web.StreamResponse) ->
     response.headers["Server"] = SERVER_NAME
 
 
+def content_codings(request: web.BaseRequest) -> list[str]:
+    """The content codings of the request's body (``Content-Encoding``, every field line,
+    as RFC 9110 8.4 lists them; case-insensitive), ``identity`` left out."""
+    codings = []
+    for line in request.headers.getall("Content-Encoding", ()):
+        for coding in line.split(","):
+            coding = coding.strip(" \t").lower()
+            if coding and coding != "identity":
+                codings.append(coding)
+    return codings
+
+
+@web.middleware
+async def refuse_coded_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """415 for a body with a content coding, before anything reads it (module docstring).
+    A request without a body passes whatever it says."""
+    if request.body_exists and content_codings(request):
+        # A fixed sentence: the client's header is not quoted back (as for parser errors).
+        response = error_response(415, CODED_BODY_DETAIL)
+        response.headers["Accept-Encoding"] = "identity"
+        return response
+    return await handler(request)
+
+
 def mark_builtin_api(app: web.Application, name: str) -> None:
     """Mark ``app`` as a built-in API (``runner_for``) and make every answer it prepares
-    carry ``Server: SERVER_NAME`` instead of aiohttp's version banner."""
+    carry ``Server: SERVER_NAME`` instead of aiohttp's version banner, and refuse request
+    bodies with a content coding (``refuse_coded_bodies``)."""
     app[BUILTIN_API_KEY] = name
     app.on_response_prepare.append(_neutral_server)
+    # Outermost: a coded body is refused before any other middleware could read it.
+    app.middlewares.insert(0, refuse_coded_bodies)
