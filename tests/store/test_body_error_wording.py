@@ -5,9 +5,15 @@ with "...use sys.set_int_max_str_digits() to increase the limit", deep nesting w
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gateway.upstreams.http_api.decoding import NOT_UTF8, decode_json
+from gateway.upstreams.http_api.problems import InvalidRequest
 from gateway.upstreams.store.config import StoreConfig
 from tests.store.store_support import start_store
 
@@ -36,5 +42,66 @@ async def test_an_unreadable_body_is_described_in_the_clients_terms(tmp_path, ra
                 got = (await r.json())["detail"]
         assert got == detail
         assert not any(word in got for word in INTERNALS)
+    finally:
+        await store.runner.cleanup()
+
+
+# --- the body's encoding: UTF-8 only (RFC 8259 8.1) -----------------------------------
+# json.loads given bytes guesses UTF-16 or UTF-32 from their NULs and decodes with
+# ``surrogatepass``: the Store took UTF-16 bodies, and encoded lone surrogates, as JSON.
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+WIDE = ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, encoding=st.sampled_from(WIDE))
+def test_utf16_and_utf32_bodies_are_refused_and_utf8_taken(value: object, encoding: str) -> None:
+    text = json.dumps({"v": value}, ensure_ascii=False)
+    with pytest.raises(InvalidRequest) as refused:
+        decode_json(text.encode(encoding))
+    assert str(refused.value) == NOT_UTF8
+    assert decode_json(text.encode("utf-8")) == {"v": value}
+    assert decode_json(text.encode("utf-8-sig")) == {"v": value}  # a BOM is ignored
+
+
+@settings(max_examples=500, deadline=None)
+@given(raw=st.binary(max_size=40) | st.sampled_from([b'"\xed\xa0\x80"', b'["\xc0\xaf"]']))
+def test_a_body_is_taken_only_as_strict_utf8_would_read_it(raw: bytes) -> None:
+    """Differential: decode_json accepts exactly what strict UTF-8 (less a leading BOM)
+    then ``json.loads`` of the text accepts, with the same value."""
+    try:
+        expected: object = json.loads(raw.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        with pytest.raises(InvalidRequest):
+            decode_json(raw)
+        return
+    if not raw.strip():
+        return  # (an empty body has its own refusal)
+    assert decode_json(raw) == expected
+
+
+async def test_the_store_refuses_a_utf16_body_and_stores_nothing(tmp_path):
+    store = await start_store(StoreConfig(data_dir=tmp_path / "data"))
+    item = {"namespace": ["wide"], "key": "k", "value": {"é": "ü"}}
+    try:
+        async with aiohttp.ClientSession() as http:
+            headers = {"Content-Type": "application/json"}
+            body = json.dumps(item, ensure_ascii=False).encode("utf-16")
+            async with http.put(store.url + "/store/items", data=body, headers=headers) as r:
+                assert r.status == 422
+                assert (await r.json()) == {"detail": NOT_UTF8}
+            params = {"namespace": "wide", "key": "k"}
+            async with http.get(store.url + "/store/items", params=params) as r:
+                assert r.status == 200 and await r.json() is None
+            body = json.dumps(item, ensure_ascii=False).encode("utf-8")
+            async with http.put(store.url + "/store/items", data=body, headers=headers) as r:
+                assert r.status == 204
     finally:
         await store.runner.cleanup()

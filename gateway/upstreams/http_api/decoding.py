@@ -13,17 +13,28 @@ from gateway.upstreams.http_api.problems import InvalidRequest, describe
 
 T = TypeVar("T")
 
+NOT_UTF8 = "body: must be UTF-8 encoded JSON (RFC 8259)"
+
 
 def decode_json(raw: bytes) -> object:
     """The body as JSON. NaN and Infinity are read as numbers so that the model, which
-    knows the field, refuses them; malformed or undecodable text is a 422 for ``body``."""
+    knows the field, refuses them; malformed or undecodable text is a 422 for ``body``.
+
+    The bytes must be UTF-8 (RFC 8259 8.1; a leading byte order mark is ignored, as it
+    allows). ``json.loads`` given bytes would guess UTF-16 or UTF-32 from their NULs and
+    decode with ``surrogatepass`` (taking encoded lone surrogates): not here."""
     if not raw.strip():
         raise InvalidRequest("body: a JSON body is required")
     try:
-        return json.loads(raw)
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise InvalidRequest("body: must be UTF-8 encoded JSON") from None
+        raise InvalidRequest(NOT_UTF8) from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:  # the decoder's own words: what, and where
+        if "\x00" in text:
+            # Valid UTF-8 holds no raw NUL in a JSON text: UTF-16 or UTF-32 of ASCII.
+            raise InvalidRequest(NOT_UTF8) from None
         raise InvalidRequest(
             f"body: malformed JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
         ) from None
