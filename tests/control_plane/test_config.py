@@ -7,6 +7,8 @@ import stat
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.upstreams.control_plane import ControlPlaneConfig, bootstrap_credentials
 from gateway.upstreams.control_plane.credentials import find_credential, hash_api_key
@@ -177,3 +179,58 @@ def test_urls_shown_to_tenants_as_written(tmp_path, value):
     config = ControlPlaneConfig.from_mapping(_integrations(value, value), tmp_path, {})
     assert config.github_install_url == value
     assert config.github_integrations[0].repos[0].url == value
+
+
+# --- one credential per key: a repeated key acted on the tenants of its last entry only
+
+POOL = ["key-one-0123456789abcdef", "key-two-0123456789abcdef", "key-three-0123456789abcd"]
+TENANTS = ["t-a", "t-b", "t-c"]
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.sampled_from(POOL),
+            st.booleans(),  # the digest written in upper case
+            st.lists(st.sampled_from(TENANTS), min_size=1, max_size=3, unique=True),
+        ),
+        max_size=5,
+    ),
+    env=st.none() | st.tuples(st.sampled_from(POOL), st.sampled_from(TENANTS)),
+)
+def test_a_key_is_listed_once_or_the_config_is_refused(tmp_path, entries, env) -> None:
+    """Property: the config loads exactly when no key is given twice (a digest in either
+    case, or GATEWAY_API_KEY again); then each key acts on exactly its entry's tenants.
+    A refusal names the entries, never a key or a digest."""
+    section = {
+        "credentials": [
+            {"api_key_sha256": sha(k).upper() if upper else sha(k), "tenant_ids": t}
+            for k, upper, t in entries
+        ]
+    }
+    environ = {"GATEWAY_API_KEY": env[0], "GATEWAY_TENANT_ID": env[1]} if env else {}
+    given_keys = [k for k, _, _ in entries] + ([env[0]] if env else [])
+    if len(set(given_keys)) < len(given_keys):
+        with pytest.raises(
+            ValueError, match=r"the same API key as control_plane\.credentials\[\d\]"
+        ) as refused:
+            ControlPlaneConfig.from_mapping(section, tmp_path, environ)
+        text = str(refused.value)
+        assert not any(k in text or sha(k) in text.lower() for k in POOL)
+        if (
+            env
+            and env[0] in [k for k, _, _ in entries]
+            and len(set(k for k, _, _ in entries)) == len(entries)
+        ):
+            assert text.startswith("GATEWAY_API_KEY: ")
+        return
+    config = ControlPlaneConfig.from_mapping(section, tmp_path, environ)
+    expected = {k: set(t) for k, _, t in entries}
+    if env:
+        expected[env[0]] = {env[1]}
+    for key in POOL:
+        found = find_credential(config.credentials, key)
+        assert (found.tenant_ids if found else None) == expected.get(key)

@@ -134,6 +134,7 @@ class ControlPlaneConfig:
             credentials.append(
                 Credential(hash_api_key(env_key), frozenset({env_tenant}), "environment")
             )
+        _refuse_repeated_keys(credentials, from_environment=bool(env_key))
 
         install_url, integrations = _parse_integrations(section.get("integrations", {}))
         max_body = _number(section.get("max_body_bytes", 1024 * 1024), "max_body_bytes", 1024)
@@ -292,6 +293,26 @@ def _parse_credentials(raw: object) -> list[Credential]:
             raise ValueError(f"{where}.label: expected a string")
         out.append(Credential(digest.lower(), frozenset(tenants), label))
     return out
+
+
+def _refuse_repeated_keys(credentials: list[Credential], *, from_environment: bool) -> None:
+    """One credential per key: a key listed twice (or given in GATEWAY_API_KEY and in the
+    file) would act on the tenants of whichever entry the lookup met last, not the union
+    an operator may expect, and dropping an entry to revoke access would leave the other.
+    The message names the entries, never the key or its digest."""
+    first: dict[str, int] = {}
+    for index, credential in enumerate(credentials):
+        where = (
+            "GATEWAY_API_KEY"
+            if from_environment and index == len(credentials) - 1  # appended last
+            else f"control_plane.credentials[{index}]"
+        )
+        seen = first.setdefault(credential.key_sha256, index)
+        if seen != index:
+            raise ValueError(
+                f"{where}: the same API key as control_plane.credentials[{seen}]; list a "
+                "key once, with every tenant it may act on in its tenant_ids"
+            )
 
 
 def _tenant_url(value: object, where: str) -> str:
