@@ -335,3 +335,27 @@ async def test_integers_beyond_double_range_are_422(http: aiohttp.ClientSession)
     async with http.post("/store/items/search", data=raw, headers=headers) as response:
         assert response.status == 200, await response.text()
         assert [item["key"] for item in (await response.json())["items"]] == ["k"]
+
+
+NUL_CASES = [
+    (_put(namespace=["a", "b\x00c"]), "namespace[1]"),
+    (_put(namespace=["\x00"]), "namespace[0]"),
+    (_put(key="k\x00"), "key"),
+    (_put(value={"x": ["ok", "\x00"]}), "value"),
+    (_put(value={"\x00": 1}), "value"),
+    (_put(namespace=["a\x00"], key="\x00", value={"\x00": 1}), "namespace[0]"),  # the first
+]
+
+
+@pytest.mark.parametrize(("body", "field"), NUL_CASES)
+async def test_a_nul_is_stored_or_refused_naming_its_field(
+    http: aiohttp.ClientSession, store_database_url: str | None, body: dict[str, Any], field: str
+) -> None:
+    """U+0000 is stored where the database can keep it (SQLite); PostgreSQL's refusal names
+    the field that holds it (it named ``value`` for a namespace label or a key)."""
+    async with http.put("/store/items", json=body) as r:
+        if store_database_url is None:
+            assert r.status == 204, await r.text()
+            return
+        detail = await _expect(r, 422, field)
+    assert detail == f"{field}: the character U+0000 cannot be stored in the PostgreSQL store"

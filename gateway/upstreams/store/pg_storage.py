@@ -133,6 +133,17 @@ ON CONFLICT (namespace, key) DO UPDATE SET
 """
 
 
+def _nul_field(request: StorePutRequest) -> str | None:
+    """The first field of ``request`` that holds U+0000 (as the API names fields), if any:
+    PostgreSQL's text and json columns cannot keep it."""
+    for index, label in enumerate(request.namespace):
+        if "\x00" in label:
+            return f"namespace[{index}]"
+    if "\x00" in request.key:
+        return "key"
+    return "value" if has_nul(request.value) else None
+
+
 def _prefix_sql(prefix: Namespace) -> tuple[str, list[Any]]:
     if not prefix:
         return "TRUE", []
@@ -334,9 +345,10 @@ class PostgresStorage:
         ``vectors``: the item's embeddings, written in the same transaction.
         """
         namespace = _dotted(tuple(request.namespace))
-        if "\x00" in namespace or "\x00" in request.key or has_nul(request.value):
+        where = _nul_field(request)
+        if where is not None:
             raise StoreRequestError(
-                422, "value: the character U+0000 cannot be stored in the PostgreSQL store"
+                422, f"{where}: the character U+0000 cannot be stored in the PostgreSQL store"
             )
         now = self._clock()
         ttl = request.ttl
