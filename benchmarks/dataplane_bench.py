@@ -739,11 +739,16 @@ def redis_script_stats(port: int) -> tuple[int, int]:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
         data = b""
-        while b"\r\n" not in data or len(data) < int(data[1 : data.index(b"\r\n")]) + 3:
+        # A bulk string: ``$<length>\r\n<length bytes>\r\n``.
+        while b"\r\n" not in data or len(data) < data.index(b"\r\n") + 4 + int(
+            data[1 : data.index(b"\r\n")]
+        ):
             chunk = sock.recv(65536)
             if not chunk:
                 break
             data += chunk
+            if not data.startswith(b"$"):
+                raise RuntimeError(f"INFO commandstats failed: {data[:200]!r}")
     calls = usec = 0
     for line in data.decode(errors="replace").splitlines():
         name, _, fields = line.partition(":")

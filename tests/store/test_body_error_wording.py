@@ -84,7 +84,15 @@ def test_a_body_is_taken_only_as_strict_utf8_would_read_it(raw: bytes) -> None:
         return
     if not raw.strip():
         return  # (an empty body has its own refusal)
-    assert decode_json(raw) == expected
+    assert repr(decode_json(raw)) == repr(expected)  # (repr: NaN is not equal to itself)
+
+
+def test_a_raw_nul_in_utf8_is_malformed_json_not_another_encoding() -> None:
+    with pytest.raises(InvalidRequest, match=r"^body: malformed JSON \(Invalid control"):
+        decode_json(b'{"key": "a\x00b"}')
+    with pytest.raises(InvalidRequest) as refused:
+        decode_json('{"key": "a"}'.encode("utf-16-le"))
+    assert str(refused.value) == NOT_UTF8
 
 
 async def test_the_store_refuses_a_utf16_body_and_stores_nothing(tmp_path):

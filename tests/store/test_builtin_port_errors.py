@@ -260,6 +260,30 @@ async def test_only_identity_codings_reach_the_store(tmp_path: Path, codings: li
         await runner.cleanup()
 
 
+async def test_the_built_in_apis_server_hands_a_coded_body_on_as_sent() -> None:
+    """``ApiAppRunner`` never inflates: what a handler reads is the bytes on the wire (so a
+    bomb costs its compressed size), whatever ``Content-Encoding`` says."""
+    seen: list[bytes] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.Response(status=204)
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_put("/echo", echo)
+    runner = ApiAppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        for codings, body in (CODED_BODIES["gzip"], CODED_BODIES["a deflate bomb"]):
+            answer = await _raw(runner.addresses[0][1], _coded_request("/echo", codings, body))
+            assert _parse(answer)[0] == 204, answer[:300]
+            assert seen.pop() == body  # not inflated (the bomb: 64 MiB if it were)
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_bodiless_request_passes_whatever_its_content_encoding_says(served: Served) -> None:
     async with aiohttp.ClientSession() as http:
         headers = {"Content-Encoding": "gzip"}

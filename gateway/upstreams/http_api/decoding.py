@@ -32,8 +32,9 @@ def decode_json(raw: bytes) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:  # the decoder's own words: what, and where
-        if "\x00" in text:
-            # Valid UTF-8 holds no raw NUL in a JSON text: UTF-16 or UTF-32 of ASCII.
+        if b"\x00" in raw[:4]:
+            # A JSON text starts with ASCII: a NUL among its first four bytes is the
+            # UTF-16 or UTF-32 form of it (RFC 4627 3), which UTF-8 decoding let through.
             raise InvalidRequest(NOT_UTF8) from None
         raise InvalidRequest(
             f"body: malformed JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"

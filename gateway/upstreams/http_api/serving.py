@@ -62,8 +62,8 @@ CODED_BODY: Final = Response(
 )
 
 CODED_BODY_DETAIL: Final = (
-    "the request body has a content coding (Content-Encoding other than identity), which "
-    "this API does not take: send the body uncompressed"
+    "body: has a content coding (Content-Encoding other than identity), which this API "
+    "does not take: send it uncompressed"
 )
 
 # A built-in API application: served by ``ApiAppRunner`` (see ``runner_for``).
