@@ -284,6 +284,77 @@ async def test_the_built_in_apis_server_hands_a_coded_body_on_as_sent() -> None:
         await runner.cleanup()
 
 
+async def _head_then_read(port: int, head: bytes) -> tuple[asyncio.StreamReader, Any]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.parametrize("case", ["gzip", "a deflate bomb"])
+async def test_a_coded_body_is_refused_before_100_continue_asks_for_it(
+    served: Served, case: str
+) -> None:
+    """With ``Expect: 100-continue`` aiohttp's own handler answered ``100 Continue`` and
+    the client uploaded the body only to be refused: now the head alone is answered."""
+    codings, body = CODED_BODIES[case]
+    # An operation each API serves (an unserved method or path gets aiohttp's answer to
+    # Expect, then the 415 above once the body came).
+    path = "/store/items" if served.name == "store" else "/v2/deployments"
+    head = _coded_request(path, codings, body).split(b"\r\n\r\n", 1)[0]
+    head = head.replace(b"Connection: close", b"Expect: 100-continue") + b"\r\n\r\n"
+    if served.name != "store":
+        head = b"POST" + head.removeprefix(b"PUT")
+    reader, writer = await _head_then_read(served.port, head)
+    try:
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+        assert not answer.startswith(b"HTTP/1.1 100"), answer[:200]
+        status, fields, _ = _parse(answer)
+        raw = await asyncio.wait_for(reader.readexactly(int(fields["content-length"])), timeout=30)
+    finally:
+        writer.close()
+    assert status == 415 and json.loads(raw) == {"detail": CODED_BODY_DETAIL}
+    assert fields["accept-encoding"] == "identity"
+    assert fields["connection"].lower() == "close"  # the announced body is not wanted
+
+
+async def test_an_uncoded_body_still_gets_100_continue(tmp_path: Path) -> None:
+    runner = runner_for(_store(tmp_path), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        head = (
+            b"PUT /store/items HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(ITEM)
+        )
+        reader, writer = await _head_then_read(runner.addresses[0][1], head)
+        try:
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(ITEM)
+            final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+            assert final.startswith(b"HTTP/1.1 204"), final
+        finally:
+            writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_unknown_expectation_is_answered_as_json_without_its_bytes(
+    served: Served,
+) -> None:
+    head = b"GET " + served.document.encode() + b" HTTP/1.1\r\nHost: x\r\nExpect: x-" + MARKER
+    answer = await _raw(served.port, head + b"\r\n\r\n")
+    status, fields, raw = _parse(answer)
+    assert status == 417 and MARKER not in answer, answer[:300]
+    assert fields["content-type"].startswith("application/json")
+    assert set(json.loads(raw)) == {"detail"}
+    _assert_no_version_banner(fields)
+    for statuses in await _documented_statuses(served.url, served.document):
+        assert 417 in statuses
+
+
 async def test_a_bodiless_request_passes_whatever_its_content_encoding_says(served: Served) -> None:
     async with aiohttp.ClientSession() as http:
         headers = {"Content-Encoding": "gzip"}

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.upstreams.http_api.openapi import Api, Operation, openapi_document
+from gateway.upstreams.http_api.serving import expect_handler
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -36,7 +37,13 @@ def add_routes(
         name = None
         if public_name_prefix and op.public:
             name = f"{public_name_prefix}{op.operation_id}{prefix.replace('/', '-')}"
-        router.add_route(op.method.upper(), prefix + op.path, route.handler, name=name)
+        router.add_route(
+            op.method.upper(),
+            prefix + op.path,
+            route.handler,
+            name=name,
+            expect_handler=expect_handler,  # a coded body refused before 100 Continue
+        )
 
 
 def document_bytes(api: Api, routes: Sequence[Route]) -> bytes:

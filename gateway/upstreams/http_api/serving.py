@@ -15,7 +15,9 @@ Two things aiohttp does on its own that these APIs must not:
   APIs take JSON bodies as sent (the langgraph-sdk client sends them so): their server
   never inflates (``auto_decompress=False``), and a body with any content coding but
   ``identity`` is refused with 415 and ``Accept-Encoding: identity`` (RFC 9110 15.5.16)
-  before anything reads it (``refuse_coded_bodies``).
+  before anything reads it (``refuse_coded_bodies``), and before ``100 Continue`` would ask
+  the client to send it (``expect_handler``, which also answers an unknown expectation as
+  JSON: aiohttp's 417 is plain text quoting the header).
 * Every answer carries ``Server: Python/3.x aiohttp/3.y``, which the gateway's proxy passes
   on to clients. ``neutral_server_header`` (installed by the applications themselves) and
   the error answers above send ``Server: SERVER_NAME`` instead, which names no software
@@ -29,7 +31,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import (
     BadHttpMessage,
     BadHttpMethod,
@@ -64,6 +66,13 @@ CODED_BODY: Final = Response(
 CODED_BODY_DETAIL: Final = (
     "body: has a content coding (Content-Encoding other than identity), which this API "
     "does not take: send it uncompressed"
+)
+
+EXPECTATION_DETAIL: Final = "Expect: only 100-continue is understood"
+# Every operation of a built-in API may answer this too (``expect_handler``).
+EXPECTATION_FAILED: Final = Response(
+    "The request's Expect header asks for something other than 100-continue",
+    ErrorResponse,
 )
 
 # A built-in API application: served by ``ApiAppRunner`` (see ``runner_for``).
@@ -187,16 +196,41 @@ def content_codings(request: web.BaseRequest) -> list[str]:
     return codings
 
 
+def _coded_body_response() -> web.Response:
+    # A fixed sentence: the client's header is not quoted back (as for parser errors).
+    response = error_response(415, CODED_BODY_DETAIL)
+    response.headers["Accept-Encoding"] = "identity"
+    return response
+
+
 @web.middleware
 async def refuse_coded_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
     """415 for a body with a content coding, before anything reads it (module docstring).
     A request without a body passes whatever it says."""
     if request.body_exists and content_codings(request):
-        # A fixed sentence: the client's header is not quoted back (as for parser errors).
-        response = error_response(415, CODED_BODY_DETAIL)
-        response.headers["Accept-Encoding"] = "identity"
-        return response
+        return _coded_body_response()
     return await handler(request)
+
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """The ``Expect`` handler of every built-in API route (``routes.add_routes``; aiohttp
+    runs it before any middleware). A body with a content coding is refused before
+    ``100 Continue`` would ask the client to send it; an expectation other than
+    ``100-continue`` is answered as the APIs answer errors (aiohttp's own handler answers
+    417 in plain text quoting the header). Both close the connection: the body the
+    request announced is not coming, or not wanted. Otherwise as aiohttp: ``100
+    Continue`` on HTTP/1.1."""
+    if content_codings(request):
+        refused = _coded_body_response()
+    elif request.headers.get("Expect", "").lower() != "100-continue":
+        refused = error_response(417, EXPECTATION_DETAIL)
+    else:
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # (as aiohttp: the answer has not started)
+        return None
+    refused.force_close()
+    return refused
 
 
 def mark_builtin_api(app: web.Application, name: str) -> None:

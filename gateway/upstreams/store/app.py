@@ -17,7 +17,12 @@ from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
 from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
 from gateway.upstreams.http_api.routes import Handler, Route, add_routes, document_bytes
-from gateway.upstreams.http_api.serving import CODED_BODY, MALFORMED_REQUEST, mark_builtin_api
+from gateway.upstreams.http_api.serving import (
+    CODED_BODY,
+    EXPECTATION_FAILED,
+    MALFORMED_REQUEST,
+    mark_builtin_api,
+)
 from gateway.upstreams.postgres.breaker import DATABASE_BREAKER_KEY
 from gateway.upstreams.postgres.connection import DatabaseUnavailable
 from gateway.upstreams.store.backend import StoreStorage, create_storage, describe
@@ -201,7 +206,7 @@ API = Api(
         "langgraph-sdk's StoreClient. Generated from the models the Store validates with."
     ),
     tag="Store",
-    common_responses={400: MALFORMED_REQUEST, 415: CODED_BODY},
+    common_responses={400: MALFORMED_REQUEST, 415: CODED_BODY, 417: EXPECTATION_FAILED},
 )
 _INVALID = Response("Validation error: the detail names the field", ErrorResponse)
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
