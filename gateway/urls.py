@@ -40,9 +40,11 @@ def display_url(url: str) -> str:
     if not _hosts_parse(hosts):
         # A port that is not a number may be a password typed without its '@'.
         return "(a URL that does not parse)"
+    # A '@' after the host: what follows the netloc may be a password's tail.
+    cut_short = "@" not in netloc and ("@" in path or "@" in parts.query or "@" in parts.fragment)
     if "@" in netloc:
         shown = "***@" + hosts
-    elif "@" in path or "@" in parts.query or "@" in parts.fragment:
+    elif cut_short:
         # The part before may be a user, or a user and a password, written with a '/',
         # '?' or '#' that ended it early: shown only when it reads as a host name.
         shown = netloc if ":" not in netloc and "." in netloc else "***"
@@ -51,7 +53,8 @@ def display_url(url: str) -> str:
         shown = netloc
     if not parts.query:
         tail = ""
-    elif path == "/...":  # the query may be a password's tail too
+    elif cut_short:  # the query may be a password's tail too (its key names included:
+        # 'https://u:?p4ss=@host/' has the query 'p4ss=@host/', whose key is a password's)
         tail = "?***"
     else:
         tail = _query(parts.query)

@@ -82,7 +82,11 @@ def parse_jwks(data: bytes, algorithms: Collection[str]) -> KeySet:
     if len(data) > MAX_JWKS_BYTES:
         raise JwksError(f"JWKS over {MAX_JWKS_BYTES} bytes")
     try:
-        doc = json.loads(data)
+        # UTF-8 only (RFC 8259, RFC 7517): json.loads given bytes would guess UTF-16 or
+        # UTF-32 and decode with surrogatepass (a kid with a lone surrogate).
+        doc = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        raise JwksError("JWKS is not UTF-8 encoded JSON") from None
     except (ValueError, RecursionError):
         raise JwksError("JWKS is not valid JSON") from None
     items = doc.get("keys") if isinstance(doc, dict) else None
