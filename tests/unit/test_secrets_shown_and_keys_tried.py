@@ -34,8 +34,8 @@ SECRET = st.text(
 @fuzz(200)
 @given(user=st.text(alphabet=string.ascii_letters, min_size=1, max_size=8), password=SECRET,
        query=st.text(alphabet=string.ascii_letters + "=&", max_size=20))  # fmt: skip
-# Found by this property from one checkout's path (the derandomized examples differ by
-# path): a password's tail after a '?' was shown as a query key, 'https://***?A000=***'.
+# Found by this property in a pure-Python run (its examples differ from a compiled
+# checkout's): a password's tail after a '?' was shown as a query key, 'https://***?A000=***'.
 @example(user="A", password="?A000=", query="")
 @example(user="u", password="?tok3n=x&y", query="a=b")
 def test_a_shown_url_holds_no_credentials_nor_query(user, password, query):
