@@ -725,30 +725,30 @@ def envoy_binary(explicit: str | None) -> str | None:
 
 
 def redis_call(port: int, *args: str) -> bytes:
+    """One command's reply, raw; a bulk string (``$<length>\r\n<bytes>\r\n``) read whole."""
     payload = f"*{len(args)}\r\n".encode() + b"".join(
         f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
     )
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(payload)
-        return sock.recv(4096)
+        data = sock.recv(65536)
+        while data.startswith(b"$") and b"\r\n" in data:
+            end = data.index(b"\r\n")
+            if len(data) >= end + 4 + int(data[1:end]):
+                break
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
 
 
 def redis_script_stats(port: int) -> tuple[int, int]:
     """Script calls (EVALSHA, EVAL, FCALL) a Redis server ran so far and the µs they
     took it (``INFO commandstats``): how many calls a request costs the store."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
-        data = b""
-        # A bulk string: ``$<length>\r\n<length bytes>\r\n``.
-        while b"\r\n" not in data or len(data) < data.index(b"\r\n") + 4 + int(
-            data[1 : data.index(b"\r\n")]
-        ):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-            if not data.startswith(b"$"):
-                raise RuntimeError(f"INFO commandstats failed: {data[:200]!r}")
+    data = redis_call(port, "INFO", "commandstats")
+    if not data.startswith(b"$"):
+        raise RuntimeError(f"INFO commandstats failed: {data[:200]!r}")
     calls = usec = 0
     for line in data.decode(errors="replace").splitlines():
         name, _, fields = line.partition(":")

@@ -15,6 +15,7 @@ import json
 import logging
 import zlib
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,20 +65,26 @@ APPS: dict[str, tuple[Callable[[Path], web.Application], str]] = {
 }
 
 
+@asynccontextmanager
+async def _served_on_loopback(runner: web.AppRunner) -> AsyncIterator[int]:
+    """``runner`` serving on a free loopback port (yielded), cleaned up after."""
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture(params=sorted(APPS))
 async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
     """The app served as the gateway serves its built-in upstreams (``runner_for``)."""
     factory, document = APPS[request.param]
     runner = runner_for(factory(tmp_path), access_log=None)
     assert isinstance(runner, ApiAppRunner)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with _served_on_loopback(runner) as port:
         yield Served(request.param, port, f"http://127.0.0.1:{port}", document)
-    finally:
-        await runner.cleanup()
 
 
 async def _raw(port: int, data: bytes) -> bytes:
@@ -249,15 +256,9 @@ async def test_only_identity_codings_reach_the_store(tmp_path: Path, codings: li
         for token in line.split(",")
     )
     runner = runner_for(_store(tmp_path / str(abs(hash(tuple(codings))))), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        answer = await _raw(runner.addresses[0][1], _coded_request("/store/items", codings, ITEM))
-        status = _parse(answer)[0]
-        assert status == (415 if coded else 204), (codings, answer[:300])
-    finally:
-        await runner.cleanup()
+    async with _served_on_loopback(runner) as port:
+        answer = await _raw(port, _coded_request("/store/items", codings, ITEM))
+    assert _parse(answer)[0] == (415 if coded else 204), (codings, answer[:300])
 
 
 async def test_the_built_in_apis_server_hands_a_coded_body_on_as_sent() -> None:
@@ -271,17 +272,11 @@ async def test_the_built_in_apis_server_hands_a_coded_body_on_as_sent() -> None:
 
     app = web.Application(client_max_size=1 << 20)
     app.router.add_put("/echo", echo)
-    runner = ApiAppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
+    async with _served_on_loopback(ApiAppRunner(app, access_log=None)) as port:
         for codings, body in (CODED_BODIES["gzip"], CODED_BODIES["a deflate bomb"]):
-            answer = await _raw(runner.addresses[0][1], _coded_request("/echo", codings, body))
+            answer = await _raw(port, _coded_request("/echo", codings, body))
             assert _parse(answer)[0] == 204, answer[:300]
             assert seen.pop() == body  # not inflated (the bomb: 64 MiB if it were)
-    finally:
-        await runner.cleanup()
 
 
 async def _head_then_read(port: int, head: bytes) -> tuple[asyncio.StreamReader, Any]:
@@ -319,16 +314,12 @@ async def test_a_coded_body_is_refused_before_100_continue_asks_for_it(
 
 
 async def test_an_uncoded_body_still_gets_100_continue(tmp_path: Path) -> None:
-    runner = runner_for(_store(tmp_path), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        head = (
-            b"PUT /store/items HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(ITEM)
-        )
-        reader, writer = await _head_then_read(runner.addresses[0][1], head)
+    head = (
+        b"PUT /store/items HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(ITEM)
+    )
+    async with _served_on_loopback(runner_for(_store(tmp_path), access_log=None)) as port:
+        reader, writer = await _head_then_read(port, head)
         try:
             interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
             assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -337,8 +328,6 @@ async def test_an_uncoded_body_still_gets_100_continue(tmp_path: Path) -> None:
             assert final.startswith(b"HTTP/1.1 204"), final
         finally:
             writer.close()
-    finally:
-        await runner.cleanup()
 
 
 async def test_an_unknown_expectation_is_answered_as_json_without_its_bytes(
@@ -362,25 +351,27 @@ async def test_a_bodiless_request_passes_whatever_its_content_encoding_says(serv
             assert r.status == 200
 
 
+@asynccontextmanager
+async def _store_behind_a_gateway(tmp_path: Path) -> AsyncIterator[str]:
+    """The gateway's URL, in front of a Store served as the gateway serves it."""
+    async with (
+        _served_on_loopback(runner_for(_store(tmp_path), access_log=None)) as port,
+        running_gateway(None, builtin={"store": f"http://127.0.0.1:{port}"}) as gw,
+    ):
+        yield gw.url
+
+
 async def test_a_coded_body_through_the_gateway_is_refused_by_the_store(tmp_path: Path) -> None:
-    runner = runner_for(_store(tmp_path), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    store_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        async with (
-            running_gateway(None, builtin={"store": store_url}) as gw,
-            aiohttp.ClientSession(auto_decompress=False) as http,
-        ):
-            headers = {"Content-Encoding": "deflate", "Content-Type": "application/json"}
-            async with http.put(gw.url + "/store/items", data=BOMB, headers=headers) as r:
-                assert r.status == 415
-                assert (await r.json()) == {"detail": CODED_BODY_DETAIL}
-            async with http.put(gw.url + "/store/items", data=ITEM) as r:
-                assert r.status == 204, await r.text()  # the same connection serves on
-    finally:
-        await runner.cleanup()
+    async with (
+        _store_behind_a_gateway(tmp_path) as url,
+        aiohttp.ClientSession(auto_decompress=False) as http,
+    ):
+        headers = {"Content-Encoding": "deflate", "Content-Type": "application/json"}
+        async with http.put(url + "/store/items", data=BOMB, headers=headers) as r:
+            assert r.status == 415
+            assert (await r.json()) == {"detail": CODED_BODY_DETAIL}
+        async with http.put(url + "/store/items", data=ITEM) as r:
+            assert r.status == 204, await r.text()  # the same connection serves on
 
 
 @pytest.fixture
@@ -405,23 +396,12 @@ async def test_stand_alone_store_answers_a_long_request_line_as_json(
 
 
 async def test_no_version_banner_reaches_clients_through_the_proxy(tmp_path: Path) -> None:
-    runner = runner_for(_store(tmp_path), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    store_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        async with (
-            running_gateway(None, builtin={"store": store_url}) as gw,
-            aiohttp.ClientSession() as http,
-        ):
-            params = {"namespace": "a", "key": "k"}
-            async with http.get(gw.url + "/store/items", params=params) as r:
-                assert r.status == 200
-                for value in r.headers.getall("Server", []):
-                    _assert_no_version_banner({"server": value})
-    finally:
-        await runner.cleanup()
+    async with _store_behind_a_gateway(tmp_path) as url, aiohttp.ClientSession() as http:
+        params = {"namespace": "a", "key": "k"}
+        async with http.get(url + "/store/items", params=params) as r:
+            assert r.status == 200
+            for value in r.headers.getall("Server", []):
+                _assert_no_version_banner({"server": value})
 
 
 def test_other_applications_keep_aiohttps_runner() -> None:

@@ -4,16 +4,16 @@ the operations the application serves."""
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from gateway.upstreams.http_api.openapi import Api, Operation, openapi_document
-from gateway.upstreams.http_api.serving import expect_handler
+from gateway.upstreams.http_api.serving import Handler, expect_handler
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+__all__ = ["Handler", "Route", "add_routes", "document_bytes"]
 
 
 @dataclass(frozen=True)

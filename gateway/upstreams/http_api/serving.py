@@ -1,6 +1,6 @@
 """Serving the built-in APIs (the Store, the control plane) on their own ports.
 
-Two things aiohttp does on its own that these APIs must not:
+What aiohttp does on its own that these APIs must not:
 
 * A request aiohttp's parser refuses (a request line or header over 8190 bytes, a
   malformed header, bad framing) never reaches the application or its middleware:
@@ -78,6 +78,7 @@ EXPECTATION_FAILED: Final = Response(
 # A built-in API application: served by ``ApiAppRunner`` (see ``runner_for``).
 BUILTIN_API_KEY: Final = web.AppKey("builtin_api", str)
 
+# A request handler (also what ``routes`` registers: defined here, which it imports).
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MALFORMED: Final = "malformed HTTP request"
