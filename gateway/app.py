@@ -616,46 +616,27 @@ class Service:
         self.proxies.append(proxy)
         return await proxy.start(host, port, reuse_port)
 
-    async def start_tcp(
+    async def start_socket(
         self,
         app: web.Application,
-        host: str,
-        port: int,
-        reuse_port: bool = False,
+        sockets: Sequence[socket.socket],
         ssl_context: ssl.SSLContext | None = None,
     ) -> list[str]:
-        """Serve ``app`` on host:port (HTTPS with ``ssl_context``; stopped after the
-        proxies, in start order)."""
-        runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=self.shutdown_timeout, handle_signals=False
-        )
-        await runner.setup()
-        site = web.TCPSite(
-            runner,
-            host,
-            port,
-            reuse_port=reuse_port or None,
-            shutdown_timeout=self.shutdown_timeout,
-            ssl_context=ssl_context,
-        )
-        await site.start()
-        self.runners.append(runner)
-        scheme = "http" if ssl_context is None else "https"
-        return [_address(s, scheme) for s in runner.addresses]
-
-    async def start_socket(
-        self, app: web.Application, sock: socket.socket, ssl_context: ssl.SSLContext | None = None
-    ) -> None:
+        """Serve ``app`` on sockets already listening (stopped after the proxies, in
+        start order); the addresses served, as URLs."""
         # The built-in upstreams' runner answers aiohttp's parser errors as their
         # documented JSON, never echoing request bytes; any other app gets aiohttp's own.
         from gateway.upstreams.http_api.serving import runner_for
 
         runner = runner_for(app, access_log=None, shutdown_timeout=self.shutdown_timeout)
         await runner.setup()
-        await web.SockSite(
-            runner, sock, shutdown_timeout=self.shutdown_timeout, ssl_context=ssl_context
-        ).start()
         self.runners.append(runner)
+        for sock in sockets:
+            await web.SockSite(
+                runner, sock, shutdown_timeout=self.shutdown_timeout, ssl_context=ssl_context
+            ).start()
+        scheme = "http" if ssl_context is None else "https"
+        return [_address(sock.getsockname(), scheme) for sock in sockets]
 
     def hurry(self) -> None:
         """Stop waiting for requests in flight on the proxy ports (a second signal)."""
@@ -705,6 +686,8 @@ def wait_for_stop(
 # After a second signal, how long the stop may still take: the proxy ports close their
 # connections at once (logging them), the built-in upstreams are cut off after this.
 HURRIED_STOP_SECONDS = 1.0
+# Named in the error when the admin port cannot be bound.
+ADMIN_PORT_WHAT = "the admin port: choose another with --admin-port, or 0 for a free one"
 
 
 async def unless_hurried(
@@ -920,13 +903,14 @@ async def serve(
     )
     upstreams = Upstreams(dict(builtin_urls or {}))
     admin_port = settings.admin_port
+    admin_sockets: list[socket.socket] = []
     sharing: asyncio.Task[None] | None = None
     admin_https: AdminTls | None = None
     admin_watch: asyncio.Task[None] | None = None
     try:
         if embedded is not None:
             for name, app in embedded.apps.items():
-                await service.start_socket(app, embedded.sockets[name])
+                await service.start_socket(app, [embedded.sockets[name]])
             upstreams.builtin.update(embedded.urls())
             for note in embedded.notes:
                 log.warning("%s", note)
@@ -939,6 +923,9 @@ async def serve(
         log_startup(settings, rules, upstreams.router(settings), worker)
         for name, url in upstreams.builtin.items():
             log.info("built-in %s listening on %s", name, url)
+        # Bound before the data plane listens (see bind_listeners); served once built.
+        if metrics_dir is None:
+            admin_sockets = bind_listeners(settings.admin_host, admin_port, ADMIN_PORT_WHAT)
         # The proxy is stopped first so in-flight requests can still reach the upstreams.
         for address in await service.start_proxy(
             proxy, settings.host, settings.port, reuse_port=worker_index is not None
@@ -973,11 +960,9 @@ async def serve(
             admin = create_admin_app(
                 metrics.registry, info, console, readiness=proxy.readiness.answer
             )
-            for address in await service.start_tcp(
-                admin,
-                settings.admin_host,
-                admin_port,
-                ssl_context=None if admin_https is None else admin_https.context,
+            served, admin_sockets = admin_sockets, []  # the runner closes them from here
+            for address in await service.start_socket(
+                admin, served, ssl_context=None if admin_https is None else admin_https.context
             ):
                 log.info("metrics on %s/metrics, console on %s/console", address, address)
         else:
@@ -995,6 +980,8 @@ async def serve(
         log.info("stopping: no new connections, /ready answers 503; waiting up to %.0fs for "
                  "requests in flight", settings.shutdown_timeout)  # fmt: skip
     finally:
+        for sock in admin_sockets:  # bound, never served: the start failed in between
+            sock.close()
         await unless_hurried(service, hurry)
         if admin_watch is not None:
             admin_watch.cancel()
@@ -1055,6 +1042,36 @@ def prepare_workers(settings: Settings) -> Embedded | None:
     identity_secret(settings.identity_secret, Path(settings.data_dir))
     check_port_free(settings.host, settings.port)
     return build_embedded(settings) if settings.embedded_enabled else None
+
+
+def bind_listeners(host: str, port: int, what: str, backlog: int = 128) -> list[socket.socket]:
+    """Listening, non-blocking sockets on every address ``host`` names (as asyncio's
+    ``create_server`` binds them), bound now. The admin port is bound this way before the
+    data plane listens: a start that cannot have both fails before it answered anything,
+    never after a client or a readiness probe was already served. ``what`` names the
+    port in the error (``OSError`` with the address and what to do)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: one socket per family
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"cannot listen on {host}:{port} ({what}): {exc.strerror}"
+                ) from exc
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -31,10 +31,12 @@ from pathlib import Path
 
 from gateway import __version__, logs
 from gateway.app import (
+    ADMIN_PORT_WHAT,
     Embedded,
     Service,
     Upstreams,
     _run_loop,
+    bind_listeners,
     console_source,
     database_checks,
     open_backend,
@@ -61,7 +63,7 @@ def _fork_worker(
     urls: dict[str, str],
     embedded: Embedded | None,
     metrics_dir: str,
-    admin_sock: socket.socket,
+    admin_sockets: list[socket.socket],
 ) -> int:
     pid = os.fork()
     if pid == 0:  # child
@@ -70,7 +72,8 @@ def _fork_worker(
             if embedded is not None:
                 for sock in embedded.sockets.values():
                     sock.close()
-            admin_sock.close()  # the supervisor's
+            for sock in admin_sockets:  # the supervisor's
+                sock.close()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             serve_worker(settings, index, sorted(urls.items()), metrics_dir)
         except BaseException:  # a worker must never return into the parent's code
@@ -106,21 +109,14 @@ def supervise(settings: Settings, embedded: Embedded | None) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _admin_socket(host: str, port: int) -> socket.socket:
-    """The admin port, bound before the workers start: a probe or a scrape that arrives
-    before the supervisor serves it waits in the backlog instead of being refused."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=128)
-    sock.setblocking(False)
-    return sock
-
-
 def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) -> int:
     urls = embedded.urls() if embedded is not None else {}
-    admin_sock = _admin_socket(settings.admin_host, settings.admin_port)
+    # Bound before the workers start: a probe or a scrape that arrives before the
+    # supervisor serves it waits in the backlog instead of being refused.
+    admin_sockets = bind_listeners(settings.admin_host, settings.admin_port, ADMIN_PORT_WHAT)
 
     def fork(index: int) -> int:
-        return _fork_worker(settings, index, urls, embedded, metrics_dir, admin_sock)
+        return _fork_worker(settings, index, urls, embedded, metrics_dir, admin_sockets)
 
     workers: dict[int, int] = {}  # pid -> index
     started: dict[int, float] = {}  # index -> when it was (re)started
@@ -154,7 +150,7 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             loop.add_signal_handler(sig, signalled)
         if embedded is not None:
             for name, app in embedded.apps.items():
-                await service.start_socket(app, embedded.sockets[name])
+                await service.start_socket(app, [embedded.sockets[name]])
                 log.info("built-in %s listening on %s", name, urls[name])
             for note in embedded.notes:
                 log.warning("%s", note)
@@ -234,14 +230,11 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             admin_watch = asyncio.create_task(admin_https.watch())
             served = with_admin_tls(info, admin_https)
         admin = create_admin_app(registry, served, console, readiness=readiness.answer)
-        await service.start_socket(
-            admin, admin_sock, ssl_context=None if admin_https is None else admin_https.context
-        )
-        host, port = admin_sock.getsockname()[:2]
-        scheme = "http" if admin_https is None else "https"
-        address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-        log.info("metrics of all %d workers on %s/metrics, console on %s/console",
-                 settings.workers, address, address)  # fmt: skip
+        for address in await service.start_socket(
+            admin, admin_sockets, ssl_context=None if admin_https is None else admin_https.context
+        ):
+            log.info("metrics of all %d workers on %s/metrics, console on %s/console",
+                     settings.workers, address, address)  # fmt: skip
         nonlocal failed_start
         try:
             while not stopping.is_set():

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -213,6 +214,72 @@ def test_a_taken_port_is_a_failed_start_not_a_graceful_stop(tmp_path):
     assert taken.returncode == 1
     assert "cannot start" in taken.stderr and "address already in use" in taken.stderr
     assert "draining" not in taken.stderr and "graceful stop" not in taken.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_taken_admin_port_fails_the_start_before_anything_is_served(tmp_path, workers):
+    """Every port is bound before the data plane answers: a gateway that cannot have its
+    admin port exits without having served a client or a readiness probe (it once
+    answered /ok for a moment, then exited, and a test's readiness wait took it as up)."""
+    import socket
+
+    from tests.support.gateway import free_port
+
+    port = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        admin = busy.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--admin-port",
+             str(admin), "--workers", workers, "--redis-url", "redis://127.0.0.1:1/0",
+             "--no-embedded", "--upstream", "http://127.0.0.1:9", "--data-dir", str(tmp_path)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            served = 0
+            while proc.poll() is None:  # connect attempts until the process is gone
+                with socket.socket() as probe:
+                    probe.settimeout(1)
+                    if probe.connect_ex(("127.0.0.1", port)) == 0:
+                        served += 1
+                time.sleep(0.005)
+            stderr = proc.communicate(timeout=30)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert served == 0, "the data port accepted connections of a start that failed"
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{admin} (the admin port" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_the_test_harness_starts_again_when_a_picked_port_was_taken(tmp_path, monkeypatch):
+    """GatewayProcess picks free ports before the process binds them; one taken meanwhile
+    (seen in CI) fails that start before it serves, and the harness starts it again on
+    fresh ports instead of failing the test that wanted a gateway."""
+    import socket
+
+    import tests.support.gateway as support
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        picks = iter([support.free_port(), taken])  # the data port, then the admin port
+        real = support.free_port
+        monkeypatch.setattr(support, "free_port", lambda: next(picks, None) or real())
+        gw = GatewayProcess(["--no-embedded", "--upstream", "http://127.0.0.1:9",
+                             "--data-dir", str(tmp_path)])  # fmt: skip
+        try:
+            assert gw.admin_port == taken
+            gw.wait_ready()
+            assert gw.admin_port != taken
+            with urllib.request.urlopen(f"http://127.0.0.1:{gw.admin_port}/ready") as r:
+                assert r.status == 200
+        finally:
+            gw.stop()
 
 
 def test_a_generated_control_plane_key_is_never_logged(tmp_path):

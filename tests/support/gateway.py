@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -101,41 +102,67 @@ class GatewayProcess:
         log_path: Path | None = None,
         new_session: bool = False,
     ):
+        # Ports picked here can be taken before the process binds them (another process
+        # listens there, or an outgoing connection got it as its ephemeral port); the
+        # gateway then fails its start before serving anything, and wait_ready starts it
+        # again on fresh ports. Ports a test chose are never changed.
+        self._picked = (port is None, admin_port is None)
         self.port = port or free_port()
         # 0 lets every process (each worker too) pick its own free admin port.
         self.admin_port = free_port() if admin_port is None else admin_port
+        self._serve_args = list(args)
+        self._env = {**os.environ, "GATEWAY_IDENTITY_SECRET": SECRET.decode(), **(env or {})}
+        self._new_session = new_session
+        # The output always goes to a file: a failed start says why in the error.
+        self._own_log = log_path is None
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="gateway-", suffix=".log")[1])
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self._spawn()
+
+    def _spawn(self) -> None:
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {**os.environ, "GATEWAY_IDENTITY_SECRET": SECRET.decode(), **(env or {})}
-        self.args = [
-            sys.executable,
-            "-m",
-            "gateway",
-            "serve",
-            "--port",
-            str(self.port),
-            "--admin-port",
-            str(self.admin_port),
-            *args,
-        ]
-        self.log_path = log_path
-        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.args = [sys.executable, "-m", "gateway", "serve", "--port", str(self.port),
+                     "--admin-port", str(self.admin_port), *self._serve_args]  # fmt: skip
+        self._log_start = self.log_path.stat().st_size
         # new_session: the gateway and its workers get a process group of their own, so
         # ``kill_group`` can SIGKILL all of them at once (and nothing else).
         self.proc = subprocess.Popen(
             self.args,
-            env=full_env,
+            env=self._env,
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=new_session,
+            start_new_session=self._new_session,
         )
+
+    def _lost_a_picked_port(self) -> bool:
+        """This start failed on a port picked here that something took meanwhile."""
+        with open(self.log_path, "rb") as handle:
+            handle.seek(self._log_start)
+            text = handle.read().decode(errors="replace")
+        if "already in use" not in text.lower():
+            return False
+        ports = zip((self.port, self.admin_port), self._picked, strict=True)
+        picked = [port for port, mine in ports if mine]
+        # the gateway's own message, and asyncio's for the data port
+        named = [f"127.0.0.1:{p}" for p in picked] + [f"'127.0.0.1', {p})" for p in picked]
+        return any(name in text for name in named)
 
     def wait_ready(self, timeout: float = 30.0) -> GatewayProcess:
         import urllib.request
 
         deadline = time.monotonic() + timeout
+        restarts = 3
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if restarts and self._lost_a_picked_port():
+                    restarts -= 1
+                    if self._picked[0]:
+                        self.port = free_port()
+                    if self._picked[1]:
+                        self.admin_port = free_port()
+                    self._spawn()
+                    continue
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log_text()}")
             try:
                 with urllib.request.urlopen(self.url + "/ok", timeout=1) as r:  # noqa: S310
@@ -165,8 +192,9 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        self._log.close()
+        if self._own_log:
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
 
