@@ -41,3 +41,18 @@ def store_database_url():
     """Where the Store under test keeps its items: None is SQLite. tests/store runs every
     Store test on both backends by overriding this fixture."""
     return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the output of the gateway processes it started."""
+    from tests.support import gateway
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for gw in gateway.STARTED:
+            text = gw.output or gw.log_text()
+            report.sections.append((f"gateway on port {gw.port} (exit {gw.proc.poll()})", text))
+    if report.when == "teardown":
+        gateway.STARTED.clear()

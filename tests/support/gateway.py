@@ -90,6 +90,11 @@ async def running_app(app: web.Application):
         await runner.cleanup()
 
 
+# Every gateway process started by the test running now: a failed test's report shows
+# their output (tests/conftest.py), which CI prints and which explains a failed start.
+STARTED: list[GatewayProcess] = []
+
+
 class GatewayProcess:
     """`python -m gateway serve ...` as a child process, waited for until /ok answers."""
 
@@ -117,6 +122,8 @@ class GatewayProcess:
         self._own_log = log_path is None
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="gateway-", suffix=".log")[1])
         self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self.output = ""  # the output's tail, kept by stop() (which removes an own log)
+        STARTED.append(self)
         self._spawn()
 
     def _spawn(self) -> None:
@@ -193,6 +200,7 @@ class GatewayProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self.output = self.log_text()
         if self._own_log:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
