@@ -923,9 +923,11 @@ async def serve(
         log_startup(settings, rules, upstreams.router(settings), worker)
         for name, url in upstreams.builtin.items():
             log.info("built-in %s listening on %s", name, url)
-        # Bound before the data plane listens (see bind_listeners); served once built.
+        # Bound, and its certificate files read, before the data plane listens (see
+        # bind_listeners); served once built.
         if metrics_dir is None:
             admin_sockets = bind_listeners(settings.admin_host, admin_port, ADMIN_PORT_WHAT)
+            admin_https = admin_tls(settings, metrics)  # SettingsError: files unusable
         # The proxy is stopped first so in-flight requests can still reach the upstreams.
         for address in await service.start_proxy(
             proxy, settings.host, settings.port, reuse_port=worker_index is not None
@@ -950,7 +952,6 @@ async def serve(
             )  # fmt: skip
             # Hook (issue 12): the admin /info also shows the Store's embedding index.
             info = _with_store_index(proxy.info, embedded)
-            admin_https = admin_tls(settings, metrics)  # SettingsError: files unusable
             if admin_https is not None:
                 log.info("%s", admin_https.describe())
                 certificates.append(admin_https)

@@ -216,6 +216,32 @@ def test_a_taken_port_is_a_failed_start_not_a_graceful_stop(tmp_path):
     assert "draining" not in taken.stderr and "graceful stop" not in taken.stderr
 
 
+def _failed_start(port: int, *args: str) -> tuple[int, str, int]:
+    """``gateway serve`` on ``port`` that is expected to fail: its exit status, its
+    stderr, and how many connect attempts the data port accepted until it exited."""
+    import socket
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--no-embedded",
+         "--upstream", "http://127.0.0.1:9", *args],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        served = 0
+        while proc.poll() is None:  # connect attempts until the process is gone
+            with socket.socket() as probe:
+                probe.settimeout(1)
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    served += 1
+            time.sleep(0.005)
+        stderr = proc.communicate(timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, stderr, served
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_taken_admin_port_fails_the_start_before_anything_is_served(tmp_path, workers):
     """Every port is bound before the data plane answers: a gateway that cannot have its
@@ -225,33 +251,34 @@ def test_a_taken_admin_port_fails_the_start_before_anything_is_served(tmp_path, 
 
     from tests.support.gateway import free_port
 
-    port = free_port()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         admin = busy.getsockname()[1]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--admin-port",
-             str(admin), "--workers", workers, "--redis-url", "redis://127.0.0.1:1/0",
-             "--no-embedded", "--upstream", "http://127.0.0.1:9", "--data-dir", str(tmp_path)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        code, stderr, served = _failed_start(
+            free_port(), "--admin-port", str(admin), "--workers", workers,
+            "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path),
         )  # fmt: skip
-        try:
-            served = 0
-            while proc.poll() is None:  # connect attempts until the process is gone
-                with socket.socket() as probe:
-                    probe.settimeout(1)
-                    if probe.connect_ex(("127.0.0.1", port)) == 0:
-                        served += 1
-                time.sleep(0.005)
-            stderr = proc.communicate(timeout=30)[1]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     assert served == 0, "the data port accepted connections of a start that failed"
-    assert proc.returncode == 1
+    assert code == 1
     assert f"cannot listen on 127.0.0.1:{admin} (the admin port" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_an_unusable_admin_certificate_fails_the_start_before_anything_is_served(tmp_path):
+    """The same for the admin port's certificate files: read before the data port
+    listens (they were read after it, so the start failed after serving for a moment)."""
+    from tests.support.gateway import free_port
+
+    (tmp_path / "tls.crt").write_text("not a certificate\n")
+    (tmp_path / "tls.key").write_text("not a key\n")
+    config = tmp_path / "gw.yaml"
+    config.write_text(f"tls:\n  admin: {{cert: {tmp_path}/tls.crt, key: {tmp_path}/tls.key}}\n")
+    code, stderr, served = _failed_start(
+        free_port(), "--admin-port", "0", "--config", str(config), "--data-dir", str(tmp_path)
+    )
+    assert served == 0, "the data port accepted connections of a start that failed"
+    assert code == 2 and "admin port" in stderr, stderr[-2000:]
     assert "Traceback" not in stderr
 
 
