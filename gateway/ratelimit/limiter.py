@@ -54,7 +54,7 @@ class _Kept:
     were counted in with a ceiling: ``partner``, the ceiling (a reloaded one is a new
     object, so a stale pair is never reused), and ``partner_key``, its identity."""
 
-    __slots__ = ("checks", "pair", "partner", "partner_key", "rule")
+    __slots__ = ("alone", "checks", "pair", "partner", "partner_key", "rule")
 
     def __init__(self, rule: Rule, checks: list[LimitCheck]) -> None:
         self.rule = rule
@@ -62,6 +62,8 @@ class _Kept:
         self.partner: Rule | None = None
         self.partner_key = ""
         self.pair: Group | None = None
+        # Its checks as a call of their own (a rule and its ceiling in a Redis Cluster).
+        self.alone: Group = ((rule,), False, checks)
 
 
 def _group_reports(
@@ -122,16 +124,22 @@ def _one_limit(region: str, identity: str | None, rule: Rule, result: HitResult)
 
 
 def _rule_and_ceiling(
-    region: str, selection: Selection, rules: tuple[Rule, ...], result: HitResult
+    region: str,
+    selection: Selection,
+    rule: Rule,
+    ceiling: Rule,
+    states: tuple[LimitState, LimitState],
+    result: HitResult,
+    admitted: bool,
+    certain_ms: int,
 ) -> Decision | None:
-    """``_decision`` for an enforced rule and one enforced ceiling counted in one call,
-    each with one limit (the default table's shape), without the general path's lists
-    and generators. None: another shape."""
-    rule, ceiling = rules
+    """``_decision`` for an enforced rule and one enforced ceiling, each with one limit
+    (the default table's shape), counted in one call or in two (a Redis Cluster's), without
+    the general path's lists and generators. ``states``: the rule's, the ceiling's;
+    ``result``: the (first) call's. None: another shape."""
     rule_specs = rule.limits_for(region)
     ceiling_specs = ceiling.limits_for(region)
-    states = result.states
-    if len(rule_specs) != 1 or len(ceiling_specs) != 1 or len(states) != 2:
+    if len(rule_specs) != 1 or len(ceiling_specs) != 1:
         return None
     spec, state = rule_specs[0], states[0]
     reset = -(-state.reset_ms // 1000)
@@ -146,7 +154,7 @@ def _rule_and_ceiling(
         reset, not state.allowed, False, state.reset_ms,
     )  # fmt: skip
     named, identity = rule, selection.identity
-    if result.admitted:
+    if admitted:
         outcome, retry_after = Outcome.ALLOWED, 0
     else:
         outcome = Outcome.LIMITED
@@ -161,7 +169,7 @@ def _rule_and_ceiling(
         retry_after = max(retry_after, 1)
     return Decision(
         outcome, named.id, _KIND_VALUES[named.identity], identity, (first, second),
-        retry_after, result.source, (), result.certain_ms,
+        retry_after, result.source, (), certain_ms,
     )  # fmt: skip
 
 
@@ -340,6 +348,20 @@ class Limiter:
                 pair = kept.pair = ((rule, ceiling), False, kept.checks + partner)
                 kept.partner, kept.partner_key = ceiling, ceiling_key
             return [pair]
+        elif (
+            len(ceilings) == 1
+            and not selection.shadows
+            and rule is not None
+            and not rule.unlimited
+            and selection.identity is not None
+            and not ceilings[0][0].shadow
+        ):
+            # The same pair as two calls (region in _separate_calls): each one's kept group.
+            ceiling, ceiling_key = ceilings[0]
+            return [
+                self._kept(region, rule, selection.identity).alone,
+                self._kept(region, ceiling, ceiling_key).alone,
+            ]
         else:
             enforced: list[tuple[Rule, str]] = []
             if rule is not None and not rule.unlimited and selection.identity is not None:
@@ -388,9 +410,48 @@ class Limiter:
                 certain_ms=result.certain_ms,
             )  # fmt: skip
         if len(groups) == 1 and not groups[0][1] and rule is not None and len(groups[0][0]) == 2:
-            pair = _rule_and_ceiling(region, selection, groups[0][0], results[0])
-            if pair is not None:
-                return pair
+            result = results[0]
+            if len(result.states) == 2:
+                rules, states = groups[0][0], result.states
+                pair = _rule_and_ceiling(
+                    region, selection, rules[0], rules[1], (states[0], states[1]), result,
+                    result.admitted, result.certain_ms,
+                )  # fmt: skip
+                if pair is not None:
+                    return pair
+        if (
+            len(groups) == 2
+            and rule is not None
+            and not selection.shadows
+            and len(selection.ceilings) == 1
+            and not groups[0][1]
+            and not groups[1][1]
+            and len(groups[0][0]) == 1
+            and len(groups[1][0]) == 1
+        ):
+            # The same in two calls (a Redis Cluster's: the rule's and the ceiling's keys
+            # in other slots). As the general path below: admitted when both are, the
+            # first call's source, no certain_ms (that is one call's).
+            first, second = results[0], results[1]
+            if len(first.states) == 1 and len(second.states) == 1:
+                pair = _rule_and_ceiling(
+                    region, selection, rule, groups[1][0][0], (first.states[0], second.states[0]),
+                    first, first.admitted and second.admitted, 0,
+                )  # fmt: skip
+                if pair is not None:
+                    return pair
+        return Limiter._general_decision(region, selection, groups, results)
+
+    @staticmethod
+    def _general_decision(
+        region: str,
+        selection: Selection,
+        groups: list[Group],
+        results: Sequence[HitResult],
+    ) -> Decision:
+        """``_decision`` for any shape: what its shortcuts above must equal
+        (tests/unit/test_decision_shortcuts.py compares them)."""
+        rule = selection.rule
         reports = []
         shadow_exceeded: list[tuple[str, str]] = []
         admitted = True
