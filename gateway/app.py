@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import gc
 import json
 import logging
@@ -687,7 +688,7 @@ def wait_for_stop(
 # connections at once (logging them), the built-in upstreams are cut off after this.
 HURRIED_STOP_SECONDS = 1.0
 # Named in the error when the admin port cannot be bound.
-ADMIN_PORT_WHAT = "the admin port: choose another with --admin-port, or 0 for a free one"
+ADMIN_PORT_WHAT = "the admin port: --admin-host and --admin-port choose it, port 0 a free one"
 
 
 async def unless_hurried(
@@ -1047,27 +1048,35 @@ def prepare_workers(settings: Settings) -> Embedded | None:
 
 def bind_listeners(host: str, port: int, what: str, backlog: int = 128) -> list[socket.socket]:
     """Listening, non-blocking sockets on every address ``host`` names (as asyncio's
-    ``create_server`` binds them), bound now. The admin port is bound this way before the
-    data plane listens: a start that cannot have both fails before it answered anything,
-    never after a client or a readiness probe was already served. ``what`` names the
-    port in the error (``OSError`` with the address and what to do)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    ``create_server`` binds them: ``""`` is every interface, an address family this
+    machine lacks is skipped), bound now. The admin port is bound this way before the data
+    plane listens: a start that cannot have both fails before it answered anything, never
+    after a client or a readiness probe was already served. ``what`` names the port in
+    the error (``OSError`` with the address and what to do)."""
+    shown = f"[{host}]" if ":" in host else host
     sockets: list[socket.socket] = []
     try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # as asyncio: one socket per family
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
+        try:
+            infos = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                try:
+                    sock = socket.socket(family, kind, proto)
+                except OSError:
+                    continue  # (as asyncio: e.g. IPv6 disabled, ``localhost`` is ::1 too)
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio: one socket per family
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 sock.bind(address)
-            except OSError as exc:
-                raise OSError(
-                    exc.errno, f"cannot listen on {host}:{port} ({what}): {exc.strerror}"
-                ) from exc
-            sock.listen(backlog)
-            sock.setblocking(False)
+                sock.listen(backlog)
+                sock.setblocking(False)
+            if not sockets:
+                raise OSError(errno.EAFNOSUPPORT, "no address of it can be used here")
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise OSError(exc.errno, f"cannot listen on {shown}:{port} ({what}): {reason}") from exc
     except BaseException:
         for sock in sockets:
             sock.close()

@@ -279,8 +279,28 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             for backend in backends.values():
                 await backend.close()
 
-    _run_loop(main())
+    try:
+        _run_loop(main())
+    except BaseException:
+        # main() failed before its own stop (a built-in upstream, a store or the admin
+        # port could not start): the workers forked above serve the port already and
+        # must not outlive their supervisor.
+        _stop_workers(workers, settings.shutdown_timeout)
+        raise
     return 1 if failed_start else 0
+
+
+def _stop_workers(workers: dict[int, int], shutdown_timeout: float) -> None:
+    """SIGTERM, up to the shutdown timeout (and 5 s) for them to stop, then SIGKILL."""
+    _signal_all(workers, signal.SIGTERM)
+    deadline = time.monotonic() + shutdown_timeout + 5
+    while workers and time.monotonic() < deadline:
+        _reap(workers)
+        time.sleep(0.1)
+    _signal_all(workers, signal.SIGKILL)
+    while workers:  # (reaped: no zombie left behind)
+        _reap(workers)
+        time.sleep(0.01)
 
 
 def _signal_all(workers: dict[int, int], sig: int) -> None:

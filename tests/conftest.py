@@ -50,7 +50,8 @@ def pytest_runtest_makereport(item, call):
 
     outcome = yield
     report = outcome.get_result()
-    if report.failed:
+    if report.failed and not hasattr(item, "gateway_output_shown"):
+        item.gateway_output_shown = True  # once, whether setup, call or teardown failed
         for gw in gateway.STARTED:
             text = gw.output or gw.log_text()
             report.sections.append((f"gateway on port {gw.port} (exit {gw.proc.poll()})", text))

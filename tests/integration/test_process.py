@@ -265,6 +265,37 @@ def test_a_taken_admin_port_fails_the_start_before_anything_is_served(tmp_path, 
     assert "Traceback" not in stderr
 
 
+def test_workers_do_not_outlive_a_supervisor_that_failed_to_start(tmp_path):
+    """The supervisor forks its workers, then starts its own part (the admin port's
+    application, the built-in services, the console's stores): a failure there ended it
+    and left the workers serving the port for good. Now they are stopped with it."""
+    import socket
+    from pathlib import Path
+
+    from tests.support.gateway import free_port
+
+    port = free_port()
+    fault = str(Path(__file__).resolve().parents[1] / "support" / "fail_admin_app")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--admin-port", "0",
+         "--workers", "2", "--redis-url", "redis://127.0.0.1:1/0", "--no-embedded",
+         "--upstream", "http://127.0.0.1:9", "--data-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": fault, "GATEWAY_TEST_FAIL_ADMIN_APP": "1"},
+    )  # fmt: skip
+    try:
+        stderr = proc.communicate(timeout=90)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and "injected" in stderr, stderr[-2000:]
+    # Nothing serves the data port any more: the workers went with their supervisor.
+    with socket.socket() as probe:
+        probe.settimeout(2)
+        assert probe.connect_ex(("127.0.0.1", port)) != 0, "a worker still serves the port"
+
+
 def test_an_unusable_admin_certificate_fails_the_start_before_anything_is_served(tmp_path):
     """The same for the admin port's certificate files: read before the data port
     listens (they were read after it, so the start failed after serving for a moment)."""

@@ -286,21 +286,10 @@ async def _head_then_read(port: int, head: bytes) -> tuple[asyncio.StreamReader,
     return reader, writer
 
 
-@pytest.mark.parametrize("case", ["gzip", "a deflate bomb"])
-async def test_a_coded_body_is_refused_before_100_continue_asks_for_it(
-    served: Served, case: str
-) -> None:
-    """With ``Expect: 100-continue`` aiohttp's own handler answered ``100 Continue`` and
-    the client uploaded the body only to be refused: now the head alone is answered."""
-    codings, body = CODED_BODIES[case]
-    # An operation each API serves (an unserved method or path gets aiohttp's answer to
-    # Expect, then the 415 above once the body came).
-    path = "/store/items" if served.name == "store" else "/v2/deployments"
-    head = _coded_request(path, codings, body).split(b"\r\n\r\n", 1)[0]
-    head = head.replace(b"Connection: close", b"Expect: 100-continue") + b"\r\n\r\n"
-    if served.name != "store":
-        head = b"POST" + head.removeprefix(b"PUT")
-    reader, writer = await _head_then_read(served.port, head)
+async def _final_answer_to_head(port: int, head: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send a request's head only (its body announced with ``Expect: 100-continue``) and
+    read the answer: a final one, not ``100 Continue``."""
+    reader, writer = await _head_then_read(port, head)
     try:
         answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
         assert not answer.startswith(b"HTTP/1.1 100"), answer[:200]
@@ -308,6 +297,24 @@ async def test_a_coded_body_is_refused_before_100_continue_asks_for_it(
         raw = await asyncio.wait_for(reader.readexactly(int(fields["content-length"])), timeout=30)
     finally:
         writer.close()
+    return status, fields, raw
+
+
+@pytest.mark.parametrize("case", ["gzip", "a deflate bomb"])
+async def test_a_coded_body_is_refused_before_100_continue_asks_for_it(
+    served: Served, case: str
+) -> None:
+    """With ``Expect: 100-continue`` aiohttp's own handler answered ``100 Continue`` and
+    the client uploaded the body only to be refused: now the head alone is answered."""
+    codings, body = CODED_BODIES[case]
+    # An operation each API serves (an unserved method or path is refused the same way:
+    # test_expect_on_a_request_no_route_takes_is_answered_as_the_routes_answer_it).
+    path = "/store/items" if served.name == "store" else "/v2/deployments"
+    head = _coded_request(path, codings, body).split(b"\r\n\r\n", 1)[0]
+    head = head.replace(b"Connection: close", b"Expect: 100-continue") + b"\r\n\r\n"
+    if served.name != "store":
+        head = b"POST" + head.removeprefix(b"PUT")
+    status, fields, raw = await _final_answer_to_head(served.port, head)
     assert status == 415 and json.loads(raw) == {"detail": CODED_BODY_DETAIL}
     assert fields["accept-encoding"] == "identity"
     assert fields["connection"].lower() == "close"  # the announced body is not wanted
@@ -342,6 +349,34 @@ async def test_an_unknown_expectation_is_answered_as_json_without_its_bytes(
     _assert_no_version_banner(fields)
     for statuses in await _documented_statuses(served.url, served.document):
         assert 417 in statuses
+
+
+@pytest.mark.parametrize("where", ["no such path", "no such method"])
+async def test_expect_on_a_request_no_route_takes_is_answered_as_the_routes_answer_it(
+    served: Served, where: str
+) -> None:
+    """aiohttp's default Expect handler ran where no route matched: ``100 Continue`` (the
+    client sent a body only to get 404) and, for an unknown expectation, plain text quoting
+    the header. Now its 404/405 comes at once, as JSON, without ``100 Continue``."""
+    path, method = ("/nowhere", b"POST") if where == "no such path" else (
+        served.document, b"DELETE"
+    )  # fmt: skip
+    status_wanted = 404 if where == "no such path" else 405
+    head = (
+        method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+    )
+    status, fields, raw = await _final_answer_to_head(served.port, head)
+    assert status == status_wanted and set(json.loads(raw)) == {"detail"}, (status, raw)
+    assert fields["connection"].lower() == "close"  # the announced body is not wanted
+    _assert_no_version_banner(fields)
+    # An expectation no one knows, where no route is: the routes' JSON 417, not quoted.
+    unknown = head.replace(b"Expect: 100-continue", b"Expect: x-" + MARKER)
+    answer = await _raw(served.port, unknown)
+    status, fields, raw = _parse(answer)
+    assert status == 417 and MARKER not in answer, answer[:300]
+    assert set(json.loads(raw)) == {"detail"}
+    _assert_no_version_banner(fields)
 
 
 async def test_a_bodiless_request_passes_whatever_its_content_encoding_says(served: Served) -> None:

@@ -120,11 +120,14 @@ class GatewayProcess:
         self._new_session = new_session
         # The output always goes to a file: a failed start says why in the error.
         self._own_log = log_path is None
-        self.log_path = log_path or Path(tempfile.mkstemp(prefix="gateway-", suffix=".log")[1])
-        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="gateway-", suffix=".log")
+            self.log_path, self._log = Path(name), os.fdopen(fd, "ab")
+        else:
+            self.log_path, self._log = log_path, open(log_path, "ab")  # noqa: SIM115
         self.output = ""  # the output's tail, kept by stop() (which removes an own log)
-        STARTED.append(self)
         self._spawn()
+        STARTED.append(self)
 
     def _spawn(self) -> None:
         self.url = f"http://127.0.0.1:{self.port}"
@@ -168,6 +171,9 @@ class GatewayProcess:
                         self.port = free_port()
                     if self._picked[1]:
                         self.admin_port = free_port()
+                    # (what a test reads of the log is the start that served it)
+                    self._log.write(b"-- started again: a picked port was taken --\n")
+                    self._log.flush()
                     self._spawn()
                     continue
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log_text()}")

@@ -17,7 +17,8 @@ What aiohttp does on its own that these APIs must not:
   ``identity`` is refused with 415 and ``Accept-Encoding: identity`` (RFC 9110 15.5.16)
   before anything reads it (``refuse_coded_bodies``), and before ``100 Continue`` would ask
   the client to send it (``expect_handler``, which also answers an unknown expectation as
-  JSON: aiohttp's 417 is plain text quoting the header).
+  JSON: aiohttp's 417 is plain text quoting the header). A request no route takes gets
+  the same, or its 404/405 without ``100 Continue`` (``_unrouted_expectations``).
 * Every answer carries ``Server: Python/3.x aiohttp/3.y``, which the gateway's proxy passes
   on to clients. ``neutral_server_header`` (installed by the applications themselves) and
   the error answers above send ``Server: SERVER_NAME`` instead, which names no software
@@ -147,12 +148,14 @@ class JsonErrorRequestHandler(web.RequestHandler):
 class _JsonErrorServer(web.Server):
     """aiohttp's ``Server`` whose connections use ``JsonErrorRequestHandler``."""
 
-    def __init__(self, base: web.Server, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, base: web.Server, app: web.Application, loop: asyncio.AbstractEventLoop
+    ) -> None:
         # The handler options (limits, timeouts, logging) the runner chose for ``base``;
         # bodies are never inflated (module docstring).
         self._handler_options: dict[str, Any] = {**base._kwargs, "auto_decompress": False}
         super().__init__(
-            base.request_handler,
+            _unrouted_expectations(base.request_handler, app),
             request_factory=base.request_factory,
             handler_cancellation=base.handler_cancellation,
             loop=loop,
@@ -170,7 +173,7 @@ class ApiAppRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         base = await super()._make_server()  # starts the application (on_startup)
-        return _JsonErrorServer(base, asyncio.get_running_loop())
+        return _JsonErrorServer(base, self.app, asyncio.get_running_loop())
 
 
 def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
@@ -213,25 +216,67 @@ async def refuse_coded_bodies(request: web.Request, handler: Handler) -> web.Str
     return await handler(request)
 
 
-async def expect_handler(request: web.Request) -> web.StreamResponse | None:
-    """The ``Expect`` handler of every built-in API route (``routes.add_routes``; aiohttp
-    runs it before any middleware). A body with a content coding is refused before
-    ``100 Continue`` would ask the client to send it; an expectation other than
+def _expectation_refused(request: web.BaseRequest) -> web.Response | None:
+    """The answer to a request's ``Expect`` before its body is asked for, or None: it may
+    be. A body with a content coding is refused (415); an expectation other than
     ``100-continue`` is answered as the APIs answer errors (aiohttp's own handler answers
     417 in plain text quoting the header). Both close the connection: the body the
-    request announced is not coming, or not wanted. Otherwise as aiohttp: ``100
-    Continue`` on HTTP/1.1."""
+    request announced is not coming, or not wanted."""
     if content_codings(request):
         refused = _coded_body_response()
     elif request.headers.get("Expect", "").lower() != "100-continue":
         refused = error_response(417, EXPECTATION_DETAIL)
     else:
-        if request.version == HttpVersion11:
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0  # (as aiohttp: the answer has not started)
         return None
     refused.force_close()
     return refused
+
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """The ``Expect`` handler of every built-in API route (``routes.add_routes``; aiohttp
+    runs it before any middleware): ``_expectation_refused``, else as aiohttp: ``100
+    Continue`` on HTTP/1.1."""
+    refused = _expectation_refused(request)
+    if refused is not None:
+        return refused
+    if request.version == HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (as aiohttp: the answer has not started)
+    return None
+
+
+def _unrouted_expectations(
+    handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], app: web.Application
+) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    """``handler`` (the application's), answering ``Expect`` on a request that no route
+    takes (404, 405) as the routes do, where aiohttp's default handler would run: it
+    answered ``100 Continue`` (the client then sent a body only to get 404), and an
+    unknown expectation as plain text quoting the header. Such a request gets
+    ``_expectation_refused``, or its 404/405 at once, without ``100 Continue`` and with
+    the connection closed (the announced body is not wanted)."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if "Expect" not in request.headers:
+            return await handler(request)
+        assert isinstance(request, web.Request)  # (the application's request factory)
+        match = await app.router.resolve(request)
+        if match.http_exception is None:
+            return await handler(request)  # the route's own expect_handler decides
+        refused = _expectation_refused(request)
+        if refused is not None:
+            return refused
+        headers = request.headers.copy()
+        del headers["Expect"]
+        routed = request.clone(headers=headers)
+        response = await handler(routed)
+        response.force_close()
+        # Prepared here, with the request the application matched (the one aiohttp
+        # prepares it with has no match, so the application's on_response_prepare
+        # hooks, the neutral Server header among them, would not run).
+        await response.prepare(routed)
+        return response
+
+    return handle
 
 
 def mark_builtin_api(app: web.Application, name: str) -> None:
