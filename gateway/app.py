@@ -1060,20 +1060,31 @@ def bind_listeners(host: str, port: int, what: str, backlog: int = 128) -> list[
             infos = socket.getaddrinfo(
                 host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )
+            unusable: OSError | None = None
             for family, kind, proto, _, address in dict.fromkeys(infos):
                 try:
                     sock = socket.socket(family, kind, proto)
-                except OSError:
-                    continue  # (as asyncio: e.g. IPv6 disabled, ``localhost`` is ::1 too)
+                except OSError as exc:  # (as asyncio: e.g. IPv6 disabled, and ::1 named)
+                    unusable = exc
+                    continue
                 sockets.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:  # as asyncio: one socket per family
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
+                if port == 0 and len(sockets) > 1:  # port 0: one free port for all
+                    address = (address[0], sockets[0].getsockname()[1], *address[2:])
+                try:
+                    sock.bind(address)
+                except OSError as exc:
+                    if exc.errno != errno.EADDRNOTAVAIL:
+                        raise
+                    unusable = exc  # (an address this machine does not have: IPv6 off)
+                    sockets.pop().close()
+                    continue
                 sock.listen(backlog)
                 sock.setblocking(False)
             if not sockets:
-                raise OSError(errno.EAFNOSUPPORT, "no address of it can be used here")
+                raise unusable or OSError(errno.EADDRNOTAVAIL, "no address to listen on")
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise OSError(exc.errno, f"cannot listen on {shown}:{port} ({what}): {reason}") from exc

@@ -121,9 +121,13 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
     workers: dict[int, int] = {}  # pid -> index
     started: dict[int, float] = {}  # index -> when it was (re)started
     failed_start = False
-    for index in range(settings.workers):
-        workers[fork(index)] = index
-        started[index] = time.monotonic()
+    try:
+        for index in range(settings.workers):
+            workers[fork(index)] = index
+            started[index] = time.monotonic()
+    except BaseException:
+        _stop_workers(workers, settings.shutdown_timeout)  # (a fork failed: those forked)
+        raise
     log.info("started %d workers on port %d (pids %s)", settings.workers, settings.port,
              ", ".join(str(p) for p in workers))  # fmt: skip
 
@@ -295,11 +299,18 @@ def _stop_workers(workers: dict[int, int], shutdown_timeout: float) -> None:
     _signal_all(workers, signal.SIGTERM)
     deadline = time.monotonic() + shutdown_timeout + 5
     while workers and time.monotonic() < deadline:
-        _reap(workers)
+        try:
+            _reap(workers)
+        except ChildProcessError:
+            break
         time.sleep(0.1)
     _signal_all(workers, signal.SIGKILL)
-    while workers:  # (reaped: no zombie left behind)
-        _reap(workers)
+    deadline = time.monotonic() + 5
+    while workers and time.monotonic() < deadline:  # (reaped: no zombie left behind)
+        try:
+            _reap(workers)
+        except ChildProcessError:  # none left to wait for
+            break
         time.sleep(0.01)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -282,13 +283,14 @@ def test_workers_do_not_outlive_a_supervisor_that_failed_to_start(tmp_path):
          "--upstream", "http://127.0.0.1:9", "--data-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": fault, "GATEWAY_TEST_FAIL_ADMIN_APP": "1"},
+        start_new_session=True,  # its group: orphaned workers are killed below, whatever
     )  # fmt: skip
     try:
         stderr = proc.communicate(timeout=90)[1]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert proc.returncode != 0 and "injected" in stderr, stderr[-2000:]
     # Nothing serves the data port any more: the workers went with their supervisor.
     with socket.socket() as probe:

@@ -377,6 +377,20 @@ async def test_expect_on_a_request_no_route_takes_is_answered_as_the_routes_answ
     assert status == 417 and MARKER not in answer, answer[:300]
     assert set(json.loads(raw)) == {"detail"}
     _assert_no_version_banner(fields)
+    # A header that is not UTF-8 beside it (aiohttp keeps such bytes as surrogates, which
+    # a re-encoding of the request refused: 500 and an error in the log).
+    odd = head.replace(b"Host: x\r\n", b"Host: x\r\nX-Api-Key: \xff\xfe" + MARKER + b"\r\n")
+    status, fields, raw = await _final_answer_to_head(served.port, odd)
+    assert status == status_wanted and set(json.loads(raw)) == {"detail"}, (status, raw)
+    # An empty Expect is no expectation (as aiohttp treats it where a route is).
+    empty = (
+        head.replace(b"Expect: 100-continue", b"Expect:").replace(
+            b"Content-Length: 2\r\n", b"Content-Length: 2\r\nConnection: close\r\n"
+        )
+        + b"{}"
+    )
+    status, fields, raw = _parse(await _raw(served.port, empty))
+    assert status == status_wanted and set(json.loads(raw)) == {"detail"}, (status, raw)
 
 
 async def test_a_bodiless_request_passes_whatever_its_content_encoding_says(served: Served) -> None:

@@ -32,6 +32,42 @@ rules:
     limits: {us: [3/1, 100/3600]}
 """
 
+SHADOWS = """
+ceilings:
+  - id: per-address
+    identity: ip
+    limits: {us: 40/60}
+  - id: watched-address
+    identity: ip
+    shadow: true
+    limits: {us: 20/60}
+rules:
+  - id: trial
+    match: {path: /x}
+    identity: api_key
+    shadow: true
+    limits: {us: 2/60}
+  - id: keyed
+    match: {path: /x}
+    identity: api_key
+    limits: {us: 3/60}
+"""
+
+TWO_CEILINGS = """
+ceilings:
+  - id: per-address
+    identity: ip
+    limits: {us: [40/60, 400/3600]}
+  - id: per-user
+    identity: user_ip
+    limits: {us: 10/60}
+rules:
+  - id: keyed
+    match: {path: /x}
+    identity: api_key
+    limits: {us: 3/60}
+"""
+
 NO_CEILING = """
 rules:
   - id: alone
@@ -68,6 +104,12 @@ CASES = [  # (rules, path, separate calls)
     (RULES, "/two", False),  # a rule of two limits: the general path
     (RULES, "/two", True),
     (RULES, "/nothing", True),  # no rule: the ceiling alone
+    (RULES, "/nothing", False),
+    (SHADOWS, "/x", False),  # a shadow rule and a shadow ceiling beside the pair
+    (SHADOWS, "/x", True),
+    (TWO_CEILINGS, "/x", False),  # two ceilings, one of two limits
+    (TWO_CEILINGS, "/x", True),
+    (TWO_CEILINGS, "/nothing", True),  # no rule, two ceilings
 ]
 
 
@@ -77,7 +119,11 @@ def shaped(draw: st.DrawFn) -> tuple[Limiter, object, list[object], list[HitResu
     table = load_rules_from_texts([("rules.yaml", text)])
     region = frozenset({"us"}) if separate else frozenset()
     limiter = Limiter({"us": MemoryBackend()}, separate_calls=region)
-    ids = {IdentityKind.API_KEY: "key-hash", IdentityKind.IP: "address-hash"}
+    ids = {
+        IdentityKind.API_KEY: "key-hash",
+        IdentityKind.IP: "address-hash",
+        IdentityKind.USER_IP: "user-hash",
+    }
     selection = select(table, "us", "GET", path, ids.get)
     groups = limiter._groups("us", selection)
     results = results_for(draw, [len(checks) for _, _, checks in groups])

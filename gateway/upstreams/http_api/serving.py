@@ -42,6 +42,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     PayloadEncodingError,
 )
+from multidict import CIMultiDict
 
 from gateway.upstreams.http_api.log_safety import exception_summary
 from gateway.upstreams.http_api.openapi import Response
@@ -256,7 +257,7 @@ def _unrouted_expectations(
     the connection closed (the announced body is not wanted)."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        if "Expect" not in request.headers:
+        if not request.headers.get("Expect"):  # (an empty one: aiohttp ignores it too)
             return await handler(request)
         assert isinstance(request, web.Request)  # (the application's request factory)
         match = await app.router.resolve(request)
@@ -265,8 +266,14 @@ def _unrouted_expectations(
         refused = _expectation_refused(request)
         if refused is not None:
             return refused
-        headers = request.headers.copy()
-        del headers["Expect"]
+        # clone() encodes every value as strict UTF-8, while aiohttp read them with
+        # surrogateescape: a value that is not UTF-8 gets U+FFFD where it is not (it
+        # raised, and the request got 500 and an error in the log).
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in request.headers.items():
+            if name.lower() != "expect":
+                raw = value.encode("utf-8", "surrogateescape")
+                headers.add(name, raw.decode("utf-8", "replace"))
         routed = request.clone(headers=headers)
         response = await handler(routed)
         response.force_close()
