@@ -332,36 +332,25 @@ class Limiter:
             and not rule.unlimited
             and selection.identity is not None
             and not ceilings[0][0].shadow
-            and region not in self._separate_calls
         ):
+            ceiling, ceiling_key = ceilings[0]
+            kept = self._kept(region, rule, selection.identity)
+            if region in self._separate_calls:
+                # Two calls (their keys' slots differ on a Redis Cluster): each one's
+                # kept group.
+                return [kept.alone, self._kept(region, ceiling, ceiling_key).alone]
             # A rule and one enforced ceiling (the default table): their one group, from
             # each one's kept checks; the rule's identity keeps its last pair only. Pairs
             # of identity and client address are far more than either alone: a cache of
             # them missed for nearly every request under the bench's 10,000 keys over 50
             # addresses and was cleared every 50,000 (benchmarks/README.md, "ninth step"),
             # while one client from one address, the usual case, still meets its pair.
-            ceiling, ceiling_key = ceilings[0]
-            kept = self._kept(region, rule, selection.identity)
             pair = kept.pair
             if pair is None or kept.partner is not ceiling or kept.partner_key != ceiling_key:
                 partner = self._checks(region, ceiling, ceiling_key)
                 pair = kept.pair = ((rule, ceiling), False, kept.checks + partner)
                 kept.partner, kept.partner_key = ceiling, ceiling_key
             return [pair]
-        elif (
-            len(ceilings) == 1
-            and not selection.shadows
-            and rule is not None
-            and not rule.unlimited
-            and selection.identity is not None
-            and not ceilings[0][0].shadow
-        ):
-            # The same pair as two calls (region in _separate_calls): each one's kept group.
-            ceiling, ceiling_key = ceilings[0]
-            return [
-                self._kept(region, rule, selection.identity).alone,
-                self._kept(region, ceiling, ceiling_key).alone,
-            ]
         else:
             enforced: list[tuple[Rule, str]] = []
             if rule is not None and not rule.unlimited and selection.identity is not None:
