@@ -1097,13 +1097,8 @@ def bind_listeners(host: str, port: int, what: str, backlog: int = 128) -> list[
 
 def check_port_free(host: str, port: int) -> None:
     """Raise ``OSError`` (with the address) when nothing could listen on host:port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    for sock in bind_listeners(host, port, "the port: --host and --port choose it"):
+        sock.close()
 
 
 def _run_loop(main: Any) -> None:
