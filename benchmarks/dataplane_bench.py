@@ -1191,7 +1191,9 @@ class Bench:
             return None
         directory.mkdir(parents=True, exist_ok=True)
         if self.args.profiler == "perf":
-            cmd = ["perf", "record", "-F", "499", "--call-graph", "dwarf,16384",
+            # cpu-clock: a sample's period is then nanoseconds of CPU (profile_diff.py
+            # reads it so), where a host with hardware counters would record cycles.
+            cmd = ["perf", "record", "-e", "cpu-clock", "-F", "499", "--call-graph", "dwarf,16384",
                    "-p", str(proc.pid), "-o", str(directory / f"{tag}.data"),
                    "--", "sleep", str(self.args.seconds)]  # fmt: skip
         else:
@@ -1567,8 +1569,8 @@ def main() -> None:
         type=Path,
         metavar="DIR",
         help="record each gateway row's measured window with --profiler (from core 1) "
-        "into DIR/<row>.txt: collapsed stacks, plus DIR/<row>.top.txt, the functions "
-        "with the most samples of their own",
+        "into DIR/<row>[-<label>][-run<N>].txt (py-spy: collapsed stacks) or .data (perf), "
+        "plus .top.txt, the functions with the most samples of their own",
     )
     parser.add_argument(
         "--profiler",
