@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +52,9 @@ class DataPlane:
         self.pool = pool
         self.limits = limits
         self.loop = asyncio.get_running_loop()
+        # The loop's clock, bound once (a deadline is set several times a request; see
+        # batched_writes.BatchedTransport for why).
+        self.clock: Callable[[], float] = self.loop.time
         self.writes = write_batch(self.loop)  # shared with the upstream connections
         self.connections: set[ClientConnection] = set()
         self.closing = False

@@ -375,7 +375,7 @@ class ClientSide(Protocol):
 
 
 class Relay:
-    """The response side of one forwarded request (a ``ResponseSink``).
+    """The response side of one forwarded request (an upstream connection's sink).
 
     Defaults live on the class (one Relay is built per forwarded request; as with
     ``Incoming``, setting every field in ``__init__`` costs more than it needs to)."""
@@ -454,7 +454,7 @@ class Relay:
     def upstream_writable(self, writable: bool) -> None:
         self.conn.set_paused("upstream", not writable)
 
-    # --- response side (ResponseSink)
+    # --- response side (what UpstreamConnection reports to its sink)
 
     def response_head(
         self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool

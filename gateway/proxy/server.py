@@ -99,9 +99,18 @@ class ClientConnection(Forwarding):
         # The state both halves use, and the forwarding state, are set there.
         super().__init__(plane)
         self.loop = plane.loop
+        self.clock = plane.clock
         self.identity_memo: dict[tuple[IdentityKind, str], str] = {}
         self.tls = plane.scheme == "https"  # client certificates may identify requests
-        self.parser = httptools.HttpRequestParser(self)
+        parser = self.parser = httptools.HttpRequestParser(self)
+        # Its methods bound once per connection: compiled code calls a method of an
+        # object it knows only by name (httptools') by looking it up on each call, five
+        # times a request here (benchmarks/README.md, "Third round, twenty-first step").
+        self.feed_parser = parser.feed_data
+        self.parsed_method = parser.get_method
+        self.parsed_version = parser.get_http_version
+        self.parsed_keep_alive = parser.should_keep_alive
+        self.parsed_upgrade = parser.should_upgrade
         self.current: Incoming | None = None  # being parsed
         self.deadline_kind = 0
         self.in_head = False
@@ -281,7 +290,7 @@ class ClientConnection(Forwarding):
         # The body so far of a request whose body this read continues (-1: none).
         body_before = -1 if cur is None or self.in_head else cur.body_size
         try:
-            self.parser.feed_data(data)
+            self.feed_parser(data)
         except httptools.HttpParserUpgrade as exc:
             # llhttp stops at the end of an Upgrade request's head. Upgrade is not
             # offered (the header is hop-by-hop and stripped): the request is answered
@@ -532,7 +541,6 @@ class ClientConnection(Forwarding):
     def on_headers_complete(self) -> None:
         req = self.current
         assert req is not None
-        parser = self.parser
         self.in_head = False
         # The head's size as parsed, whatever the reads it came in (one bound).
         req.head_size = self.head_fields
@@ -541,13 +549,13 @@ class ClientConnection(Forwarding):
             self.current = None
             self._head_too_large()
             raise StopParsingError
-        method = parser.get_method()
+        method = self.parsed_method()
         req.method = _METHODS.get(method) or method.decode("ascii")
-        req.version = parser.get_http_version()
-        req.keep_alive = parser.should_keep_alive()
+        req.version = self.parsed_version()
+        req.keep_alive = self.parsed_keep_alive()
         req.head_only = req.method == "HEAD"
         req.target = b"".join(self.url)
-        if parser.should_upgrade():
+        if self.parsed_upgrade():
             req.upgrade = True
             framing = declared_body(req.headers)
             if framing:
@@ -610,7 +618,7 @@ class ClientConnection(Forwarding):
             self._body_too_large(req)
             return
         if req is self.active or self.active is None:
-            self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+            self.body_deadline = self.clock() + self.limits.body_read_timeout
         sink = req.sink
         if sink is not None:
             sink(data)
@@ -658,7 +666,7 @@ class ClientConnection(Forwarding):
             if answer is None:
                 if not req.body_done and (req.content_length or req.chunked):
                     # (framing is known only once begin() has read the headers)
-                    self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+                    self.body_deadline = self.clock() + self.limits.body_read_timeout
                 decision = req.decision
                 if decision is None:
                     if not self.gateway.decide_later(req, lambda got: self._decided(req, got)):
@@ -794,7 +802,7 @@ class ClientConnection(Forwarding):
                 self._set_deadline(HEAD, self.limits.header_timeout)
             else:  # the rest of an answered request's body is being read and dropped
                 self.deadline = 0.0
-                self.body_deadline = self.loop.time() + self.limits.body_read_timeout
+                self.body_deadline = self.clock() + self.limits.body_read_timeout
 
     def _idle(self) -> bool:
         return self.active is None
@@ -812,7 +820,7 @@ class ClientConnection(Forwarding):
             self.transport.write(data)
 
     def response_progress(self) -> None:
-        self.deadline = self.loop.time() + self.limits.upstream_read_timeout
+        self.deadline = self.clock() + self.limits.upstream_read_timeout
 
     def set_paused(self, reason: str, paused: bool) -> None:
         if paused:
@@ -840,7 +848,7 @@ class ClientConnection(Forwarding):
 
     def _set_deadline(self, kind: int, seconds: float) -> None:
         self.deadline_kind = kind
-        self.deadline = self.loop.time() + seconds
+        self.deadline = self.clock() + seconds
 
     def check(self, now: float) -> None:
         if self.body_deadline and now >= self.body_deadline:

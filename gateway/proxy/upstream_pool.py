@@ -14,12 +14,15 @@ import ssl
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Final, Protocol, cast
+from typing import TYPE_CHECKING, Final, cast
 from urllib.parse import urlsplit
 
 import httptools
 
 from gateway.proxy.batched_writes import BatchedTransport, write_batch
+
+if TYPE_CHECKING:
+    from gateway.proxy.relay import Relay
 
 # The clock, bound once: a module attribute is a dict lookup on every call.
 _monotonic: Final = time.monotonic
@@ -47,49 +50,39 @@ class Upstream:
         return host, port, tls, parts.path.rstrip("/")
 
 
-class ResponseSink(Protocol):
-    """What an upstream connection reports about the response it is reading."""
-
-    def response_head(
-        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
-    ) -> None: ...
-
-    def response_body(self, data: bytes) -> None: ...
-
-    def response_switched(
-        self, reason: bytes, headers: list[tuple[bytes, bytes]], rest: bytes
-    ) -> None: ...
-
-    def response_end(self) -> None: ...
-
-    def upstream_lost(self, exc: Exception | None) -> None: ...
-
-    def upstream_writable(self, writable: bool) -> None: ...
-
-    def flush(self) -> None: ...
-
-
 class UpstreamConnection(asyncio.Protocol):
-    """One keep-alive connection; parses responses and reports them to its sink."""
+    """One keep-alive connection; parses responses and reports them to its sink, the
+    ``Relay`` of the request it carries (its "response side" methods)."""
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
         self.pool = pool
         self.key = key
         self.transport: BatchedTransport | None = None
-        self.sink: ResponseSink | None = None
+        # Typed by the class, not by a Protocol: mypyc then calls the relay's methods
+        # directly, where a Protocol-typed call looks each method up by name (four a
+        # request; benchmarks/README.md, "Third round, twenty-first step").
+        self.sink: Relay | None = None
         self.reusable = True
         self.used = 0  # exchanges carried, for "a reused connection went stale" retries
         self.idle_since = 0.0
         self.received = False  # any response byte arrived for the current exchange
         self.head_only = False  # the current request is HEAD: the response has no body
         self.upgrade_asked = False  # the current request asks to switch protocols
-        self._parser = httptools.HttpResponseParser(self)
+        self._new_parser()
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._in_body = False
         self._finished = False  # the response is complete; reported after the read
         self._junk = False  # parsing a response nobody asked for (never reused)
         self._lost = False
+
+    def _new_parser(self) -> None:
+        """A parser for the next response, its methods bound once (compiled code looks a
+        method of httptools' up by name on each call: three a request here)."""
+        parser = self._parser = httptools.HttpResponseParser(self)
+        self._feed_parser = parser.feed_data
+        self._status_code = parser.get_status_code
+        self._keep_alive = parser.should_keep_alive
 
     # --- asyncio.Protocol
 
@@ -111,13 +104,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self.received = True
         try:
-            self._parser.feed_data(data)
+            self._feed_parser(data)
         except httptools.HttpParserUpgrade as exc:
-            if (
-                self.upgrade_asked
-                and not self._finished
-                and self._parser.get_status_code() == 101
-            ):
+            if self.upgrade_asked and not self._finished and self._status_code() == 101:
                 # The asked-for switch: this connection leaves the pool for good and is
                 # joined to the client's (gateway.proxy.tunnel).
                 at = int(exc.args[0]) if exc.args else len(data)
@@ -188,11 +177,11 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self._junk:
             return
-        status = self._parser.get_status_code()
+        status = self._status_code()
         if 100 <= status < 200:
             return  # interim responses (100 Continue, 103) are not relayed; the final one is
         self._in_body = True
-        keep_alive = self._parser.should_keep_alive()
+        keep_alive = self._keep_alive()
         if not keep_alive:
             self.reusable = False
         if self.sink is not None:
@@ -201,7 +190,7 @@ class UpstreamConnection(asyncio.Protocol):
             # llhttp cannot be told the request was HEAD: the message ends here, and a
             # fresh parser takes the next exchange. Whatever else the old parser still
             # finds in this read (a body sent after all) is stray.
-            self._parser = httptools.HttpResponseParser(self)
+            self._new_parser()
             self._in_body = False
             self._finished = True
 
@@ -240,7 +229,7 @@ class UpstreamConnection(asyncio.Protocol):
     def closed(self) -> bool:
         return self._lost or self.transport is None or self.transport.is_closing()
 
-    def start(self, sink: ResponseSink, data: bytes, head_only: bool) -> None:
+    def start(self, sink: Relay, data: bytes, head_only: bool) -> None:
         """Begin an exchange: write the request head (and any body bytes already known)."""
         self.sink = sink
         self.received = False
