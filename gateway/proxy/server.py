@@ -106,6 +106,8 @@ class ClientConnection(Forwarding):
         # Its methods bound once per connection: compiled code calls a method of an
         # object it knows only by name (httptools') by looking it up on each call, five
         # times a request here (benchmarks/README.md, "Third round, twenty-first step").
+        # The parser is never replaced; one that is must bind these again (as
+        # UpstreamConnection._new_parser does).
         self.feed_parser = parser.feed_data
         self.parsed_method = parser.get_method
         self.parsed_version = parser.get_http_version

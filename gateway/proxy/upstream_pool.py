@@ -52,7 +52,8 @@ class Upstream:
 
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; parses responses and reports them to its sink, the
-    ``Relay`` of the request it carries (its "response side" methods)."""
+    ``Relay`` of the request it carries (its "response side" methods). Compiled, the sink
+    must be a ``Relay`` itself: a test's stand-in is refused with ``TypeError``."""
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
         self.pool = pool
@@ -79,6 +80,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _new_parser(self) -> None:
         """A parser for the next response, its methods bound once (compiled code looks a
         method of httptools' up by name on each call: three a request here)."""
+        # (``_parser`` is not read again: kept so that a debugger shows the parser)
         parser = self._parser = httptools.HttpResponseParser(self)
         self._feed_parser = parser.feed_data
         self._status_code = parser.get_status_code
