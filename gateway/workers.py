@@ -295,23 +295,23 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
 
 
 def _stop_workers(workers: dict[int, int], shutdown_timeout: float) -> None:
-    """SIGTERM, up to the shutdown timeout (and 5 s) for them to stop, then SIGKILL."""
+    """SIGTERM, up to the shutdown timeout (and 5 s) for them to stop, then SIGKILL, and
+    reaped (no zombie left behind)."""
     _signal_all(workers, signal.SIGTERM)
-    deadline = time.monotonic() + shutdown_timeout + 5
+    _reap_for(workers, shutdown_timeout + 5, 0.1)
+    _signal_all(workers, signal.SIGKILL)
+    _reap_for(workers, 5, 0.01)
+
+
+def _reap_for(workers: dict[int, int], seconds: float, pause: float) -> None:
+    """Reap ``workers`` as they end, for up to ``seconds`` or until none is left."""
+    deadline = time.monotonic() + seconds
     while workers and time.monotonic() < deadline:
         try:
             _reap(workers)
-        except ChildProcessError:
-            break
-        time.sleep(0.1)
-    _signal_all(workers, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while workers and time.monotonic() < deadline:  # (reaped: no zombie left behind)
-        try:
-            _reap(workers)
         except ChildProcessError:  # none left to wait for
-            break
-        time.sleep(0.01)
+            return
+        time.sleep(pause)
 
 
 def _signal_all(workers: dict[int, int], sig: int) -> None:

@@ -80,8 +80,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _new_parser(self) -> None:
         """A parser for the next response, its methods bound once (compiled code looks a
         method of httptools' up by name on each call: three a request here)."""
-        # (``_parser`` is not read again: kept so that a debugger shows the parser)
-        parser = self._parser = httptools.HttpResponseParser(self)
+        parser = httptools.HttpResponseParser(self)  # (kept alive by its bound methods)
         self._feed_parser = parser.feed_data
         self._status_code = parser.get_status_code
         self._keep_alive = parser.should_keep_alive
