@@ -515,6 +515,15 @@ def _embedded_configs(settings: Settings) -> tuple[StoreConfig, ControlPlaneConf
     if settings.database_url is not None:
         store_config = dataclasses.replace(store_config, database_url=settings.database_url)
         cp_config = dataclasses.replace(cp_config, database_url=settings.database_url)
+    # The gateway's trusted proxies' X-Forwarded-For hops, which it passes on before its
+    # own peer, are believed as it believes them, and IPv6 clients grouped as it groups
+    # them: the client the built-in APIs count their parse budget by is the one the
+    # gateway resolved (http_api/body_budget.py).
+    store_config = dataclasses.replace(
+        store_config,
+        trusted_proxies=(*store_config.trusted_proxies, *settings.trusted_proxies),
+        client_ipv6_prefix=settings.ipv6_prefix,
+    )
     return store_config, cp_config
 
 
@@ -527,6 +536,7 @@ def build_embedded(settings: Settings) -> Embedded:
     """Create the Store and control-plane apps and bind their loopback sockets."""
     from gateway.upstreams.control_plane.app import create_control_plane_app
     from gateway.upstreams.control_plane.config import bootstrap_credentials
+    from gateway.upstreams.http_api.parse_budget import ParseBudget
     from gateway.upstreams.store.app import create_store_app
 
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
@@ -538,9 +548,16 @@ def build_embedded(settings: Settings) -> Embedded:
         raise SettingsError(str(exc)) from exc
     if message:
         notes.append(message)
+    # One parse budget for both: they share one event loop (and with it the proxy port).
+    budget = ParseBudget(store_config.parse_share())
     apps = {
-        "store": create_store_app(store_config),
-        "control-plane": create_control_plane_app(cp_config),
+        "store": create_store_app(store_config, parse_budget=budget),
+        "control-plane": create_control_plane_app(
+            cp_config,
+            parse_budget=budget,
+            trusted_proxies=store_config.trusted_proxies,
+            ipv6_prefix=store_config.client_ipv6_prefix,
+        ),
     }
     # The gateway's own ports are bound after these: an ephemeral port the kernel hands
     # out here must not be one of them, or the gateway fails to start with "address

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.upstreams.control_plane import ControlPlaneConfig, create_control_plane_app
 from gateway.upstreams.control_plane.http_helpers import RUNTIME_KEY
+from gateway.upstreams.http_api.parse_budget import ParseBudget
 
 KEY_A = "cp-test-key-alpha-0123456789"
 TENANT_A = "11111111-1111-4111-8111-111111111111"
@@ -117,11 +118,13 @@ DATABASE = {"url": None}
 
 
 @asynccontextmanager
-async def running_control_plane(config: ControlPlaneConfig, clock: Any = None):
+async def running_control_plane(
+    config: ControlPlaneConfig, clock: Any = None, parse_budget: ParseBudget | None = None
+):
     """Serve the control plane on 127.0.0.1 on a free port until the block ends."""
     if config.database_url is None and DATABASE["url"] is not None:
         config = replace(config, database_url=DATABASE["url"])
-    app = create_control_plane_app(config, clock=clock)
+    app = create_control_plane_app(config, clock=clock, parse_budget=parse_budget)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -24,6 +24,7 @@ from aiohttp import web
 from gateway.upstreams.control_plane import ControlPlaneConfig, create_control_plane_app
 from gateway.upstreams.control_plane.storage import ControlPlaneStore
 from gateway.upstreams.http_api.log_safety import exception_summary
+from gateway.upstreams.http_api.parse_budget import ParseBudget, ParseShare
 from gateway.upstreams.http_api.serving import ApiAppRunner, runner_for
 
 from . import support
@@ -52,8 +53,11 @@ PROVIDER = {
 async def served(tmp_path: Path, **section: Any) -> AsyncIterator[aiohttp.ClientSession]:
     """A control plane with ``section``'s settings and a session on it."""
     config = make_config(tmp_path / "data", **section)
+    # Bodies that take long to parse, back to back from one address: more than the parse
+    # budget lets one address take (tests/integration/test_body_parse_fairness.py).
+    unbounded = ParseBudget(ParseShare(per_address=1.0, total=1.0, burst_seconds=3600.0))
     async with (
-        running_control_plane(config) as running,
+        running_control_plane(config, parse_budget=unbounded) as running,
         aiohttp.ClientSession(running.url) as http,
     ):
         yield http

@@ -189,7 +189,15 @@ def test_shared_walk_selects_what_one_walk_per_clause_selected(
 async def test_a_read_past_its_budget_is_stopped_with_503_and_the_reader_recovers(
     tmp_path: Path,
 ) -> None:
-    config = StoreConfig(data_dir=tmp_path / "store-data", query_timeout_seconds=0.02)
+    # 300 items of 2,000 keys back to back from one address: more than the parse budget
+    # lets one address take (tests/integration/test_body_parse_fairness.py).
+    config = StoreConfig(
+        data_dir=tmp_path / "store-data",
+        query_timeout_seconds=0.02,
+        body_parse_share=1.0,
+        body_parse_total_share=1.0,
+        body_parse_burst_seconds=3600.0,
+    )
     store = await start_store(config)
     try:
         async with aiohttp.ClientSession(store.url) as http:

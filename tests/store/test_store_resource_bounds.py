@@ -206,7 +206,16 @@ async def test_an_answer_holds_memory_in_proportion_to_its_text(
 ) -> None:
     """Values of empty lists (``[[],[],…]``) parse to about 24 times their text; answers
     splice the text, so a GET and a listing of them peak at a few times the text."""
-    config = StoreConfig(data_dir=tmp_path / "data", database_url=store_database_url)
+    # Two of the costliest items to parse, back to back from one address: more than the
+    # default parse budget lets one address take at once
+    # (tests/integration/test_body_parse_fairness.py).
+    config = StoreConfig(
+        data_dir=tmp_path / "data",
+        database_url=store_database_url,
+        body_parse_share=1.0,
+        body_parse_total_share=1.0,
+        body_parse_burst_seconds=60.0,
+    )
     store = await start_store(config)
     try:
         async with aiohttp.ClientSession(store.url) as http:

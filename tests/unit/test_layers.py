@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
               "native", "upstreams", "urls"},
     "replay": {"ratelimit", "policy", "counters"},
     "client": {"urls"},
-    "upstreams": {"metrics", "urls"},
+    "upstreams": {"metrics", "urls", "ratelimit"},
     "identity": {"policy", "urls"},
     "counters": {"ratelimit", "metrics"},
     "ratelimit": {"policy"},

@@ -50,8 +50,10 @@ ERROR_MEANINGS = {
         "max_json_field_bytes, a page over max_answer_bytes included)"
     ),
     429: (
-        "The tenant's quota of pending authentication flows is reached; Retry-After says "
-        "when one expires"
+        "The tenant's quota of pending authentication flows is reached (Retry-After says "
+        "when one expires), or, for a request with a body, this client address has used "
+        "its share of the server's time for parsing request bodies (Retry-After says when "
+        "to try)"
     ),
 }
 AUTHENTICATED = (401, 403)
@@ -118,7 +120,7 @@ def resource_routes(resource: Resource, handlers: ResourceHandlers) -> tuple[Rou
             **r.created_links,
         },
     )
-    created = errors(*AUTHENTICATED, *([409] if r.conflicts else []), 413, 422)
+    created = errors(*AUTHENTICATED, *([409] if r.conflicts else []), 413, 422, 429)
     plain = {
         "create": f"Create a {r.noun}",
         "list": f"List {r.plural}, newest first",
@@ -130,7 +132,7 @@ def resource_routes(resource: Resource, handlers: ResourceHandlers) -> tuple[Rou
         "create": ("post", r.base, {201: Response(f"The {r.noun}", r.view, links), **created}),
         "list": ("get", r.base, {200: Response(f"A page of {r.plural}", r.page)}),
         "get": ("get", one, {200: Response(f"The {r.noun}", r.view), **errors(404)}),
-        "update": ("patch", one, {200: Response(f"The {r.noun}", r.view), **errors(404, 413)}),
+        "update": ("patch", one, {200: Response(f"The {r.noun}", r.view), **errors(404, 413, 429)}),
         "delete": ("delete", one, {204: Response("Deleted"), **errors(404)}),
     }
     routes = []

@@ -7,12 +7,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
+from gateway.upstreams.http_api.body_budget import address_policy, use_parse_budget
 from gateway.upstreams.http_api.openapi import Operation, Response
+from gateway.upstreams.http_api.parse_budget import ParseBudget
 from gateway.upstreams.http_api.problems import ErrorResponse
 from gateway.upstreams.http_api.routes import Route, add_routes, document_bytes
 from gateway.upstreams.http_api.serving import mark_builtin_api
@@ -88,17 +90,27 @@ def routes(config: ControlPlaneConfig) -> tuple[Route, ...]:
 
 
 def create_control_plane_app(
-    config: ControlPlaneConfig, *, clock: Callable[[], float] | None = None
+    config: ControlPlaneConfig,
+    *,
+    clock: Callable[[], float] | None = None,
+    parse_budget: ParseBudget | None = None,
+    trusted_proxies: Sequence[str] = (),
+    ipv6_prefix: int = 64,
 ) -> web.Application:
     """Build the app; SQLite and the lifecycle driver live in ``app.cleanup_ctx``.
 
     ``clock`` (epoch seconds, default ``time.time``) stamps records and paces revisions;
     it must be a wall clock because its values are persisted across restarts.
+    ``parse_budget``: the event loop's one for parsing request bodies (the apps of one
+    loop share it; by default one of its own); ``trusted_proxies``: peers believed, besides
+    loopback, for the client address it counts by, IPv6 ones by ``ipv6_prefix``
+    (``http_api/body_budget.py``).
     """
     app = web.Application(
         middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
     )
     app[RUNTIME_KEY] = Runtime(config=config, clock=clock or time.time)
+    use_parse_budget(app, parse_budget, address_policy(trusted_proxies, ipv6_prefix))
     mark_builtin_api(app, "control-plane")
     if config.database_url is not None:
         from .pg_storage import control_plane_breaker

@@ -226,7 +226,7 @@ def routes(wait_max_seconds: float) -> tuple[Route, ...]:
     """The auth service's routes; ``wait_max_seconds`` bounds ``timeout`` of the wait."""
     callback_answers = {
         200: Response("The flow is complete", CallbackResponse),
-        **errors(404, 413, 422),
+        **errors(404, 413, 422, 429),
     }
     return (
         *resource_routes(

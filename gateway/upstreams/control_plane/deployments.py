@@ -79,11 +79,18 @@ def _create_data(body: GithubDeploymentCreate | DockerDeploymentCreate) -> dict[
 
 async def create_deployment(request: web.Request) -> web.Response:
     rt = runtime(request)
-    body: GithubDeploymentCreate | DockerDeploymentCreate = READ.body(
-        DeploymentCreate, await request.read()
+    limit = rt.config.limits.max_json_field_bytes
+    body: GithubDeploymentCreate | DockerDeploymentCreate = await read_body(
+        request,
+        DeploymentCreate,
+        # (a walk of the free-form fields: with the parse, in its budget)
+        lambda given: (
+            None
+            if given.source_config is None
+            else check_free_form_fields(given.source_config.given(), limit)
+        ),
     )
     data = _create_data(body)
-    check_free_form_fields(data["source_config"], rt.config.limits.max_json_field_bytes)
     rules.check_integration(rt.config, tenant(request), data["source_config"])
     db = rt.database()
     deployment = await db.run(db.store.create_deployment, tenant(request), data, rt.clock)
@@ -117,11 +124,16 @@ async def get_deployment(request: web.Request) -> web.Response:
 async def patch_deployment(request: web.Request) -> web.Response:
     rt = runtime(request)
     deployment_id = path_id(request, "deployment_id")
-    body = await read_body(request, DeploymentPatch)
+    limit = rt.config.limits.max_json_field_bytes
+
+    def check(given: DeploymentPatch) -> None:  # with the parse, in its budget
+        if "source_config" in given.model_fields_set:
+            check_free_form_fields(given.source_config.given(), limit)
+
+    body = await read_body(request, DeploymentPatch, check)
     patch: dict[str, Any] = {}
     if "source_config" in body.model_fields_set:
         patch["source_config"] = body.source_config.given()
-        check_free_form_fields(patch["source_config"], rt.config.limits.max_json_field_bytes)
     if "source_revision_config" in body.model_fields_set:
         patch["source_revision_config"] = body.source_revision_config.given()
     if "secrets" in body.model_fields_set:

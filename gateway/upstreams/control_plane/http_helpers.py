@@ -7,11 +7,12 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, overload
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from gateway.upstreams.http_api.body_budget import read_model
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.log_safety import exception_summary
 from gateway.upstreams.http_api.problems import InvalidRequest
@@ -83,7 +84,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except InvalidRequest as exc:
-        return json_error(exc.status, exc.detail)
+        return json_error(exc.status, exc.detail, exc.headers())
     except Conflict as exc:
         return json_error(409, str(exc))
     except Refused as exc:
@@ -141,9 +142,29 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def read_body(request: web.Request, model: type[T]) -> T:
-    """The JSON body validated into ``model`` (its size is bounded by the app)."""
-    return READ.body(model, await request.read())
+@overload
+async def read_body(
+    request: web.Request, model: type[T], check: Callable[[T], None] | None = None
+) -> T: ...
+@overload
+async def read_body(
+    request: web.Request, model: object, check: Callable[[Any], None] | None = None
+) -> Any: ...
+async def read_body(
+    request: web.Request, model: Any, check: Callable[[Any], None] | None = None
+) -> Any:
+    """The JSON body validated into ``model`` (a class, or a type such as a tagged union;
+    its size is bounded by the app) and passed to ``check`` (what walks its values
+    further), parsed within the loop's parse budget (429/503 when the client's address, or
+    every address together, has used its share: http_api/body_budget.py)."""
+
+    def parse(raw: bytes) -> Any:
+        value = READ.body(model, raw)
+        if check is not None:
+            check(value)
+        return value
+
+    return await read_model(request, parse)
 
 
 def page(request: web.Request) -> PageQuery:

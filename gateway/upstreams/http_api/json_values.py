@@ -173,9 +173,7 @@ class _StorableText:
     clients generated from the document do not send what is refused."""
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
-        return core_schema.no_info_after_validator_function(
-            require_storable_text, handler(source)
-        )
+        return core_schema.no_info_after_validator_function(require_storable_text, handler(source))
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
         found = handler(schema)

@@ -19,12 +19,17 @@ MAX_PATH_IN_DETAIL = 200
 
 
 class InvalidRequest(Exception):
-    """A request the API refuses (422 unless told), with a detail naming the field."""
+    """A request the API refuses (422 unless told), with a detail naming the field;
+    ``retry_after``: whole seconds for a ``Retry-After`` header (a refusal for now)."""
 
-    def __init__(self, detail: str, status: int = 422) -> None:
+    def __init__(self, detail: str, status: int = 422, *, retry_after: int | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
         self.status = status
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
 _EXPECTED = {

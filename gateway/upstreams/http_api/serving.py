@@ -44,6 +44,7 @@ from aiohttp.http_exceptions import (
 )
 from multidict import CIMultiDict
 
+from gateway.upstreams.http_api.body_budget import refusal_before_body
 from gateway.upstreams.http_api.log_safety import exception_summary
 from gateway.upstreams.http_api.openapi import Response
 from gateway.upstreams.http_api.problems import ErrorResponse
@@ -235,10 +236,17 @@ def _expectation_refused(request: web.BaseRequest) -> web.Response | None:
 
 async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     """The ``Expect`` handler of every built-in API route (``routes.add_routes``; aiohttp
-    runs it before any middleware): ``_expectation_refused``, else as aiohttp: ``100
-    Continue`` on HTTP/1.1."""
+    runs it before any middleware): ``_expectation_refused``, or the parse budget's
+    refusal of the body (``body_budget.py``), else as aiohttp: ``100 Continue`` on
+    HTTP/1.1."""
     refused = _expectation_refused(request)
     if refused is not None:
+        return refused
+    budget = refusal_before_body(request)
+    if budget is not None:  # the body would be refused unread: not asked for either
+        refused = error_response(budget.status, f"body: {budget.detail}")
+        refused.headers["Retry-After"] = str(budget.retry_after)
+        refused.force_close()
         return refused
     if request.version == HttpVersion11:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

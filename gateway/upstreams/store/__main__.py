@@ -29,6 +29,15 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep-interval-seconds", type=float, default=60.0)
     parser.add_argument("--synchronous", choices=("full", "normal"), default="full")
     parser.add_argument("--database-url", default=None, help="PostgreSQL instead of SQLite")
+    parser.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="a peer whose X-Forwarded-For is walked for the client (repeatable; loopback "
+        "always is): behind a gateway on another host, the gateway's address and every proxy "
+        "the gateway trusts, so that the parse budget counts by the client the gateway resolved",
+    )
     return parser.parse_args(argv)
 
 
@@ -62,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep_interval_seconds=args.sweep_interval_seconds,
             sqlite_synchronous=args.synchronous,
             database_url=args.database_url,
+            trusted_proxies=tuple(args.trusted_proxy),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

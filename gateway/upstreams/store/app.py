@@ -8,13 +8,15 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from gateway.upstreams.http_api.body_budget import address_policy, read_model, use_parse_budget
 from gateway.upstreams.http_api.decoding import ModelReader
 from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
+from gateway.upstreams.http_api.parse_budget import ParseBudget
 from gateway.upstreams.http_api.problems import ErrorResponse, InvalidRequest
 from gateway.upstreams.http_api.routes import Handler, Route, add_routes, document_bytes
 from gateway.upstreams.http_api.serving import (
@@ -34,6 +36,7 @@ from gateway.upstreams.store.models import (
     ListNamespaceResponse,
     SearchItemsResponse,
     StoreDeleteRequest,
+    StoredForms,
     StoreGetQuery,
     StoreListNamespacesRequest,
     StorePutRequest,
@@ -52,6 +55,7 @@ OPENAPI_KEY = web.AppKey("store_openapi", bytes)
 SEMANTIC_KEY = web.AppKey("store_semantic", SemanticIndex)
 
 READ = ModelReader(PATTERNS)
+T = TypeVar("T")
 
 
 def _json(data: Any, status: int = 200, *, ascii_only: bool = False) -> web.Response:
@@ -83,7 +87,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         retry = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
         return _detail(exc.status, exc.detail, retry)
     except InvalidRequest as exc:
-        return _detail(exc.status, exc.detail)
+        return _detail(exc.status, exc.detail, exc.headers())
     except DatabaseUnavailable as exc:
         return _detail(503, exc.detail, {"Retry-After": str(exc.retry_after)})
     except RequestPayloadError:
@@ -120,13 +124,25 @@ async def _body(request: web.Request) -> bytes:
     return await request.read()
 
 
+async def _read(request: web.Request, model: type[T]) -> T:
+    """The JSON body as ``model``, parsed within the loop's parse budget (429/503 when the
+    client's address, or every address together, has used its share: body_budget.py)."""
+    return await read_model(request, lambda raw: READ.body(model, raw), lambda: _body(request))
+
+
+def _put_request(raw: bytes) -> tuple[StorePutRequest, StoredForms]:
+    # The item's stored forms walk all of it as the parse does: made now, charged with it.
+    item = READ.body(StorePutRequest, raw)
+    return item, item.stored_forms()
+
+
 async def put_item(request: web.Request) -> web.Response:
     """PUT /store/items: insert or replace an item."""
-    item = READ.body(StorePutRequest, await _body(request))
+    item, forms = await read_model(request, _put_request, lambda: _body(request))
     # Hook (issue 12): embed first, so a provider outage (503) leaves nothing written.
     semantic = request.app.get(SEMANTIC_KEY)
     vectors = None if semantic is None else await semantic.embed_item(item)
-    await request.app[STORAGE_KEY].put(item, vectors)
+    await request.app[STORAGE_KEY].put(item, vectors, forms)
     return web.Response(status=204)
 
 
@@ -166,14 +182,14 @@ async def get_item(request: web.Request) -> web.Response:
 
 async def delete_item(request: web.Request) -> web.Response:
     """DELETE /store/items with a JSON body: 204 whether or not the item existed."""
-    ref = READ.body(StoreDeleteRequest, await _body(request))
+    ref = await _read(request, StoreDeleteRequest)
     await request.app[STORAGE_KEY].delete(tuple(ref.namespace), ref.key)
     return web.Response(status=204)
 
 
 async def search_items(request: web.Request) -> web.Response:
     """POST /store/items/search: listing mode, or ranked search when ``query`` is given."""
-    search = READ.body(StoreSearchRequest, await _body(request))
+    search = await _read(request, StoreSearchRequest)
     # Before the query is embedded: a page too deep is refused without a provider call.
     check_search_depth(search, request.app[CONFIG_KEY].max_search_depth)
     # Hook (issue 12): with an index, a query is ranked by meaning (vector or hybrid).
@@ -189,7 +205,7 @@ async def search_items(request: web.Request) -> web.Response:
 
 async def list_namespaces(request: web.Request) -> web.Response:
     """POST /store/namespaces: distinct namespaces by prefix, suffix and depth."""
-    listing = READ.body(StoreListNamespacesRequest, await _body(request))
+    listing = await _read(request, StoreListNamespacesRequest)
     return _json({"namespaces": await request.app[STORAGE_KEY].list_namespaces(listing)})
 
 
@@ -213,7 +229,9 @@ _TOO_LARGE = Response("Request body too large", ErrorResponse)
 _BUSY_TEXT = (
     "Store busy or its database unavailable (locked beyond the busy timeout, or "
     "PostgreSQL not answering in time: once found away, answered at once until it answers "
-    "again; Retry-After says when to try), or the embedding provider unavailable"
+    "again; Retry-After says when to try), or the embedding provider unavailable, or (a "
+    "request with a body) all clients together have used the share of the server's time "
+    "for parsing request bodies (Retry-After says when to try)"
 )
 _BUSY = Response(_BUSY_TEXT, ErrorResponse)
 # Answers that carry items also count their values against the bytes in flight.
@@ -232,7 +250,13 @@ _INVALID_OR_TOO_MANY = Response(
     ErrorResponse,
 )
 _ERRORS = {422: _INVALID, 503: _BUSY}
-_BODY_ERRORS = {413: _TOO_LARGE, **_ERRORS}
+_PARSE_SHARE = Response(
+    "This client address has used its share of the server's time for parsing request "
+    "bodies (store.body_parse_share; large or deeply nested JSON costs the most): "
+    "Retry-After says when to try",
+    ErrorResponse,
+)
+_BODY_ERRORS = {413: _TOO_LARGE, 429: _PARSE_SHARE, **_ERRORS}
 
 
 def _body_route(
@@ -245,7 +269,7 @@ def _body_route(
     errors: Mapping[int, Response] | None = None,
 ) -> Route:
     """An operation that reads a JSON body ``body``, named after its handler: its answer
-    (200, or 204 when it has no model), or 413, 422 or 503 (``errors`` describes some of
+    (200, or 204 when it has no model), or 413, 422, 429 or 503 (``errors`` describes some of
     them its own way)."""
     status = 200 if answer.model is not None else 204
     answers = {status: answer, **_BODY_ERRORS, **(errors or {})}
@@ -315,11 +339,18 @@ ROUTES = (
 
 
 def create_store_app(
-    config: StoreConfig, *, clock: Callable[[], float] | None = None
+    config: StoreConfig,
+    *,
+    clock: Callable[[], float] | None = None,
+    parse_budget: ParseBudget | None = None,
 ) -> web.Application:
-    """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``."""
+    """The Store application; storage and the TTL sweeper live in ``cleanup_ctx``.
+    ``parse_budget``: the one of the process (the apps of one event loop share it); by
+    default its own, from ``config``."""
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
+    budget = ParseBudget(config.parse_share()) if parse_budget is None else parse_budget
+    use_parse_budget(app, budget, address_policy(config.trusted_proxies, config.client_ipv6_prefix))
     mark_builtin_api(app, "store")
     storage = create_storage(config, clock or time.time)
     app[STORAGE_KEY] = storage

@@ -32,6 +32,7 @@ from gateway.upstreams.store.models import (
     Item,
     Namespace,
     SearchItem,
+    StoredForms,
     StoreListNamespacesRequest,
     StorePutRequest,
     StoreSearchRequest,
@@ -56,7 +57,12 @@ class StoreStorage(Protocol):
 
     async def close(self) -> None: ...
 
-    async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None: ...
+    async def put(
+        self,
+        request: StorePutRequest,
+        vectors: ItemVectors | None = None,
+        forms: StoredForms | None = None,
+    ) -> None: ...
 
     async def get(
         self,

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.upstreams.http_api.body_budget import address_policy
+from gateway.upstreams.http_api.parse_budget import ParseShare
+
 # Hook (issue 12): the embedding index's own section lives in index_config.py.
 from gateway.upstreams.store.index_config import IndexConfig
 
@@ -73,6 +76,21 @@ class StoreConfig:
     database_retry_seconds: float = 1.0
     # Hook (issue 12): search by meaning; None keeps BM25 only.
     index: IndexConfig | None = None
+    # The event loop's time for parsing request bodies (shared with the proxy port and the
+    # control plane when the gateway runs the Store): one client address's bodies may take
+    # body_parse_share of it on average, all together body_parse_total_share; an idle
+    # address may take body_parse_burst_seconds at once, all of them the total burst.
+    # Past that a body is refused before it is read (429, or 503 for the total), with
+    # Retry-After (http_api/parse_budget.py).
+    body_parse_share: float = 0.1
+    body_parse_total_share: float = 0.5
+    body_parse_burst_seconds: float = 0.25
+    body_parse_total_burst_seconds: float | None = None  # None: 5 x the burst (1.25 s)
+    # Peers whose X-Forwarded-For names the client, besides loopback (the gateway's own
+    # connections): the client address the parse budget counts by.
+    trusted_proxies: tuple[str, ...] = ()
+    # IPv6 clients are counted by this prefix (gateway serve gives its own ipv6_prefix).
+    client_ipv6_prefix: int = 64
 
     def __post_init__(self) -> None:
         _check_ttl("default_ttl_minutes", self.default_ttl_minutes)
@@ -115,9 +133,34 @@ class StoreConfig:
                 f"store.sqlite_synchronous: must be 'full' or 'normal', "
                 f"got {self.sqlite_synchronous!r}"
             )
+        _check_positive("body_parse_share", self.body_parse_share, upper=1.0)
+        _check_positive("body_parse_total_share", self.body_parse_total_share, upper=1.0)
+        if self.body_parse_total_share < self.body_parse_share:
+            raise ValueError(
+                f"store.body_parse_total_share: must be at least store.body_parse_share "
+                f"({self.body_parse_share}), got {self.body_parse_total_share}"
+            )
+        _check_positive("body_parse_burst_seconds", self.body_parse_burst_seconds, upper=3600.0)
+        if self.body_parse_total_burst_seconds is not None:
+            _check_positive(
+                "body_parse_total_burst_seconds", self.body_parse_total_burst_seconds, upper=3600.0
+            )
+        try:
+            address_policy(self.trusted_proxies, self.client_ipv6_prefix)
+        except ValueError as exc:
+            raise ValueError(f"store.trusted_proxies / store.client_ipv6_prefix: {exc}") from None
         name = self.database_filename
         if not name or "/" in name or "\\" in name or name in (".", ".."):
             raise ValueError(f"store.database_filename: must be a plain file name, got {name!r}")
+
+    def parse_share(self) -> ParseShare:
+        """The parse budget's shares (``http_api/parse_budget.py``)."""
+        return ParseShare(
+            per_address=self.body_parse_share,
+            total=self.body_parse_total_share,
+            burst_seconds=self.body_parse_burst_seconds,
+            total_burst_seconds=self.body_parse_total_burst_seconds,
+        )
 
     @property
     def answer_bytes_in_flight(self) -> int:
@@ -186,6 +229,12 @@ def _boolean(key: str, value: object) -> bool:
     return value
 
 
+def _strings(key: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"store.{key}: must be a list of strings (CIDRs), got {value!r}")
+    return tuple(value)
+
+
 def _string(key: str, value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"store.{key}: must be a string, got {value!r}")
@@ -206,6 +255,12 @@ _READERS: dict[str, Any] = {
     "query_timeout_seconds": _number,
     "answer_send_timeout_seconds": _number,
     "read_threads": _integer,
+    "body_parse_share": _number,
+    "body_parse_total_share": _number,
+    "body_parse_burst_seconds": _number,
+    "body_parse_total_burst_seconds": _optional_number,
+    "trusted_proxies": _strings,
+    "client_ipv6_prefix": _integer,
     # Hook (issue 12): the API key is read from the environment, never from the file.
     "index": lambda key, value: IndexConfig.from_mapping(value, os.environ),
 }

@@ -7,7 +7,8 @@ Field names and defaults follow the published Store API (``StoreSearchRequest``:
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
@@ -23,6 +24,7 @@ from gateway.upstreams.store.text_index import (
     MAX_INDEX_PATHS,
     PathStep,
     index_steps,
+    searchable_text,
 )
 
 MAX_LABEL_LENGTH = 256
@@ -113,6 +115,13 @@ Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT), INTEGRAL]
 Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET), INTEGRAL]
 
 
+class StoredForms(NamedTuple):
+    """What a Store write keeps of its value: its JSON text and its searchable text."""
+
+    value_json: str
+    text: str | None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -140,6 +149,17 @@ class StorePutRequest(_Body):
     def index_paths(self) -> tuple[tuple[PathStep, ...], ...] | None:
         """What text is searchable: None (the whole value), () (none) or these paths."""
         return index_steps(self.index)
+
+    def stored_forms(self) -> StoredForms:
+        """The value as stored (its JSON text) and its searchable text. They walk every value
+        of the item as its parse does, so the handler makes them with the parse, within
+        the loop's parse budget (``http_api/body_budget.py``), and hands them to the
+        storage's ``put``."""
+        # The model refused non-finite numbers; allow_nan=False is the backstop.
+        value_json = json.dumps(
+            self.value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        )
+        return StoredForms(value_json, searchable_text(self.value, self.index_paths()))
 
 
 class StoreDeleteRequest(_Body):

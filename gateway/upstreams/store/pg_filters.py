@@ -32,6 +32,22 @@ def has_nul(value: Any) -> bool:
     return False
 
 
+def json_text_has_nul(text: str) -> bool:
+    """``has_nul`` of the value ``json.dumps`` wrote as ``text``, without walking the value
+    again: U+0000 in any string or key is written as the escape ``\\u0000``; the same six
+    characters after an escaped backslash (``\\\\u0000``, text that only reads so) are not
+    one, so the backslashes before each are counted (an odd number: an escape)."""
+    found = text.find("\\u0000")
+    while found != -1:
+        start = found
+        while start > 0 and text[start - 1] == "\\":
+            start -= 1
+        if (found - start) % 2 == 0:
+            return True
+        found = text.find("\\u0000", found + 1)
+    return False
+
+
 def compile_pg_filter(clauses: tuple[FilterClause, ...], doc: str) -> tuple[str, list[Any]]:
     """SQL (ANDed, ``%s`` parameters) for ``clauses`` over the jsonb expression ``doc``."""
     parts: list[str] = []

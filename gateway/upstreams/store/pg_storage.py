@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,11 +66,12 @@ from gateway.upstreams.store.models import (
     Item,
     Namespace,
     SearchItem,
+    StoredForms,
     StoreListNamespacesRequest,
     StorePutRequest,
     StoreSearchRequest,
 )
-from gateway.upstreams.store.pg_filters import compile_pg_filter, has_nul
+from gateway.upstreams.store.pg_filters import compile_pg_filter, json_text_has_nul
 from gateway.upstreams.store.rows import (
     _UPDATED_AT_STEP,
     SWEEP_BATCH,
@@ -81,7 +81,7 @@ from gateway.upstreams.store.rows import (
     answer_items,
     check_search_depth,
 )
-from gateway.upstreams.store.text_index import query_terms, searchable_text
+from gateway.upstreams.store.text_index import query_terms
 from gateway.upstreams.store.vector_dialect import POSTGRES, IndexConnection, VectorDialect
 from gateway.upstreams.store.vectors import ItemVectors
 
@@ -133,7 +133,7 @@ ON CONFLICT (namespace, key) DO UPDATE SET
 """
 
 
-def _nul_field(request: StorePutRequest) -> str | None:
+def _nul_field(request: StorePutRequest, value_json: str) -> str | None:
     """The first field of ``request`` that holds U+0000 (as the API names fields), if any:
     PostgreSQL's text and json columns cannot keep it."""
     for index, label in enumerate(request.namespace):
@@ -141,7 +141,8 @@ def _nul_field(request: StorePutRequest) -> str | None:
             return f"namespace[{index}]"
     if "\x00" in request.key:
         return "key"
-    return "value" if has_nul(request.value) else None
+    # The value's JSON text, made with the parse: no second walk of the value here.
+    return "value" if json_text_has_nul(value_json) else None
 
 
 def _prefix_sql(prefix: Namespace) -> tuple[str, list[Any]]:
@@ -339,13 +340,20 @@ class PostgresStorage:
 
     # -- operations ---------------------------------------------------------------
 
-    async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None:
+    async def put(
+        self,
+        request: StorePutRequest,
+        vectors: ItemVectors | None = None,
+        forms: StoredForms | None = None,
+    ) -> None:
         """Insert or replace an item; ``created_at`` survives replacement.
 
         ``vectors``: the item's embeddings, written in the same transaction.
         """
         namespace = _dotted(tuple(request.namespace))
-        where = _nul_field(request)
+        # ``forms``: made with the parse, within its budget (store/app.py's put_item)
+        value_json, text = forms or request.stored_forms()
+        where = _nul_field(request, value_json)
         if where is not None:
             raise StoreRequestError(
                 422, f"{where}: the character U+0000 cannot be stored in the PostgreSQL store"
@@ -355,10 +363,6 @@ class PostgresStorage:
         if ttl is None:
             ttl = self._config.default_ttl_minutes
         expires_at = None if ttl is None else now + ttl * 60.0
-        text = searchable_text(request.value, request.index_paths())
-        value_json = json.dumps(
-            request.value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
-        )
         params = (namespace, request.key, value_json, text, now, now, ttl, expires_at)
         if vectors is None:
             await self._execute(_PUT, params)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from gateway.upstreams.store.models import (
     Item,
     Namespace,
     SearchItem,
+    StoredForms,
     StoreListNamespacesRequest,
     StorePutRequest,
     StoreSearchRequest,
@@ -44,7 +44,7 @@ from gateway.upstreams.store.rows import (
     check_search_depth,
 )
 from gateway.upstreams.store.sqlite_connections import SQLiteConnections, _snapshot
-from gateway.upstreams.store.text_index import match_expression, searchable_text
+from gateway.upstreams.store.text_index import match_expression
 from gateway.upstreams.store.vector_dialect import SQLITE, VectorDialect
 from gateway.upstreams.store.vectors import ItemVectors, item_id
 
@@ -137,7 +137,12 @@ class SQLiteStorage(SQLiteConnections):
 
     # -- operations ---------------------------------------------------------------
 
-    async def put(self, request: StorePutRequest, vectors: ItemVectors | None = None) -> None:
+    async def put(
+        self,
+        request: StorePutRequest,
+        vectors: ItemVectors | None = None,
+        forms: StoredForms | None = None,
+    ) -> None:
         """Insert or replace an item; ``created_at`` survives replacement.
 
         ``vectors`` (issue 12 hook): the item's embeddings, written in the same transaction.
@@ -147,11 +152,8 @@ class SQLiteStorage(SQLiteConnections):
         if ttl is None:
             ttl = self._config.default_ttl_minutes
         expires_at = None if ttl is None else now + ttl * 60.0
-        text = searchable_text(request.value, request.index_paths())
-        # The model refused non-finite numbers; allow_nan=False is the backstop.
-        value_json = json.dumps(
-            request.value, ensure_ascii=False, separators=(",", ":"), allow_nan=False
-        )
+        # ``forms``: made with the parse, within its budget (store/app.py's put_item)
+        value_json, text = forms or request.stored_forms()
         params = (
             _dotted(tuple(request.namespace)),
             request.key,
