@@ -10,7 +10,12 @@ from typing import Any
 from gateway.upstreams.http_api.openapi import Api, Method, Operation, Response
 from gateway.upstreams.http_api.problems import ErrorResponse
 from gateway.upstreams.http_api.routes import Handler, Route
-from gateway.upstreams.http_api.serving import CODED_BODY, EXPECTATION_FAILED, MALFORMED_REQUEST
+from gateway.upstreams.http_api.serving import (
+    CODED_BODY,
+    EXPECTATION_FAILED,
+    MALFORMED_REQUEST,
+    TRANSFER_CODED,
+)
 
 from .models import PageQuery, PathId
 
@@ -27,7 +32,12 @@ API = Api(
         "ApiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"},
         "TenantId": {"type": "apiKey", "in": "header", "name": "X-Tenant-Id"},
     },
-    common_responses={400: MALFORMED_REQUEST, 415: CODED_BODY, 417: EXPECTATION_FAILED},
+    common_responses={
+        400: MALFORMED_REQUEST,
+        415: CODED_BODY,
+        417: EXPECTATION_FAILED,
+        501: TRANSFER_CODED,
+    },
 )
 
 

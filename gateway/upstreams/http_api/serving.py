@@ -71,6 +71,17 @@ CODED_BODY_DETAIL: Final = (
     "does not take: send it uncompressed"
 )
 
+TRANSFER_CODED_DETAIL: Final = (
+    "body: has a transfer coding other than chunked (Transfer-Encoding), which this API "
+    "does not implement: send it with Content-Length, or chunked only"
+)
+# Every operation of a built-in API may answer this too (``refuse_coded_bodies``).
+TRANSFER_CODED: Final = Response(
+    "The request body has a transfer coding other than chunked: send it with "
+    "Content-Length, or chunked only",
+    ErrorResponse,
+)
+
 EXPECTATION_DETAIL: Final = "Expect: only 100-continue is understood"
 # Every operation of a built-in API may answer this too (``expect_handler``).
 EXPECTATION_FAILED: Final = Response(
@@ -202,6 +213,29 @@ def content_codings(request: web.BaseRequest) -> list[str]:
     return codings
 
 
+def transfer_codings(request: web.BaseRequest) -> list[str]:
+    """The transfer codings of the request's body besides ``chunked`` (RFC 9112 6.1:
+    ``Transfer-Encoding``, every field line, case-insensitive). aiohttp frames a body
+    whose last coding is ``chunked`` and hands the rest to the handler still coded: a
+    ``gzip, chunked`` body reached the model as gzip bytes (422 "malformed JSON"), where
+    RFC 9112 asks for 501, as the gateway's own port answers."""
+    codings = []
+    for line in request.headers.getall("Transfer-Encoding", ()):
+        for coding in line.split(","):
+            coding = coding.strip(" \t").lower()
+            if coding and coding != "chunked":
+                codings.append(coding)
+    return codings
+
+
+def _transfer_coded_response() -> web.Response:
+    # A fixed sentence, the header not quoted back; the connection closes (the body's
+    # framing past the codings is not this server's to trust).
+    response = error_response(501, TRANSFER_CODED_DETAIL)
+    response.force_close()
+    return response
+
+
 def _coded_body_response() -> web.Response:
     # A fixed sentence: the client's header is not quoted back (as for parser errors).
     response = error_response(415, CODED_BODY_DETAIL)
@@ -211,8 +245,11 @@ def _coded_body_response() -> web.Response:
 
 @web.middleware
 async def refuse_coded_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """415 for a body with a content coding, before anything reads it (module docstring).
-    A request without a body passes whatever it says."""
+    """501 for a body with a transfer coding other than chunked, 415 for one with a content
+    coding, before anything reads it (module docstring). A request without a body passes
+    whatever it says."""
+    if request.body_exists and transfer_codings(request):
+        return _transfer_coded_response()
     if request.body_exists and content_codings(request):
         return _coded_body_response()
     return await handler(request)
@@ -224,6 +261,8 @@ def _expectation_refused(request: web.BaseRequest) -> web.Response | None:
     ``100-continue`` is answered as the APIs answer errors (aiohttp's own handler answers
     417 in plain text quoting the header). Both close the connection: the body the
     request announced is not coming, or not wanted."""
+    if transfer_codings(request):
+        return _transfer_coded_response()
     if content_codings(request):
         refused = _coded_body_response()
     elif request.headers.get("Expect", "").lower() != "100-continue":

@@ -23,6 +23,7 @@ from gateway.upstreams.http_api.serving import (
     CODED_BODY,
     EXPECTATION_FAILED,
     MALFORMED_REQUEST,
+    TRANSFER_CODED,
     mark_builtin_api,
 )
 from gateway.upstreams.postgres.breaker import DATABASE_BREAKER_KEY
@@ -222,7 +223,12 @@ API = Api(
         "langgraph-sdk's StoreClient. Generated from the models the Store validates with."
     ),
     tag="Store",
-    common_responses={400: MALFORMED_REQUEST, 415: CODED_BODY, 417: EXPECTATION_FAILED},
+    common_responses={
+        400: MALFORMED_REQUEST,
+        415: CODED_BODY,
+        417: EXPECTATION_FAILED,
+        501: TRANSFER_CODED,
+    },
 )
 _INVALID = Response("Validation error: the detail names the field", ErrorResponse)
 _TOO_LARGE = Response("Request body too large", ErrorResponse)
