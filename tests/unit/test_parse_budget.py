@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.ratelimit.identity import ClientAddressPolicy
-from gateway.upstreams.http_api.body_budget import address_policy
+from gateway.upstreams.http_api.body_budget import address_policy, most_a_body_costs
 from gateway.upstreams.http_api.parse_budget import SMALL_BODY, ParseBudget, ParseShare
+from gateway.upstreams.store.app import _put_request
 from gateway.upstreams.store.pg_filters import has_nul, json_text_has_nul
 
 SHARE = ParseShare(per_address=0.1, total=0.5, burst_seconds=0.25)
@@ -240,3 +242,18 @@ def test_nul_is_found_in_the_json_text_as_in_the_value(value):
     '\\u0000' in strings must not fool it."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     assert json_text_has_nul(text) == has_nul(value)
+
+
+def test_a_body_is_charged_at_most_its_cap_and_the_cap_is_above_the_costliest_shape():
+    """The cap keeps what is not a body's doing (a garbage collection inside its parse)
+    off a client of small bodies; it must stay far above what the costliest shape really
+    costs, or such bodies would be charged less than they take."""
+    assert most_a_body_costs(60) == 0.001
+    costly = (
+        '{"namespace":["n"],"key":"k","value":{"v":[' + ",".join(["[0]"] * 49_000) + "]}}"
+    ).encode()
+    assert most_a_body_costs(len(costly)) == len(costly) * 10e-6
+    started = time.thread_time()
+    _put_request(costly)
+    spent = time.thread_time() - started
+    assert spent < most_a_body_costs(len(costly)) / 3  # (about a tenth of it, measured)

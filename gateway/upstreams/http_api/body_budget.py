@@ -66,6 +66,20 @@ def client_address(request: web.Request) -> str:
     return policy.client_address(request.remote, ", ".join(forwarded) if forwarded else None)
 
 
+# The most a body is charged a byte: ten times the costliest shape measured (one-element
+# arrays, ~1 µs a byte to parse and walk on a slow machine), and at least a millisecond a
+# body. The thread's CPU clock also counts what is not the body's doing, and a collection
+# of the interpreter's garbage that falls inside a parse took 0.65 s once under CI load:
+# charged whole, it put a client of 60-byte bodies into debt.
+CHARGE_PER_BYTE = 10e-6
+MIN_CHARGE_CAP = 0.001
+
+
+def most_a_body_costs(size: int) -> float:
+    """The charge cap of a body of ``size`` bytes (seconds)."""
+    return max(MIN_CHARGE_CAP, size * CHARGE_PER_BYTE)
+
+
 def refusal_before_body(request: web.Request) -> ParseRefusal | None:
     """Whether the body this request announces would be refused now (its ``Expect:
     100-continue`` is then answered with the refusal, so the body is never sent)."""
@@ -102,7 +116,7 @@ async def read_model(
     try:
         return parse(raw)
     finally:
-        spent = time.thread_time() - started
+        spent = min(time.thread_time() - started, most_a_body_costs(len(raw)))
         if budget.charge(address, spent):
             # Once as an address goes into debt, not per refusal; no address (the access
             # log names clients by hash only).

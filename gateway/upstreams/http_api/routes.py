@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.upstreams.http_api.decoding import adapter
 from gateway.upstreams.http_api.openapi import Api, Operation, openapi_document
 from gateway.upstreams.http_api.serving import Handler, expect_handler
 
@@ -34,6 +35,11 @@ def add_routes(
     ``<public_name_prefix><operation id><prefix>``, so middleware can tell them apart."""
     for route in routes:
         op = route.operation
+        if op.body is not None:
+            # Its validator built now, not by the first request: building one takes
+            # hundreds of milliseconds of CPU on a busy host, which the parse budget would
+            # charge to whichever client came first (http_api/body_budget.py).
+            adapter(op.body)
         name = None
         if public_name_prefix and op.public:
             name = f"{public_name_prefix}{op.operation_id}{prefix.replace('/', '-')}"
