@@ -170,6 +170,14 @@ async def test_ordinary_answers_name_no_server_version(served: Served) -> None:
                 _assert_no_version_banner({"server": r.headers.get("Server", "")})
 
 
+async def _assert_nothing_written(served: Served) -> None:
+    if served.name == "store":  # (the control plane's refusals write nothing either way)
+        params = {"namespace": "coded", "key": "k"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(served.url + "/store/items", params=params) as r:
+                assert r.status == 200 and await r.json() is None  # no such item
+
+
 # --- request bodies with a content coding (aiohttp would inflate them, unbounded per chunk)
 
 ITEM = json.dumps({"namespace": ["coded"], "key": "k", "value": {"x": 1}}).encode()
@@ -227,11 +235,7 @@ async def test_a_body_with_a_content_coding_is_refused_before_anything_reads_it(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
     for statuses in await _documented_statuses(served.url, served.document):
         assert 415 in statuses
-    if served.name == "store":  # nothing was written
-        params = {"namespace": "coded", "key": "k"}
-        async with aiohttp.ClientSession() as http:
-            async with http.get(served.url + "/store/items", params=params) as r:
-                assert r.status == 200 and await r.json() is None  # no such item
+    await _assert_nothing_written(served)
 
 
 # Transfer codings besides chunked (RFC 9112 6.1): aiohttp framed the chunks and handed the
@@ -265,11 +269,7 @@ async def test_a_body_with_a_transfer_coding_but_chunked_is_not_implemented(
     assert headers["content-type"].startswith("application/json")
     for statuses in await _documented_statuses(served.url, served.document):
         assert 501 in statuses
-    if served.name == "store":  # nothing was written
-        params = {"namespace": "coded", "key": "k"}
-        async with aiohttp.ClientSession() as http:
-            async with http.get(served.url + "/store/items", params=params) as r:
-                assert r.status == 200 and await r.json() is None
+    await _assert_nothing_written(served)
 
 
 @settings(

@@ -201,31 +201,30 @@ async def _neutral_server(request: web.Request, response: web.StreamResponse) ->
     response.headers["Server"] = SERVER_NAME
 
 
-def content_codings(request: web.BaseRequest) -> list[str]:
-    """The content codings of the request's body (``Content-Encoding``, every field line,
-    as RFC 9110 8.4 lists them; case-insensitive), ``identity`` left out."""
+def _codings(request: web.BaseRequest, field: str, plain: str) -> list[str]:
+    """The codings ``field`` lists (every field line, comma-separated, case-insensitive),
+    ``plain`` (the one that changes nothing to read) left out."""
     codings = []
-    for line in request.headers.getall("Content-Encoding", ()):
+    for line in request.headers.getall(field, ()):
         for coding in line.split(","):
             coding = coding.strip(" \t").lower()
-            if coding and coding != "identity":
+            if coding and coding != plain:
                 codings.append(coding)
     return codings
+
+
+def content_codings(request: web.BaseRequest) -> list[str]:
+    """The content codings of the request's body (``Content-Encoding``, as RFC 9110 8.4
+    lists them), ``identity`` left out."""
+    return _codings(request, "Content-Encoding", "identity")
 
 
 def transfer_codings(request: web.BaseRequest) -> list[str]:
-    """The transfer codings of the request's body besides ``chunked`` (RFC 9112 6.1:
-    ``Transfer-Encoding``, every field line, case-insensitive). aiohttp frames a body
-    whose last coding is ``chunked`` and hands the rest to the handler still coded: a
-    ``gzip, chunked`` body reached the model as gzip bytes (422 "malformed JSON"), where
-    RFC 9112 asks for 501, as the gateway's own port answers."""
-    codings = []
-    for line in request.headers.getall("Transfer-Encoding", ()):
-        for coding in line.split(","):
-            coding = coding.strip(" \t").lower()
-            if coding and coding != "chunked":
-                codings.append(coding)
-    return codings
+    """The transfer codings of the request's body besides ``chunked`` (RFC 9112 6.1).
+    aiohttp frames a body whose last coding is ``chunked`` and hands the rest to the
+    handler still coded: a ``gzip, chunked`` body reached the model as gzip bytes (422
+    "malformed JSON"), where RFC 9112 asks for 501, as the gateway's own port answers."""
+    return _codings(request, "Transfer-Encoding", "chunked")
 
 
 def _transfer_coded_response() -> web.Response:
