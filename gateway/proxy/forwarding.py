@@ -365,7 +365,7 @@ class Forwarding(asyncio.Protocol):
     def _send(self, req: Incoming, uconn: UpstreamConnection) -> None:
         upstream = self.upstream
         assert upstream is not None
-        host, port, _, prefix = self.upstream_address
+        prefix = self.upstream_address[3]
         head = req.upstream_head
         if head is None:
             req.close_upstream = bodiless_method_with_content(
@@ -375,7 +375,7 @@ class Forwarding(asyncio.Protocol):
                 and bodiless_method_with_content(req.rule_method, req.content_length, req.chunked)
             )
             head = req.upstream_head = request_head(
-                req, upstream, prefix, f"{host}:{port}", self.peer.address or "",
+                req, upstream, prefix, self.plane.host_header(upstream), self.peer.address or "",
                 self.plane.scheme == "https",
             )  # fmt: skip
         relay = self.relay = Relay(self, req, upstream, self.gateway.metrics)

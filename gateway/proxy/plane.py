@@ -86,6 +86,7 @@ class DataPlane:
         # By base URL, all an address comes from: a str hashes in C, while Upstream's
         # dataclass __hash__ ran as Python code on every request.
         self._addresses: dict[str, tuple[str, int, bool, str]] = {}
+        self._host_headers: dict[str, str] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         shortest = min(
             limits.header_timeout, limits.client_idle_timeout, limits.body_read_timeout,
@@ -151,6 +152,14 @@ class DataPlane:
         found = self._addresses.get(upstream.base_url)
         if found is None:
             found = self._addresses[upstream.base_url] = upstream.address()
+        return found
+
+    def host_header(self, upstream: Upstream) -> str:
+        """``upstream.host_header()``, one string per upstream, not one built per
+        request."""
+        found = self._host_headers.get(upstream.base_url)
+        if found is None:
+            found = self._host_headers[upstream.base_url] = upstream.host_header()
         return found
 
     def take_upload(self, client: str) -> int:

@@ -49,6 +49,12 @@ class Upstream:
         port = parts.port or (443 if tls else 80)
         return host, port, tls, parts.path.rstrip("/")
 
+    def host_header(self) -> str:
+        """``host:port``, the Host header it gets when it does not keep the client's (an
+        IPv6 address in brackets, as RFC 9110's uri-host writes it)."""
+        host, port, _, _ = self.address()
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
 
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; parses responses and reports them to its sink, the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 
 class Outcome(StrEnum):
@@ -125,32 +126,65 @@ class Decision:
         if len(reports) == 1:  # the common case, without generators and joins
             r = reports[0]
             return [
-                ("RateLimit-Policy", f'"{r.name}";q={r.count};w={r.seconds}'),
-                ("RateLimit", f'"{r.name}";r={r.remaining};t={r.reset_seconds}'),
+                ("RateLimit-Policy", policy_item(r)),
+                ("RateLimit", state_item(r)),
             ]
         if not reports:
             return []
         if len(reports) == 2:  # a rule and a ceiling (the default table): no generators
             a, b = reports
-            policy = f'"{a.name}";q={a.count};w={a.seconds}, "{b.name}";q={b.count};w={b.seconds}'
+            policy = f"{policy_item(a)}, {policy_item(b)}"
             if self.outcome is Outcome.LIMITED and a.exceeded != b.exceeded:
                 r = a if a.exceeded else b
                 if not r.shadow:
                     return [
                         ("RateLimit-Policy", policy),
-                        ("RateLimit", f'"{r.name}";r={r.remaining};t={r.reset_seconds}'),
+                        ("RateLimit", state_item(r)),
                     ]
             elif self.outcome is not Outcome.LIMITED:
-                state = (
-                    f'"{a.name}";r={a.remaining};t={a.reset_seconds}, '
-                    f'"{b.name}";r={b.remaining};t={b.reset_seconds}'
-                )
+                state = f"{state_item(a)}, {state_item(b)}"
                 return [("RateLimit-Policy", policy), ("RateLimit", state)]
-        policy = ", ".join(f'"{r.name}";q={r.count};w={r.seconds}' for r in reports)
+        policy = ", ".join(policy_item(r) for r in reports)
         if self.outcome is Outcome.LIMITED:
             # A refusal's state names the policies that had no room (the draft lets a
             # server send only those): what a repeat, answered from the known refusal
             # without a counter call, can still state exactly.
             reports = tuple(r for r in reports if r.exceeded and not r.shadow) or reports
-        state = ", ".join(f'"{r.name}";r={r.remaining};t={r.reset_seconds}' for r in reports)
+        state = ", ".join(state_item(r) for r in reports)
         return [("RateLimit-Policy", policy), ("RateLimit", state)]
+
+
+# The decimal forms of 0..9999, made once: a count, a remaining count or a reset time
+# written into the rate-limit fields of every response is nearly always one of them, and
+# a table read costs a fraction of an int's conversion (an allocation each) (issue 27).
+_DECIMALS: Final[tuple[str, ...]] = tuple(str(n) for n in range(10_000))
+
+
+def decimal(n: int) -> str:
+    """``str(n)``, from the table when it holds it."""
+    return _DECIMALS[n] if 0 <= n < 10_000 else str(n)
+
+
+# A policy's item (``"name";q=<count>;w=<seconds>``) by its name, with the count and
+# window it was made for: the same for every response of a rule, so made once, and made
+# again when a reload changes the rule. Bounded: cleared when full (names come from the
+# rule files, not from clients).
+_POLICY_ITEMS: Final[dict[str, tuple[int, int, str]]] = {}
+MAX_POLICY_ITEMS: Final = 4096
+
+
+def policy_item(r: LimitReport) -> str:
+    """``r``'s item of the ``RateLimit-Policy`` field."""
+    kept = _POLICY_ITEMS.get(r.name)
+    if kept is not None and kept[0] == r.count and kept[1] == r.seconds:
+        return kept[2]
+    item = f'"{r.name}";q={r.count};w={r.seconds}'
+    if len(_POLICY_ITEMS) >= MAX_POLICY_ITEMS:
+        _POLICY_ITEMS.clear()
+    _POLICY_ITEMS[r.name] = (r.count, r.seconds, item)
+    return item
+
+
+def state_item(r: LimitReport) -> str:
+    """``r``'s item of the ``RateLimit`` field."""
+    return f'"{r.name}";r={decimal(r.remaining)};t={decimal(r.reset_seconds)}'

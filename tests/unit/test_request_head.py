@@ -86,3 +86,13 @@ def test_an_upstream_that_does_not_keep_the_host_gets_its_own():
     got = fields(request_head(incoming([(b"Host", b"gw")]), upstream, "", "127.0.0.1:9001", "p"))
     assert got[0] == ("Host", "127.0.0.1:9001")
     assert ("Host", "gw") not in got
+
+
+def test_an_upstream_names_itself_in_the_host_header_as_a_uri_host():
+    # RFC 9110 section 7.2: uri-host [ ":" port ], an IPv6 address as an IP-literal.
+    assert Upstream("a", "http://127.0.0.1:9001").host_header() == "127.0.0.1:9001"
+    assert Upstream("a", "http://[::1]:9001/base").host_header() == "[::1]:9001"
+    assert Upstream("a", "https://api.example").host_header() == "api.example:443"
+    upstream = Upstream("b", "http://[::1]:9001", preserve_host=False)
+    head = request_head(incoming([(b"Host", b"gw")]), upstream, "", upstream.host_header(), "p")
+    assert fields(head)[0] == ("Host", "[::1]:9001")
