@@ -154,15 +154,17 @@ class Decision:
         return [("RateLimit-Policy", policy), ("RateLimit", state)]
 
 
-# The decimal forms of 0..9999, made once: a count, a remaining count or a reset time
-# written into the rate-limit fields of every response is nearly always one of them, and
-# a table read costs a fraction of an int's conversion (an allocation each) (issue 27).
-_DECIMALS: Final[tuple[str, ...]] = tuple(str(n) for n in range(10_000))
+# The decimal forms of 0..2047, made once (~110 KB): a reset time, and the remaining
+# count of most rules (the shipped table's are 2000 and less, its per-address ceiling's
+# is not), written into every response's RateLimit field; a table read costs a fraction
+# of an int's conversion, an allocation each (issue 27).
+DECIMALS_KEPT: Final = 2048
+_DECIMALS: Final[tuple[str, ...]] = tuple(str(n) for n in range(DECIMALS_KEPT))
 
 
 def decimal(n: int) -> str:
     """``str(n)``, from the table when it holds it."""
-    return _DECIMALS[n] if 0 <= n < 10_000 else str(n)
+    return _DECIMALS[n] if 0 <= n < DECIMALS_KEPT else str(n)
 
 
 # A policy's item (``"name";q=<count>;w=<seconds>``) by its name, with the count and
