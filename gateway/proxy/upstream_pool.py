@@ -51,9 +51,12 @@ class Upstream:
 
     def host_header(self) -> str:
         """``host:port``, the Host header it gets when it does not keep the client's (an
-        IPv6 address in brackets, as RFC 9110's uri-host writes it)."""
+        IPv6 address in brackets, as RFC 9110's uri-host writes it, without a zone id,
+        which RFC 6874 has a client remove before sending; it is kept for connecting)."""
         host, port, _, _ = self.address()
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if ":" in host:
+            return f"[{host.partition('%')[0]}]:{port}"
+        return f"{host}:{port}"
 
 
 class UpstreamConnection(asyncio.Protocol):

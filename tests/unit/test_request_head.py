@@ -93,6 +93,7 @@ def test_an_upstream_names_itself_in_the_host_header_as_a_uri_host():
     assert Upstream("a", "http://127.0.0.1:9001").host_header() == "127.0.0.1:9001"
     assert Upstream("a", "http://[::1]:9001/base").host_header() == "[::1]:9001"
     assert Upstream("a", "https://api.example").host_header() == "api.example:443"
+    assert Upstream("a", "http://[fe80::1%25eth0]:9001").host_header() == "[fe80::1]:9001"
     upstream = Upstream("b", "http://[::1]:9001", preserve_host=False)
     head = request_head(incoming([(b"Host", b"gw")]), upstream, "", upstream.host_header(), "p")
     assert fields(head)[0] == ("Host", "[::1]:9001")
