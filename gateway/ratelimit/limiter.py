@@ -196,6 +196,11 @@ class Limiter:
             name: getattr(b, "submit", None) for name, b in self._backends.items()
         }
         self._check_cache: dict[tuple[str, str, str], _Kept] = {}
+        # The groups decide_now made for the request it could not answer, with its
+        # selection and region (``_groups_of``): made once a request, not twice.
+        self._prepared: Selection | None = None
+        self._prepared_region = ""
+        self._prepared_groups: list[Group] = []
 
     def backend(self, region: str) -> CounterBackend:
         return self._backends[region]
@@ -213,12 +218,13 @@ class Limiter:
         if hit_now is None:
             return None
         groups = self._groups(region, selection)
-        if len(groups) != 1:
-            return None
-        result: HitResult | None = hit_now(groups[0][2])
-        if result is None:
-            return None
-        return self._decision(region, selection, groups, [result])
+        if len(groups) == 1:
+            result: HitResult | None = hit_now(groups[0][2])
+            if result is not None:
+                return self._decision(region, selection, groups, [result])
+        # Kept for the decide_later (or decide) that follows for this request.
+        self._prepared, self._prepared_region, self._prepared_groups = selection, region, groups
+        return None
 
     def decide_later(
         self,
@@ -238,7 +244,7 @@ class Limiter:
         rule = selection.rule
         if (rule is None or rule.unlimited) and not selection.shadows and not selection.ceilings:
             return False  # decide_now answers these
-        groups = self._groups(region, selection)
+        groups = self._groups_of(region, selection)
         if len(groups) != 1:
             if not groups:
                 return False
@@ -292,12 +298,23 @@ class Limiter:
         if (rule is None or rule.unlimited) and not selection.shadows and not selection.ceilings:
             return Decision(Outcome.EXEMPT, rule_id=None if rule is None else rule.id)
         backend = self._backends[region]
-        groups = self._groups(region, selection)
+        groups = self._groups_of(region, selection)
         if len(groups) == 1:  # the common case: no task scheduling for one call
             results: Sequence[HitResult] = [await backend.hit(groups[0][2])]
         else:
             results = await asyncio.gather(*(backend.hit(checks) for _, _, checks in groups))
         return self._decision(region, selection, groups, results)
+
+    def _groups_of(self, region: str, selection: Selection) -> list[Group]:
+        """``_groups``, as ``decide_now`` made them for this request when it was the last
+        one asked (it answered None: the store is asked next), else made now. A request's
+        groups depend on its selection and region only, and nothing runs between the
+        two calls of one request (benchmarks/README.md, "twenty-third step")."""
+        groups = self._prepared_groups
+        if self._prepared is selection and self._prepared_region == region:
+            self._prepared, self._prepared_groups = None, []
+            return groups
+        return self._groups(region, selection)
 
     def _checks(self, region: str, rule: Rule, identity: str) -> list[LimitCheck]:
         """``limit_checks`` for an enforced rule, kept per identity (an identity seen

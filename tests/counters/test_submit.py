@@ -239,6 +239,40 @@ async def test_the_limiter_decides_by_callback_as_it_decides_by_await(
         await stack.close()
 
 
+async def test_the_groups_decide_now_made_serve_only_the_request_they_were_made_for(
+    redis_server: RedisServer,
+) -> None:
+    # decide_now keeps the counter calls it made for a request it could not answer, for
+    # that request's decide_later or decide; any other request makes its own.
+    table = load_rules_from_texts([("rules.yaml", RULES)])
+    stack = open_counter_backend(redis_server.url, region="us", timeout_seconds=2.0)
+    limiter = Limiter({"us": stack})
+    first, second = new_key()[-16:], new_key()[-16:]
+
+    def selection(key: str) -> Selection:
+        return select(
+            table, "us", "GET", "/x", lambda kind: key if kind is IdentityKind.API_KEY else None
+        )
+
+    try:
+        asked = selection(first)
+        assert limiter.decide_now("us", asked) is None  # (Redis: asked later)
+        # Another request's selection is decided by its own calls, not the kept ones.
+        other = await decided_later(limiter, selection(second))
+        assert other.identity_hash == second and other.reports[0].remaining == 2
+        # The kept ones were not consumed by it: the request they were made for uses them.
+        mine = await decided_later(limiter, asked)
+        assert mine.identity_hash == first and mine.reports[0].remaining == 2
+        # Made again when nothing is kept (counted once each time, never twice).
+        again = await decided_later(limiter, asked)
+        assert again.reports[0].remaining == 1
+        assert limiter.decide_now("us", asked) is None
+        awaited = await limiter.decide("us", asked)
+        assert awaited.reports[0].remaining == 0
+    finally:
+        await stack.close()
+
+
 CEILING_RULES = """
 ceilings:
   - id: per-address
