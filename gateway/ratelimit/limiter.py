@@ -309,7 +309,7 @@ class Limiter:
         """``_groups``, as ``decide_now`` made them for this request when it was the last
         one asked (it answered None: the store is asked next), else made now. A request's
         groups depend on its selection and region only, and nothing runs between the
-        two calls of one request (benchmarks/README.md, "twenty-third step")."""
+        two calls of one request (benchmarks/README.md, "twenty-second step")."""
         groups = self._prepared_groups
         if self._prepared is selection and self._prepared_region == region:
             self._prepared, self._prepared_groups = None, []
