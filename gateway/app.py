@@ -18,10 +18,11 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
 
 from gateway import __version__, logs, native
 from gateway.counters.base import CounterBackend
@@ -67,6 +68,7 @@ from gateway.urls import display_url
 
 if TYPE_CHECKING:
     from gateway.upstreams.control_plane.config import ControlPlaneConfig
+    from gateway.upstreams.http_api.parse_budget import ParseBudget
     from gateway.upstreams.postgres.breaker import DatabaseBreaker
     from gateway.upstreams.store.config import StoreConfig
 
@@ -497,6 +499,15 @@ class Embedded:
     sockets: dict[str, socket.socket]
     notes: list[str]
     databases: dict[str, str] = field(default_factory=dict)
+    budget: ParseBudget | None = None  # the body parse budget both apps share
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """The built-in apps' metrics on ``registry``: the admin port's ``/metrics`` of
+        the process that runs them (the gateway's, or the supervisor's with --workers)."""
+        if self.budget is not None:
+            from gateway.upstreams.http_api.parse_metrics import ParseBudgetCollector
+
+            registry.register(cast(Collector, ParseBudgetCollector(self.budget)))
 
     def urls(self) -> dict[str, str]:
         return {
@@ -564,7 +575,7 @@ def build_embedded(settings: Settings) -> Embedded:
     # already in use" on a port the operator chose and nothing else holds.
     reserved = {settings.port, settings.admin_port}
     sockets = {name: loopback_listener(reserved) for name in apps}
-    return Embedded(apps, sockets, notes, _database_urls(store_config, cp_config))
+    return Embedded(apps, sockets, notes, _database_urls(store_config, cp_config), budget)
 
 
 def loopback_listener(avoid: Container[int]) -> socket.socket:
@@ -930,6 +941,7 @@ async def serve(
             for name, app in embedded.apps.items():
                 await service.start_socket(app, [embedded.sockets[name]])
             upstreams.builtin.update(embedded.urls())
+            embedded.register_metrics(metrics.registry)
             for note in embedded.notes:
                 log.warning("%s", note)
         databases = database_checks(settings, embedded, list(builtin_urls or ()))

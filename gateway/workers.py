@@ -200,6 +200,8 @@ def _supervise(settings: Settings, embedded: Embedded | None, metrics_dir: str) 
             return shown
 
         registry = shared_registry(metrics_dir)
+        if embedded is not None:
+            embedded.register_metrics(registry)
         secret = identity_secret(settings.identity_secret, Path(settings.data_dir))
         console = console_source(
             settings, rules, regions, registry, lambda: recent_refusals(metrics_dir), secret

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from tests.support.gateway import GatewayProcess
+from tests.support.redis_servers import RedisServer
 
 ATTACKER = "127.0.0.2"
 CLIENT = "127.0.0.3"
@@ -94,6 +95,56 @@ async def test_an_address_past_its_parse_share_is_refused_and_the_others_are_ser
     assert got[0] == 200 and json.loads(got[2])["key"] == "c1"
     # Reading is not parsing: the attacker's GET is answered.
     assert (await _call(gw.url, "GET", "/store/items?namespace=fair&key=a1", ATTACKER))[0] == 200
+    # Operators see it on the admin port: two refusals, time charged, one address in debt.
+    got = await _metrics(gw)
+    assert got['gateway_builtin_body_refusals_total{status="429"}'] == 2.0
+    assert got['gateway_builtin_body_refusals_total{status="503"}'] == 0.0
+    assert got["gateway_builtin_body_parse_seconds_total"] > 0
+    assert got["gateway_builtin_body_parse_debts_total"] >= 1.0
+
+
+async def _metrics(gw: GatewayProcess) -> dict[str, float]:
+    """The admin port's /metrics, the samples of the parse budget's families."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{gw.admin_port}/metrics") as r,
+    ):
+        assert r.status == 200
+        text = await r.text()
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in text.splitlines())
+        if name.startswith("gateway_builtin_body_")
+    }
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+async def test_with_workers_the_built_in_apis_budget_is_on_the_supervisors_metrics(
+    tmp_path: Path, redis_server: RedisServer
+):
+    # --workers: the built-in APIs run in the supervisor, whose admin port serves every
+    # worker's metrics and the budget's.
+    config = tmp_path / "gateway.yaml"
+    config.write_text("store:\n  body_parse_share: 0.001\n  body_parse_burst_seconds: 0.001\n")
+    gw = GatewayProcess(
+        ["--config", str(config), "--data-dir", str(tmp_path / "data"), "--access-log", "off",
+         "--workers", "2", "--redis-url", redis_server.url],
+        log_path=tmp_path / "gw.log",
+    ).wait_ready()  # fmt: skip
+    try:
+        assert (await _call(gw.url, "PUT", "/store/items", ATTACKER, _costly("a1")))[0] == 204
+        _refused(await _call(gw.url, "PUT", "/store/items", ATTACKER, _small("a2")))
+        got = await _metrics(gw)
+        assert got['gateway_builtin_body_refusals_total{status="429"}'] == 1.0
+        assert got["gateway_builtin_body_parse_debts_total"] == 1.0
+    finally:
+        gw.stop()
 
 
 async def test_a_refused_address_is_served_again_after_retry_after(tmp_path: Path):

@@ -14,6 +14,8 @@ import yaml
 
 from gateway.metrics import Metrics
 from gateway.settings import FILE_ONLY, Settings
+from gateway.upstreams.http_api.parse_budget import ParseBudget
+from gateway.upstreams.http_api.parse_metrics import ParseBudgetCollector
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -181,12 +183,16 @@ class MetricFamily:
 
 
 def metric_families() -> dict[str, MetricFamily]:
-    """Every metric gateway/metrics.py defines, by family name."""
+    """Every metric gateway/metrics.py defines, by family name, and the built-in APIs'
+    (their parse budget's collector, on the admin port of the process that runs them)."""
     out = {
         family.name: MetricFamily(family.name, family.kind, family.labelnames)  # no _total
         for family in Metrics().families
     }
     assert out, "no metrics found on gateway.metrics.Metrics"
+    for metric in ParseBudgetCollector(ParseBudget()).collect():
+        labels = tuple(sorted({k for sample in metric.samples for k in sample.labels}))
+        out[metric.name] = MetricFamily(metric.name, metric.type, labels)
     return out
 
 

@@ -254,3 +254,43 @@ def test_a_body_is_charged_at_most_its_cap():
     # What read_model charges: the CPU counted, capped by the body's size.
     budget.charge("10.0.0.1", min(0.65, most_a_body_costs(60)))
     assert budget.refusal("10.0.0.1") is None  # a pause did not put it in debt
+
+
+def test_what_the_budget_did_is_exported_for_operators():
+    """Refusals by status, seconds charged, addresses going into debt and addresses
+    refilling, as the admin port's /metrics shows them (read off the budget when scraped)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.upstreams.http_api.parse_metrics import ParseBudgetCollector
+
+    budget, _clock = _budget()
+    registry = CollectorRegistry()
+    registry.register(ParseBudgetCollector(budget))
+
+    def scraped() -> dict[str, float]:
+        lines = generate_latest(registry).decode().splitlines()
+        return {
+            name: float(value)
+            for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
+        }
+
+    assert scraped() == {
+        'gateway_builtin_body_refusals_total{status="429"}': 0.0,
+        'gateway_builtin_body_refusals_total{status="503"}': 0.0,
+        "gateway_builtin_body_parse_seconds_total": 0.0,
+        "gateway_builtin_body_parse_debts_total": 0.0,
+        "gateway_builtin_body_parse_addresses": 0.0,
+    }
+    assert not budget.charge("10.0.0.1", 0.2)  # within its burst
+    assert budget.charge("10.0.0.1", 0.2)  # past it: in debt
+    assert budget.refusal("10.0.0.1") is not None and budget.refusal("10.0.0.1") is not None
+    for n in range(4):  # all addresses together past the total (1.25 s burst)
+        budget.charge(f"10.0.1.{n}", 0.25)
+    total = budget.refusal("10.0.2.1", SMALL_BODY + 1)
+    assert total is not None and total.status == 503
+    got = scraped()
+    assert got['gateway_builtin_body_refusals_total{status="429"}'] == 2.0
+    assert got['gateway_builtin_body_refusals_total{status="503"}'] == 1.0
+    assert got["gateway_builtin_body_parse_seconds_total"] == pytest.approx(1.4)
+    assert got["gateway_builtin_body_parse_debts_total"] == 1.0
+    assert got["gateway_builtin_body_parse_addresses"] == 5.0

@@ -98,7 +98,12 @@ class ParseBudget:
         # recently (evicted, it starts full again; the total bucket still holds).
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
         self._total = _Bucket(self.share.total_burst, clock())
-        self.refused = 0
+        # What operators read off /metrics (http_api/parse_metrics.py): bodies refused, by
+        # status (429: the address's share; 503: the total), loop seconds charged, and
+        # how often an address went past its share.
+        self.refused: dict[int, int] = {429: 0, 503: 0}
+        self.charged_seconds = 0.0
+        self.debts = 0
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -121,11 +126,12 @@ class ParseBudget:
                 self._buckets.move_to_end(address)  # a retrying address is kept longest
         if own >= 0 and total >= 0:
             return None
-        self.refused += 1
+        status = 429 if own < 0 else 503
+        self.refused[status] += 1
         # When both are in debt, the later of the two: retrying sooner would only be refused
         # again by the other.
         wait = max(-own / share.per_address, -total / share.total)
-        if own < 0:
+        if status == 429:
             return ParseRefusal(
                 429,
                 _whole_seconds(wait),
@@ -147,6 +153,7 @@ class ParseBudget:
             return False
         now = self._clock()
         share = self.share
+        self.charged_seconds += seconds
         self._refill(self._total, now, share.total, share.total_burst)
         self._total.level -= seconds
         bucket = self._buckets.get(address)
@@ -159,7 +166,10 @@ class ParseBudget:
         bucket.level -= seconds
         while len(self._buckets) > share.max_addresses:
             self._buckets.popitem(last=False)
-        return was >= 0 > bucket.level
+        into_debt = was >= 0 > bucket.level
+        if into_debt:
+            self.debts += 1
+        return into_debt
 
     @staticmethod
     def _refill(bucket: _Bucket, now: float, rate: float, burst: float) -> float:
