@@ -55,7 +55,8 @@ def select(
     never changes what is enforced.
     """
     shadows: list[tuple[Rule, str]] = []
-    for rule in table.candidates(region, method, path):
+    rules, candidates = table.matching(region, method, path)
+    for rule in rules:
         key = identity(rule.identity)
         if key is None:
             continue
@@ -68,18 +69,17 @@ def select(
                 rule = tiered
         if rule.unlimited or not table.ceilings:
             return Selection(rule, key, tuple(shadows))  # (an exempt request stays exempt)
-        ceilings = _ceilings(table, region, method, path, identity)
-        return Selection(rule, key, tuple(shadows), ceilings)
+        return Selection(rule, key, tuple(shadows), _ceilings(candidates, identity))
     if not table.ceilings:
         return Selection(None, None, tuple(shadows))
-    return Selection(None, None, tuple(shadows), _ceilings(table, region, method, path, identity))
+    return Selection(None, None, tuple(shadows), _ceilings(candidates, identity))
 
 
 def _ceilings(
-    table: RuleTable, region: str, method: str, path: str, identity: IdentityLookup
+    candidates: tuple[Rule, ...], identity: IdentityLookup
 ) -> tuple[tuple[Rule, str], ...]:
-    """Every ceiling that matches and whose identity can be formed, in order."""
-    candidates = table.ceiling_candidates(region, method, path)
+    """Every ceiling of ``candidates`` (those that match) whose identity can be formed, in
+    order."""
     if len(candidates) == 1:  # the common case (the default table's per-address one)
         ceiling = candidates[0]
         key = identity(ceiling.identity)

@@ -145,8 +145,10 @@ class Rule:
     alternatives: tuple[MatchAlternative, ...]
     identity: IdentityKind
     # region -> limits; a region absent here is filled from ``default`` or the us2->us
-    # fallback at load time, so lookups on the hot path are a plain dict get.
-    limits: Mapping[str, tuple[LimitSpec, ...]]
+    # fallback at load time, so lookups on the hot path are a plain dict get. A dict,
+    # not a Mapping: compiled, ``limits_for`` then gets it in C, where a Mapping's
+    # ``get`` is a method looked up by name (several a request).
+    limits: dict[str, tuple[LimitSpec, ...]]
     shadow: bool = False
     unlimited: bool = False
     fail_open: bool = True
@@ -195,15 +197,13 @@ class RuleTable:
     # (region, method, path) -> the rules whose method and path match, in order. Which of
     # them applies then depends only on the identity headers present, so this part of the
     # work is done once per distinct request line; bounded by clearing when full.
-    match_cache: dict[tuple[str, str, str], tuple[Rule, ...]] = field(
+    # With them, the ceilings that match the same way: one lookup a request for both.
+    match_cache: dict[tuple[str, str, str], tuple[tuple[Rule, ...], tuple[Rule, ...]]] = field(
         default_factory=dict, compare=False, repr=False
     )
     # Ceilings: limits every request they match is held to besides its rule (a per-address
     # backstop whatever key is sent), in file order.
     ceilings: tuple[Rule, ...] = ()
-    ceiling_cache: dict[tuple[str, str, str], tuple[Rule, ...]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
 
     @property
     def size_text(self) -> str:
@@ -212,16 +212,25 @@ class RuleTable:
         also = "" if n == 0 else f" and {n} ceiling{'' if n == 1 else 's'}"
         return f"{len(self.rules)} rules{also}"
 
-    def candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
+    def matching(
+        self, region: str, method: str, path: str
+    ) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
+        """The rules that apply in ``region`` whose method and path match, in order, and
+        the ceilings with a limit there that match: made once per distinct request line
+        (bounded by clearing when full), so a request costs one lookup for both."""
         key = (region, method, path)
         found = self.match_cache.get(key)
         if found is None:
             folded = path.lower()  # rules match paths whatever their case (PathMatcher)
-            found = tuple(
+            rules = tuple(
                 r
                 for r in self.for_region(region)
                 if r.matcher(method, folded) and (r.exact is None or r.exact(method, path))
             )
+            ceilings = tuple(
+                c for c in self.ceilings if c.limits_for(region) and c.matcher(method, folded)
+            )
+            found = (rules, ceilings)
             if len(path) > MATCH_CACHE_MAX_PATH:
                 return found  # long paths would make the bounded cache large in bytes
             if len(self.match_cache) >= MATCH_CACHE_ENTRIES:
@@ -229,21 +238,13 @@ class RuleTable:
             self.match_cache[key] = found
         return found
 
+    def candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
+        """The rules of ``matching``."""
+        return self.matching(region, method, path)[0]
+
     def ceiling_candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
         """The ceilings with a limit in ``region`` whose method and path match."""
-        key = (region, method, path)
-        found = self.ceiling_cache.get(key)
-        if found is None:
-            folded = path.lower()
-            found = tuple(
-                c for c in self.ceilings if c.limits_for(region) and c.matcher(method, folded)
-            )
-            if len(path) > MATCH_CACHE_MAX_PATH:
-                return found
-            if len(self.ceiling_cache) >= MATCH_CACHE_ENTRIES:
-                self.ceiling_cache.clear()
-            self.ceiling_cache[key] = found
-        return found
+        return self.matching(region, method, path)[1]
 
     def unlimited_regions(self, regions: Iterable[str]) -> list[str]:
         """Those of ``regions`` where no rule and no ceiling has a limit (shadow rules
