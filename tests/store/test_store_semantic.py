@@ -695,3 +695,31 @@ async def test_only_one_process_on_a_store_runs_the_background_reindex(
     finally:
         await one.close()
         await two.close()
+
+
+async def test_the_texts_to_embed_are_made_with_the_charged_parse(
+    tmp_path: Path, embedding_server: EmbeddingServer
+) -> None:
+    """The texts an indexed write embeds walk its value as the parse does: they are made by
+    the callable read_model charges to the client's parse budget (http_api/body_budget.py),
+    and handed to the embedding as made."""
+    import json
+
+    from gateway.upstreams.store.app import _put_request
+    from gateway.upstreams.store.vectors import texts_to_embed
+
+    store = await start_store(indexed_store_config(tmp_path / "d", embedding_server))
+    try:
+        semantic = store.app[SEMANTIC_KEY]
+        value = {"text": "espresso", "notes": ["crema", {"deep": "ristretto"}]}
+        raw = json.dumps({"namespace": ["m"], "key": "k", "value": value}).encode()
+        item, forms, texts = _put_request(raw, semantic)
+        assert texts and texts == texts_to_embed(item.value, None, semantic.config)
+        assert forms == item.stored_forms()
+        # An item written with index=false is parsed, and nothing is made to embed.
+        raw = json.dumps({"namespace": ["m"], "key": "k", "value": value, "index": False})
+        assert _put_request(raw.encode(), semantic)[2] == []
+        # Without an index, nothing either.
+        assert _put_request(raw.encode(), None)[2] is None
+    finally:
+        await store.runner.cleanup()

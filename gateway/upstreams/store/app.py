@@ -131,18 +131,24 @@ async def _read(request: web.Request, model: type[T]) -> T:
     return await read_model(request, lambda raw: READ.body(model, raw), lambda: _body(request))
 
 
-def _put_request(raw: bytes) -> tuple[StorePutRequest, StoredForms]:
-    # The item's stored forms walk all of it as the parse does: made now, charged with it.
+def _put_request(
+    raw: bytes, semantic: SemanticIndex | None
+) -> tuple[StorePutRequest, StoredForms, list[tuple[str, str]] | None]:
+    # The item's stored forms, and with an index the texts to embed, walk all of it as
+    # the parse does: made now, charged with it.
     item = READ.body(StorePutRequest, raw)
-    return item, item.stored_forms()
+    texts = None if semantic is None else semantic.item_texts(item)
+    return item, item.stored_forms(), texts
 
 
 async def put_item(request: web.Request) -> web.Response:
     """PUT /store/items: insert or replace an item."""
-    item, forms = await read_model(request, _put_request, lambda: _body(request))
-    # Hook (issue 12): embed first, so a provider outage (503) leaves nothing written.
     semantic = request.app.get(SEMANTIC_KEY)
-    vectors = None if semantic is None else await semantic.embed_item(item)
+    item, forms, texts = await read_model(
+        request, lambda raw: _put_request(raw, semantic), lambda: _body(request)
+    )
+    # Hook (issue 12): embed first, so a provider outage (503) leaves nothing written.
+    vectors = None if semantic is None else await semantic.embed_item(item, texts)
     await request.app[STORAGE_KEY].put(item, vectors, forms)
     return web.Response(status=204)
 

@@ -127,13 +127,21 @@ class SemanticIndex:
 
     # -- writes -------------------------------------------------------------------
 
-    async def embed_item(self, request: StorePutRequest) -> ItemVectors:
+    def item_texts(self, request: StorePutRequest) -> list[tuple[str, str]]:
+        """The item's ``(path, text)`` pairs to embed. They walk the value: the handler
+        makes them with the body's parse, within the loop's parse budget."""
+        # request.index None: the configured fields; []: not embedded (index=false)
+        return texts_to_embed(request.value, request.index, self.config)
+
+    async def embed_item(
+        self, request: StorePutRequest, pairs: list[tuple[str, str]] | None = None
+    ) -> ItemVectors:
         """The item's vectors (raises ``EmbeddingUnavailable``, a 503, when the provider
-        cannot answer)."""
-        paths = request.index  # None: configured fields; []: not embedded (index=false)
-        pairs = texts_to_embed(request.value, paths, self.config)
+        cannot answer); ``pairs``: its ``item_texts``, when already made."""
+        if pairs is None:
+            pairs = self.item_texts(request)
         embedded = await self.client.embed([text for _, text in pairs])
-        return ItemVectors.build(self.config, paths, pairs, embedded)
+        return ItemVectors.build(self.config, request.index, pairs, embedded)
 
     # -- search -------------------------------------------------------------------
 
