@@ -90,6 +90,9 @@ class AccessRecord:
     cert: str | None = None
     # Where ``emit`` takes the hashes from (never written itself).
     identities: RequestIdentity | None = None
+    # ``request_id`` is one the gateway made (32 hex digits, never a client's): the plain
+    # line writes it without the check a client's needs (never written itself).
+    own_request_id: bool = False
 
     # Written out: mypyc compiles this one, while the dataclass's own would run as Python
     # code on every construction (~3x slower; tests/unit/test_native.py checks it matches).
@@ -116,6 +119,7 @@ class AccessRecord:
         tier: str | None = None,
         cert: str | None = None,
         identities: RequestIdentity | None = None,
+        own_request_id: bool = False,
     ) -> None:
         self.method = method
         self.path = path
@@ -138,6 +142,7 @@ class AccessRecord:
         self.tier = tier
         self.cert = cert
         self.identities = identities
+        self.own_request_id = own_request_id
 
 
 _MILLIS: Final = tuple("%03d" % i for i in range(1000))  # noqa: UP031 (see seconds_text)
@@ -305,8 +310,8 @@ def plain_line(r: AccessRecord) -> str:
     # hashes, the numbers.
     if (
         not head
-        or (rid is not None and (rid == "-" or not _bare(rid)))
-        or (upstream is not None and (upstream == "-" or not _bare(upstream)))
+        or (rid is not None and not r.own_request_id and (rid == "-" or not _bare(rid)))
+        or (upstream is not None and not _bare_upstream(upstream))
     ):
         return _quoted_line(r)
     upstream_ms = "-" if r.upstream_ms is None else tenths(r.upstream_ms)
@@ -327,6 +332,21 @@ def plain_line(r: AccessRecord) -> str:
         f"{head}{r.identity or '-'} upstream={upstream or '-'} dur_ms={tenths(r.duration_ms)} "
         f"upstream_ms={upstream_ms} rid={rid or '-'}{when}{ids}{verified}{cert}"
     )
+
+
+# Upstream names (from the configuration: a handful) and whether each is bare, as
+# ``_bare`` and not ``-`` (checked once, not on every line); bounded all the same.
+_BARE_UPSTREAMS: Final[dict[str, bool]] = {}
+
+
+def _bare_upstream(name: str) -> bool:
+    found = _BARE_UPSTREAMS.get(name)
+    if found is None:
+        found = name != "-" and _bare(name)
+        if len(_BARE_UPSTREAMS) >= MAX_CACHED_HEADS:
+            _BARE_UPSTREAMS.clear()
+        _BARE_UPSTREAMS[name] = found
+    return found
 
 
 def _bare(value: str) -> bool:

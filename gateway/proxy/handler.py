@@ -311,6 +311,7 @@ class Gateway:
         )
         problem = self._read_headers(req)
         record.request_id = req.request_id
+        record.own_request_id = req.given_request_id is None
         if problem is not None:
             # A head the gateway refuses may frame its body in a way an upstream reads
             # differently: nothing after it on this connection is read (framing doubt).
@@ -533,6 +534,7 @@ class Gateway:
         )
         given = req.given_request_id
         req.request_id = record.request_id = new_request_id() if given is None else given
+        record.own_request_id = given is None
         record.identities = first_record.identities
         return self._repeat_refusal(req, known)
 
