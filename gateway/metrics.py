@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
 from typing import Any, Final, Generic, Protocol, TypeVar, cast
@@ -96,8 +95,16 @@ class HistogramChild:
         self.sum = 0.0
 
     def observe(self, amount: float) -> None:
-        # Buckets are "less than or equal": the first bound >= amount is the bucket.
-        self.counts[bisect_left(self.bounds, amount)] += 1
+        # Buckets are "less than or equal": the first bound >= amount is the bucket (as
+        # bisect_left finds it; NaN the first). A scan of native floats: compiled, a few
+        # comparisons for the latencies a request has, where calling bisect_left cost
+        # about a thousand instructions an observation (two a request).
+        bounds = self.bounds
+        index = 0
+        count = len(bounds)
+        while index < count and bounds[index] < amount:
+            index += 1
+        self.counts[index] += 1
         self.sum += amount
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -243,3 +245,27 @@ def test_families_check_their_definition():
     counter = Counter("c", "help", [])  # no labels: one series, there from the start
     assert counter.labels() is counter.labels()
     assert counter.export().samples[0].value == 0
+
+
+@given(
+    st.lists(st.floats(allow_nan=False, allow_infinity=True, width=64), max_size=30),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=50),
+)
+def test_an_observation_lands_in_the_bucket_bisect_left_gives(bounds, amounts):
+    """The histogram's scan against ``bisect_left``: any sorted bounds, any amounts (NaN and
+    infinities included), the same counts and sum."""
+    from bisect import bisect_left
+
+    from gateway.metrics import HistogramChild
+
+    ordered = tuple(sorted(bounds))
+    child = HistogramChild(ordered)
+    expected = [0] * (len(ordered) + 1)
+    for amount in amounts:
+        child.observe(amount)
+        expected[bisect_left(ordered, amount)] += 1
+    assert child.counts == expected
+    total = 0.0
+    for amount in amounts:
+        total += amount
+    assert child.sum == total or (math.isnan(child.sum) and math.isnan(total))
