@@ -721,5 +721,27 @@ async def test_the_texts_to_embed_are_made_with_the_charged_parse(
         assert _put_request(raw.encode(), semantic)[2] == []
         # Without an index, nothing either.
         assert _put_request(raw.encode(), None)[2] is None
+        # A write through the API walks its value for the texts once, in that callable:
+        # the embedding takes them as made, and does not walk the value again.
+        from gateway.upstreams.store import semantic as semantic_module
+
+        walks: list[object] = []
+        walk = semantic_module.texts_to_embed
+
+        def counted(*args: Any) -> list[tuple[str, str]]:
+            walks.append(args[0])
+            return walk(*args)
+
+        semantic_module.texts_to_embed = counted
+        try:
+            body = {"namespace": ["m"], "key": "k2", "value": value}
+            async with (
+                aiohttp.ClientSession() as http,
+                http.put(f"{store.url}/store/items", json=body) as r,
+            ):
+                assert r.status == 204, await r.text()
+        finally:
+            semantic_module.texts_to_embed = walk
+        assert walks == [value]
     finally:
         await store.runner.cleanup()
