@@ -23,6 +23,7 @@ JSON_TYPE: Final = b"Content-Type: application/json\r\n"
 CLOSE: Final = b"Connection: close\r\n"
 KEEP_ALIVE: Final = b"Connection: keep-alive\r\n"
 
+
 class _DateLine:
     """The ``Date`` line and the second it is for (an instance's attributes: compiled
     code reads a module global through a dict)."""
@@ -77,9 +78,7 @@ class Answer:
         self.body = body
 
     @classmethod
-    def json(
-        cls, status: int, body: bytes, headers: Iterable[tuple[str, str]] = ()
-    ) -> Answer:
+    def json(cls, status: int, body: bytes, headers: Iterable[tuple[str, str]] = ()) -> Answer:
         head = (
             status_line(status)
             + JSON_TYPE

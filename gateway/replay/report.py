@@ -43,8 +43,14 @@ def _table(result: TableReplay, top: int) -> Document:
             "agreed": result.agreed,
             "disagreed": result.disagreed,
             "examples": [
-                {"request_id": d.request_id, "start": iso_us(d.start_us), "method": d.method,
-                 "path": d.path, "logged": d.logged, "replayed": d.replayed}
+                {
+                    "request_id": d.request_id,
+                    "start": iso_us(d.start_us),
+                    "method": d.method,
+                    "path": d.path,
+                    "logged": d.logged,
+                    "replayed": d.replayed,
+                }
                 for d in result.disagreements
             ],
         },
@@ -76,8 +82,10 @@ def _diff(new: TableReplay, old: TableReplay, top: int) -> Document:
         }
         was = set(a.identities) if a else set()
         now = set(b.identities) if b else set()
-        if entry["in"] == "both" and entry["matched"][0] == entry["matched"][1] and (
-            entry["limited"][0] == entry["limited"][1] and was == now
+        if (
+            entry["in"] == "both"
+            and entry["matched"][0] == entry["matched"][1]
+            and (entry["limited"][0] == entry["limited"][1] and was == now)
         ):
             continue
         # most limited first (under the new table; freed: under the baseline)
@@ -142,8 +150,10 @@ def render_text(report: Document) -> str:
         w(f"{title} {table['digest'][:12]} ({', '.join(table['sources'])}): "
           f"{table['requests']:,} requests, "
           + ", ".join(f"{k} {v:,}" for k, v in table["decisions"].items()))  # fmt: skip
-        w(f"  {'rule':<28} {'matched':>10} {'limited':>9} {'identities':>10}  "
-          "most limited (first limited at)")
+        w(
+            f"  {'rule':<28} {'matched':>10} {'limited':>9} {'identities':>10}  "
+            "most limited (first limited at)"
+        )
         quiet = [r["id"] for r in table["rules"] if not r["matched"]]
         for rule in table["rules"]:
             if not rule["matched"]:
@@ -175,8 +185,10 @@ def render_text(report: Document) -> str:
             l0, l1 = entry["limited"]
             i0, i1 = entry["identities_limited"]
             where = "" if entry["in"] == "both" else f" (only in {entry['in']})"
-            w(f"  {entry['id'] + where:<40} matched {m0:,} -> {m1:,} ({m1 - m0:+,}), "
-              f"limited {l0:,} -> {l1:,} ({l1 - l0:+,}), identities {i0:,} -> {i1:,}")
+            w(
+                f"  {entry['id'] + where:<40} matched {m0:,} -> {m1:,} ({m1 - m0:+,}), "
+                f"limited {l0:,} -> {l1:,} ({l1 - l0:+,}), identities {i0:,} -> {i1:,}"
+            )
             if entry["newly_limited"]:
                 w(f"      newly limited here: {', '.join(entry['newly_limited'])}")
             if entry["newly_freed"]:

@@ -76,9 +76,7 @@ def _dicts(root: Any) -> Iterator[tuple[str, dict[Any, Any]]]:
 
 
 def _holds_mark(value: Any) -> bool:
-    return any(
-        (MARK in s) if isinstance(s, str) else (MARK.encode() in s) for s in _strings(value)
-    )
+    return any((MARK in s) if isinstance(s, str) else (MARK.encode() in s) for s in _strings(value))
 
 
 async def _send(port: int, head: bytes) -> bytes:

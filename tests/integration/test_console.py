@@ -171,9 +171,7 @@ async def test_off_loopback_without_a_token_the_console_is_off(tmp_path, metrics
                 assert r.status == 200
 
 
-async def test_with_a_token_a_browser_signs_in_by_post_and_gets_a_strict_cookie(
-    tmp_path, metrics
-):
+async def test_with_a_token_a_browser_signs_in_by_post_and_gets_a_strict_cookie(tmp_path, metrics):
     async with await _console(tmp_path, metrics, host="0.0.0.0", token=TOKEN) as url:
         jar = aiohttp.CookieJar(unsafe=True)
         async with aiohttp.ClientSession(cookie_jar=jar) as http:
@@ -267,12 +265,10 @@ async def test_history_shows_one_region_bounded_and_refuses_a_bad_view(tmp_path,
         assert '<table class="rules" data-region="us" hidden>' in page
         eu = page.split('<table class="rules" data-region="eu">')[1].split("</table>")[0]
         assert '<tr data-rule="by-ip" hidden>' in eu and '<tr data-rule="q-key">' in eu
-        assert '<option selected>eu</option>' in page and 'value="q-"' in page
+        assert "<option selected>eu</option>" in page and 'value="q-"' in page
 
 
-async def test_top_limited_identities_show_the_consumer_and_tier_of_a_known_key(
-    tmp_path, upstream
-):
+async def test_top_limited_identities_show_the_consumer_and_tier_of_a_known_key(tmp_path, upstream):
     """A real gateway with a key file: the key's consumer and tier are found from the
     logged identity (the key file's consumer names hashed), and the key is never shown."""
     from gateway.identity.key_edit import add_key

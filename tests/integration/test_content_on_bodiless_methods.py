@@ -140,8 +140,7 @@ async def test_requests_with_content_on_post_and_bodiless_ones_keep_the_pooled_c
                 body = b'{"n": %d}' % n
                 reply = await _one(
                     port,
-                    b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body)
-                    + body,
+                    b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
                 )
                 assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
                 reply = await _one(port, b"GET /g HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -183,7 +182,8 @@ async def test_a_kept_method_override_to_a_bodiless_method_closes_the_upstream_c
         for override in (b"GET", b"POST"):
             reply = await _one(
                 port,
-                b"POST /o HTTP/1.1\r\nHost: a\r\nX-HTTP-Method-Override: " + override
+                b"POST /o HTTP/1.1\r\nHost: a\r\nX-HTTP-Method-Override: "
+                + override
                 + b"\r\nContent-Length: 3\r\n\r\nabc",
             )
             assert reply.startswith(b"HTTP/1.1 200"), reply[:200]

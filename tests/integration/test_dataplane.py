@@ -114,7 +114,7 @@ async def test_head_and_no_content_responses_carry_no_body_and_keep_the_connecti
         assert head.startswith(b"HTTP/1.1 200")
         assert b"Content-Length:" in head  # the length of the body a GET would get
         # the next bytes are the second response, not a body of the first
-        (status, body), = await _read_responses(reader, 1)
+        ((status, body),) = await _read_responses(reader, 1)
         writer.close()
     assert status == 200 and json.loads(body)["path"] == "/echo/after"
 
@@ -128,7 +128,7 @@ async def test_expect_100_continue_is_answered_after_the_decision(upstream):
         interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(b"hello")
-        (status, body), = await _read_responses(reader, 1)
+        ((status, body),) = await _read_responses(reader, 1)
         writer.close()
     assert status == 200 and json.loads(body)["body_length"] == 5
     # The expectation was met here: the upstream is not asked to meet it again.
@@ -317,7 +317,7 @@ async def test_connection_cannot_strip_the_framing_of_a_forwarded_body(upstream)
             b"POST /echo HTTP/1.1\r\nHost: a\r\nConnection: content-length\r\n"
             b"Content-Length: 3\r\n\r\nabc"
         )
-        (status, body), = await _read_responses(reader, 1)
+        ((status, body),) = await _read_responses(reader, 1)
         writer.close()
     seen = json.loads(body)
     assert status == 200 and seen["body_length"] == 3
@@ -370,12 +370,13 @@ async def test_a_connection_reads_on_after_an_answered_upload(tmp_path, upstream
     async with running_gateway(upstream, rules=[str(rules)]) as gw:
         reader, writer = await asyncio.open_connection("127.0.0.1", _port(gw))
         writer.write(b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx")
-        (status, _), = await _read_responses(reader, 1)
+        ((status, _),) = await _read_responses(reader, 1)
         assert status == 200  # the one request the limit allows
         body = b"x" * 200_000  # over the 64 KiB read ahead while it waits its turn
         writer.write(
             b"GET /slow?s=0.3 HTTP/1.1\r\nHost: a\r\n\r\n"
-            b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body)
+            b"POST /tiny HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n"
+            % len(body)
             + body
             + b"GET /echo/next HTTP/1.1\r\nHost: a\r\n\r\n"
         )
@@ -422,7 +423,7 @@ async def test_a_pipelined_upload_that_stalls_gets_408(upstream):
             b"GET /echo/1 HTTP/1.1\r\nHost: a\r\n\r\n"
             b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabcde"
         )
-        (status, _), = await _read_responses(reader, 1)
+        ((status, _),) = await _read_responses(reader, 1)
         rest = await asyncio.wait_for(reader.read(), 10)
         writer.close()
     assert status == 200

@@ -302,7 +302,9 @@ async def test_a_path_is_counted_by_its_rule_whatever_its_case():
             assert status == 200 and _rule(fields) == expected, (target, fields)
         await _settle(up, 3)
         assert [r.target for r in up.recording.requests] == [
-            b"/RUNS/QUERY", b"/Runs/Query", b"/runs/STATS"
+            b"/RUNS/QUERY",
+            b"/Runs/Query",
+            b"/runs/STATS",
         ]
 
 

@@ -362,9 +362,7 @@ def test_a_generated_control_plane_key_is_never_logged(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-async def test_one_signal_to_the_process_group_of_workers_stops_gracefully(
-    tmp_path, upstream, sig
-):
+async def test_one_signal_to_the_process_group_of_workers_stops_gracefully(tmp_path, upstream, sig):
     """Review finding: with --workers a signal to the process group (a terminal's Ctrl-C,
     systemd's default KillMode) reaches each worker twice, directly and as the
     supervisor's SIGTERM: that is still one graceful stop, not a hurried one."""

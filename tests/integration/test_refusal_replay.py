@@ -289,9 +289,7 @@ async def _statuses_after(port: int, steps: list[tuple[bytes, int]]) -> tuple[li
     return statuses, closed
 
 
-async def test_what_a_pipeline_or_a_split_read_leaves_is_never_replayed(
-    tmp_path: Path, upstream
-):
+async def test_what_a_pipeline_or_a_split_read_leaves_is_never_replayed(tmp_path: Path, upstream):
     """Review findings: a refused request started from the pipeline (its bytes came in an
     earlier read) must not make the next read a replay of it, nor may a read that began
     inside a request: both gateways, replay on and off, answer alike."""
@@ -330,9 +328,7 @@ async def test_a_long_read_is_not_kept(tmp_path: Path, upstream):
         await conn.close()
 
 
-async def test_a_connection_idles_out_after_an_answer_given_from_the_head(
-    tmp_path: Path, upstream
-):
+async def test_a_connection_idles_out_after_an_answer_given_from_the_head(tmp_path: Path, upstream):
     """Review finding (older than the replay): a request answered from its head (/ok, a
     refusal, parsed or replayed) left its connection without any deadline."""
     rules = tmp_path / "rules.yaml"

@@ -130,9 +130,7 @@ def test_prometheus_alert_examples_parse_and_use_real_metrics():
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_names_in_the_docs_are_real(doc):
     text = doc.read_text()
-    unknown_env = (
-        set(ENV_NAME.findall(text)) - setting_env_names() - CLIENT_ENV - build_env_names()
-    )
+    unknown_env = set(ENV_NAME.findall(text)) - setting_env_names() - CLIENT_ENV - build_env_names()
     assert not unknown_env, f"{doc.name} names unknown variables {sorted(unknown_env)}"
     families = metric_families()
     known = set(sample_index(families)) | set(families)

@@ -97,9 +97,7 @@ NUMBER = st.one_of(
 LEAF = st.one_of(TEXT, NUMBER, st.booleans(), st.none())
 TREE = st.recursive(
     LEAF,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)
-    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
     max_leaves=30,
 )
 

@@ -143,9 +143,7 @@ def test_a_baseline_shows_what_changes_per_rule_and_identity(tmp_path):
     assert f"skipped 1: {NO_COMPONENTS}" in text
 
 
-def test_the_command_line_writes_json_saves_the_report_and_refuses_bad_input(
-    tmp_path, capsys
-):
+def test_the_command_line_writes_json_saves_the_report_and_refuses_bad_input(tmp_path, capsys):
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     log = tmp_path / "access.log"
@@ -212,9 +210,7 @@ def access_caplog(caplog):
 
 
 @pytest.mark.parametrize("path", ["/runs/query", "/a b"])  # as it is, and quoted
-def test_a_client_certificates_hash_is_logged_and_read_back_in_both_formats(
-    access_caplog, path
-):
+def test_a_client_certificates_hash_is_logged_and_read_back_in_both_formats(access_caplog, path):
     """A request over a verified client certificate logs the certificate's identity hash
     (never the subject), so a replay can count it as a client_cert rule would."""
     from gateway.policy.model import IdentityKind

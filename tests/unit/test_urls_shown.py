@@ -119,9 +119,7 @@ def test_shown_forms(url: str, shown: str) -> None:
 
 
 def test_the_start_up_log_shows_counter_and_upstream_urls_without_secrets(caplog) -> None:
-    settings = load_settings(
-        {"redis_url": f"redis+cluster://:{SECRET}@h1:7000,h2:7001"}, env={}
-    )
+    settings = load_settings({"redis_url": f"redis+cluster://:{SECRET}@h1:7000,h2:7001"}, env={})
     router = Router(
         [("/api", Upstream("route:/api", f"https://u:{SECRET}@api.internal/base?t={SECRET}"))],
         Upstream("default", "http://127.0.0.1:9000"),
@@ -136,9 +134,7 @@ def test_the_start_up_log_shows_counter_and_upstream_urls_without_secrets(caplog
     assert SECRET not in repr(router.info())
 
 
-def test_database_messages_never_show_a_password_and_take_multi_host_urls(
-    caplog, tmp_path
-) -> None:
+def test_database_messages_never_show_a_password_and_take_multi_host_urls(caplog, tmp_path) -> None:
     url = f"postgresql://gw@h1:5432,h2:5433/gateway?password={SECRET}&sslpassword={SECRET}"
     assert check_url(url) == url  # libpq's failover form is a PostgreSQL URL
     breaker = DatabaseBreaker("store", url)

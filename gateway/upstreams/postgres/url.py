@@ -28,4 +28,3 @@ def check_url(url: str) -> str:
     if not parts.hostname and "host=" not in parts.query:
         raise ValueError(f"database_url names no host: {display_url(url)!r}")
     return url
-
