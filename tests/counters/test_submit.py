@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -179,6 +179,11 @@ rules:
 """
 
 
+def _api_key(key: str) -> Callable[[IdentityKind], str | None]:
+    """The identity lookup of a request that sends ``key`` (as its hash) and nothing else."""
+    return lambda kind: key if kind is IdentityKind.API_KEY else None
+
+
 async def decided_later(limiter: Limiter, sel: Selection) -> Decision:
     """``decide_later`` awaited: the decision (or its exception) handed to ``done``."""
     got: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
@@ -250,9 +255,7 @@ async def test_the_groups_decide_now_made_serve_only_the_request_they_were_made_
     first, second = new_key()[-16:], new_key()[-16:]
 
     def selection(key: str) -> Selection:
-        return select(
-            table, "us", "GET", "/x", lambda kind: key if kind is IdentityKind.API_KEY else None
-        )
+        return select(table, "us", "GET", "/x", _api_key(key))
 
     try:
         asked = selection(first)

@@ -118,13 +118,6 @@ async def _metrics(gw: GatewayProcess) -> dict[str, float]:
     }
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
-
 async def test_with_workers_the_built_in_apis_budget_is_on_the_supervisors_metrics(
     tmp_path: Path, redis_server: RedisServer
 ):

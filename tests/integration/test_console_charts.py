@@ -16,26 +16,17 @@ import re
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from gateway.policy.loader import load_rules
 from gateway.proxy.console import region_rules
 from tests.integration.test_console_browser import CHROMIUM, CHROMIUM_ARGS
 from tests.support.gateway import DEFAULT_RULES, GatewayProcess
-from tests.support.redis_servers import RedisServer
 
 TOO_TALL_BEFORE = 4300  # px: the default table repeated per region, before the charts
 PAGE_HEIGHT_LIMIT = 2400  # px, with the default rule table (30 rules) and two regions
 REGIONS = ["us", "eu"]
 EU_HOST = "eu.example"
 RULES = ["runs-query-api-key", "repos-api-key", "beacon", "runs-query-user"]
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 async def _send(url: str, method: str, path: str, n: int, **headers: str) -> list[int]:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import yaml
 
 from tests.control_plane.support import control_plane_section, deployment_body, headers
@@ -259,13 +258,6 @@ async def _crash_and_recover(tmp_path: Path, *extra: str) -> Ledger:
 async def test_acknowledged_writes_survive_kill_9_of_the_gateway(tmp_path: Path) -> None:
     ledger = await _crash_and_recover(tmp_path)
     assert ledger.store_acks >= 50 and ledger.revisions >= 3
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 async def test_acknowledged_writes_survive_kill_9_of_all_workers(

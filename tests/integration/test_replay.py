@@ -9,13 +9,11 @@ import subprocess
 import sys
 
 import aiohttp
-import pytest
 
 from gateway.policy.loader import load_rules
 from gateway.replay.records import NOT_ACCESS_LOG, read_logs
 from gateway.replay.simulate import replay
 from tests.support.gateway import ROOT, GatewayProcess
-from tests.support.redis_servers import RedisServer
 
 RULES = """
 rules:
@@ -49,13 +47,6 @@ BURST = [
     ("/other", {}, 10),
     ("/free", {}, 3),
 ]
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 async def _burst(url: str) -> dict[str, int]:

@@ -49,13 +49,6 @@ def rules_file(tmp_path):
     return path
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
-
 def _args(upstream, rules_file, tmp_path, redis_url, timeout_ms):
     # Where exact counting is under test (not outages), a long store timeout keeps a
     # loaded 2-core CI machine from tripping the 50 ms default into the local fallback.

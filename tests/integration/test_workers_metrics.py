@@ -10,11 +10,9 @@ import signal
 import time
 
 import aiohttp
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.gateway import GatewayProcess
-from tests.support.redis_servers import RedisServer
 
 RULES = """
 rules:
@@ -22,13 +20,6 @@ rules:
     identity: ip
     limits: {default: 100000/60}
 """
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 async def _send(url: str, n: int) -> None:
