@@ -238,14 +238,6 @@ class RuleTable:
             self.match_cache[key] = found
         return found
 
-    def candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
-        """The rules of ``matching``."""
-        return self.matching(region, method, path)[0]
-
-    def ceiling_candidates(self, region: str, method: str, path: str) -> tuple[Rule, ...]:
-        """The ceilings with a limit in ``region`` whose method and path match."""
-        return self.matching(region, method, path)[1]
-
     def unlimited_regions(self, regions: Iterable[str]) -> list[str]:
         """Those of ``regions`` where no rule and no ceiling has a limit (shadow rules
         only count, ``unlimited`` ones exempt): every request there is exempt. A rule

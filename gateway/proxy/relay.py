@@ -98,7 +98,6 @@ _REQUEST_SPECIAL = (
 _LINE_STARTS: Final[dict[tuple[str, str, str], bytes]] = {}
 _PLAIN_FORWARDING: Final[dict[str, bytes]] = {}
 _PLAIN_FORWARDING_TLS: Final[dict[str, bytes]] = {}  # the same, for the TLS port
-_HOST_LINES: Final[dict[str, bytes]] = {}  # the Host line, per upstream "host:port"
 MAX_KEPT: Final = 4096
 # What one kept request-line start may hold: a longer path is encoded each time, so the
 # cache is bounded in bytes too (4,096 starts of 4 KiB paths held ~34 MB a process: review,
@@ -115,17 +114,6 @@ def _line_start(method: str, prefix: str, path: str) -> bytes:
             if len(_LINE_STARTS) >= MAX_KEPT:
                 _LINE_STARTS.clear()
             _LINE_STARTS[key] = found
-    return found
-
-
-def _host_line(host: str) -> bytes:
-    """``Host: <host>\r\n``, kept: a gateway sends to a few upstreams."""
-    found = _HOST_LINES.get(host)
-    if found is None:
-        found = b"Host: " + host.encode() + CRLF
-        if len(_HOST_LINES) >= MAX_KEPT:
-            _HOST_LINES.clear()
-        _HOST_LINES[host] = found
     return found
 
 
@@ -189,7 +177,7 @@ def request_head(
         # more a request, the join's per-piece cost above the concatenations'.)
         append(name + b": " + value + CRLF)
     if not has_host:
-        append(_host_line(host))
+        append(b"Host: " + host.encode() + CRLF)
     chain = req.forwarded_for
     if not via and not (trusted and (chain or req.forwarded_proto is not None)):
         append(_plain_forwarding(peer, https))  # the common case: nothing to carry on
