@@ -632,6 +632,7 @@ def test_a_call_leaves_each_key_as_its_requests_one_call_each_would(
         return made
 
     now = 1_764_000_000_000 + 537
+    slowest_ms = 0.0  # the longest round before this one
     for step, requests in rounds:
         now += step
         began = time.monotonic()
@@ -643,14 +644,20 @@ def test_a_call_leaves_each_key_as_its_requests_one_call_each_would(
             (a, a_ttl), (b, b_ttl) = sides
             assert a == b, which
             # An expiry is set relative to the server's clock, which runs on between the
-            # two sides' calls and reads: equal expiries differ by at most the time all of
-            # that took (a slow CI machine: hundreds of ms), and a few ms more: the server
-            # reads its clock once a script or event-loop turn. An expiry written wrong is
-            # off by a bucket (1 s) or more, which this catches whenever the round ran faster.
+            # two sides' calls and reads: equal expiries differ by at most the time that
+            # took, and a few ms more (the server reads its clock once a script or
+            # event-loop turn). A key whose expiry this round left alone was set in an
+            # earlier round, between whose two sides' calls the clock ran on as well (a
+            # slow CI machine stalled one for 270 ms, and a quick round after it read the
+            # two expiries 270 ms apart): so this round's time and the slowest earlier
+            # round's. An expiry written wrong is off by a bucket (1 s) or more, which this
+            # catches whenever the rounds ran faster.
             ran_ms = (time.monotonic() - began) * 1000
-            assert abs(a_ttl - b_ttl) <= ran_ms + 50 and (a_ttl < 0) == (b_ttl < 0), which
+            skew_ms = slowest_ms + ran_ms + 50
+            assert abs(a_ttl - b_ttl) <= skew_ms and (a_ttl < 0) == (b_ttl < 0), which
             if a_ttl < 0:
                 assert a_ttl == b_ttl, which  # no key on either side
+        slowest_ms = max(slowest_ms, (time.monotonic() - began) * 1000)
 
 
 def test_a_burst_in_one_call_reads_and_writes_each_key_once(
