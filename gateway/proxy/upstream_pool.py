@@ -85,6 +85,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._finished = False  # the response is complete; reported after the read
         self._junk = False  # parsing a response nobody asked for (never reused)
         self._lost = False
+        # The read being parsed when it starts with the response's first byte (the first
+        # read of an exchange), else None: the response head's bytes for Relay.
+        self._first_read: bytes | None = None
 
     def _new_parser(self) -> None:
         """A parser for the next response, its methods bound once (compiled code looks a
@@ -112,7 +115,9 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             return
-        self.received = True
+        if not self.received:
+            self.received = True
+            self._first_read = data
         try:
             self._feed_parser(data)
         except httptools.HttpParserUpgrade as exc:
@@ -135,6 +140,7 @@ class UpstreamConnection(asyncio.Protocol):
                 self._stray()
             else:
                 self._broken(exc)
+        self._first_read = None
         if self._finished:
             # The exchange ends only now, outside llhttp: ending it inside a callback
             # would start the next exchange while this read is still being parsed.
@@ -188,6 +194,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self._junk:
             return
         status = self._status_code()
+        read, self._first_read = self._first_read, None  # (a head after it starts later)
         if 100 <= status < 200:
             return  # interim responses (100 Continue, 103) are not relayed; the final one is
         self._in_body = True
@@ -195,7 +202,7 @@ class UpstreamConnection(asyncio.Protocol):
         if not keep_alive:
             self.reusable = False
         if self.sink is not None:
-            self.sink.response_head(status, self._reason, self._headers, keep_alive)
+            self.sink.response_head(status, self._reason, self._headers, keep_alive, read)
         if self.head_only or status in (204, 304):
             # llhttp cannot be told the request was HEAD: the message ends here, and a
             # fresh parser takes the next exchange. Whatever else the old parser still

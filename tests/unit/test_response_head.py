@@ -197,3 +197,85 @@ def test_a_date_named_hop_by_hop_is_replaced_by_the_gateways_own() -> None:
                   (b"Content-Length", b"0")])  # fmt: skip
     dates = [line for line in lines if line.lower().startswith("date:")]
     assert len(dates) == 1 and "15:00:00" not in dates[0]
+
+
+# Raw heads as an upstream may send them: a few status lines, and fields spelled with
+# and without the optional whitespace around their values (the same fields, other bytes).
+_STATUS_LINES = st.sampled_from(
+    [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 Fine", b"HTTP/1.1 404 Not Found", b"HTTP/1.0 200 OK"]
+)
+_SPACING = st.sampled_from([(b": ", b""), (b":", b""), (b":  ", b" "), (b":\t", b"\t")])
+
+
+@st.composite
+def _raw_responses(draw: Any) -> bytes:
+    status = draw(_STATUS_LINES)
+    fields = draw(st.lists(_FIELDS, max_size=8))
+    lines = [status]
+    chunked = False
+    for name, value in fields:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            continue  # (the body's framing is chosen below, once)
+        before, after = draw(_SPACING)
+        lines.append(name + before + value + after)
+    if draw(st.booleans()):
+        chunked = True
+        lines.append(b"Transfer-Encoding: chunked")
+    else:
+        lines.append(b"Content-Length: 2")
+    body = b"2\r\nok\r\n0\r\n\r\n" if chunked else b"ok"
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    reads=st.lists(_raw_responses(), min_size=1, max_size=6),
+    repeat=st.booleans(),
+    method=st.sampled_from(["GET", "HEAD"]),
+)
+def test_a_head_whose_bytes_are_the_last_ones_is_written_as_a_fresh_pass_writes_it(
+    reads: list[bytes], repeat: bool, method: str
+) -> None:
+    """Differential: through a real UpstreamConnection (llhttp) the kept pass is found by
+    the head's bytes; whatever came before, each response reaches the client exactly as
+    it does with nothing kept (heads of other bytes, equal fields or not, included)."""
+    if repeat:  # the common case under load: the same response again and again
+        reads = [reads[0]] * 3 + reads
+    relay_module._LAST_HEAD.passed = None
+    for raw in reads:
+        got = _exchange(raw, method)
+        kept = relay_module._LAST_HEAD.passed
+        assert kept is not None and kept.head == raw[: raw.index(b"\r\n\r\n") + 4]
+        relay_module._LAST_HEAD.passed = None
+        fresh = _exchange(raw, method)
+        assert _stable(got.decode().split("\r\n")) == _stable(fresh.decode().split("\r\n"))
+        relay_module._LAST_HEAD.passed = kept
+
+
+def test_a_head_split_over_reads_is_matched_field_for_field() -> None:
+    """A head that does not start a read whole is matched by its fields (its bytes are not
+    kept), and the next read's whole head by its bytes again."""
+    raw = b"HTTP/1.1 200 OK\r\nServer: s\r\nX-Kept: a\r\nContent-Length: 2\r\n\r\nok"
+    relay_module._LAST_HEAD.passed = None
+    first = _exchange(raw)
+    kept = relay_module._LAST_HEAD.passed
+    assert kept is not None and kept.head == raw[:-2]
+    from gateway.proxy.upstream_pool import UpstreamConnection, UpstreamPool
+
+    req = Incoming()
+    req.request_id = "rid"
+    client = _Client()
+    relay = Relay(client, req, Upstream("u", "http://127.0.0.1:9"), Metrics())
+    conn = UpstreamConnection(UpstreamPool(4, 1.0), ("h", 1, False))
+    loop = asyncio.new_event_loop()
+    try:
+        conn.transport = BatchedTransport(cast(Any, _Transport()), WriteBatch(loop))
+        conn.start(relay, b"", False)
+        conn.data_received(raw[:20])
+        conn.data_received(raw[20:])
+    finally:
+        loop.close()
+    assert relay_module._LAST_HEAD.passed is kept  # the same fields: the kept pass
+    assert _stable(b"".join(client.written).decode().split("\r\n")) == _stable(
+        first.decode().split("\r\n")
+    )
