@@ -680,3 +680,27 @@ def test_a_burst_in_one_call_reads_and_writes_each_key_once(
         assert sum(after.get(c, 0) - before.get(c, 0) for c in ("get", "mget")) == 1, call
         written = sum(after.get(c, 0) - before.get(c, 0) for c in ("set", "setrange"))
         assert written == writes, call
+
+
+_REPLY_ITEMS = st.one_of(
+    st.integers(-(2**62), 2**62),
+    st.booleans(),
+    st.integers(-999, 10**12).map(lambda n: str(n).encode()),  # a RESP bulk string of digits
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(count=st.integers(1, 4), data=st.data())
+def test_a_reply_is_read_as_int_and_bool_read_it(count: int, data: st.DataObject) -> None:
+    """Differential: ``parse_reply`` (which takes a RESP integer as it is) reads any
+    reply as ``int()`` and ``bool()`` of each item read it."""
+    reply = data.draw(st.lists(_REPLY_ITEMS, min_size=2 + 3 * count, max_size=2 + 3 * count))
+    result, now = parse_reply(reply, count)
+    assert now == int(reply[1]) and result.admitted == bool(reply[0])
+    assert [(s.allowed, s.remaining, s.reset_ms) for s in result.states] == [
+        (bool(reply[2 + 3 * i]), int(reply[3 + 3 * i]), int(reply[4 + 3 * i]))
+        for i in range(count)
+    ]
+    assert all(type(s.remaining) is int and type(s.reset_ms) is int for s in result.states)
+    with pytest.raises(redis.ResponseError):
+        parse_reply(reply[:-1], count)
