@@ -698,8 +698,7 @@ def test_a_reply_is_read_as_int_and_bool_read_it(count: int, data: st.DataObject
     result, now = parse_reply(reply, count)
     assert now == int(reply[1]) and result.admitted == bool(reply[0])
     assert [(s.allowed, s.remaining, s.reset_ms) for s in result.states] == [
-        (bool(reply[2 + 3 * i]), int(reply[3 + 3 * i]), int(reply[4 + 3 * i]))
-        for i in range(count)
+        (bool(reply[2 + 3 * i]), int(reply[3 + 3 * i]), int(reply[4 + 3 * i])) for i in range(count)
     ]
     assert all(type(s.remaining) is int and type(s.reset_ms) is int for s in result.states)
     with pytest.raises(redis.ResponseError):
