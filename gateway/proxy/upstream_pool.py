@@ -349,7 +349,11 @@ class UpstreamPool:
         """Give a connection back after an exchange ended (closed unless reusable)."""
         if conn.reusable and not conn.closed and conn.sink is None:
             conn.idle_since = _monotonic()
-            self._idle.setdefault(conn.key, deque()).append(conn)
+            # (not setdefault: its default deque would be made, and freed, every time)
+            idle = self._idle.get(conn.key)
+            if idle is None:
+                idle = self._idle[conn.key] = deque()
+            idle.append(conn)
             self._wake()
         else:
             conn.abort()
