@@ -346,6 +346,17 @@ def _pass_fields(fields: list[tuple[bytes, bytes]], rate: bool, legacy: bool) ->
     )
 
 
+def _head_of(read: bytes) -> bytes | None:
+    """The response head's bytes at the start of ``read``, from the status line to the
+    blank line, or None: not whole there, or after empty lines (llhttp skips those before
+    a response; a kept "head" of none but them would match any read that starts with
+    empty lines, whatever head follows)."""
+    if not read.startswith(b"HTTP/"):
+        return None
+    end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RAW_HEAD)
+    return read[: end + 4] if end >= 0 else None
+
+
 class _LastHead:
     """The last pass made (one, for the whole process): an upstream answers with the
     same fields response after response (all but Date, which changes once a second), so
@@ -482,16 +493,20 @@ class Relay:
         legacy = req.legacy_rate
         last = _LAST_HEAD.passed
         same = False
+        kept_head: bytes | None = None
         if last is not None and last.rate == rate and last.legacy == legacy:
             kept_head = last.head
             if read is not None and kept_head is not None:
-                # (the kept head ends at its first blank line: a read that starts with
-                # it holds this same head, whatever follows)
+                # (the kept head starts with its status line and ends at its first
+                # blank line: a read that starts with it holds this same head, whatever
+                # follows)
                 same = read.startswith(kept_head)
             else:
                 same = headers == last.fields  # (two lists of pairs: ~2,000 instructions)
         if same and last is not None:
             passed = last
+            if kept_head is None and read is not None:
+                passed.head = _head_of(read)  # (kept by fields: its bytes from now on)
         else:
             passed = _pass_fields(headers, rate, legacy)
             if len(headers) <= MAX_KEPT_FIELDS and (
@@ -500,9 +515,7 @@ class Relay:
                 # (a copy: the list is the upstream connection's, kept apart from it)
                 passed.fields = list(headers)
                 if read is not None:
-                    end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RAW_HEAD)
-                    if end >= 0:
-                        passed.head = read[: end + 4]
+                    passed.head = _head_of(read)
                 _LAST_HEAD.passed = passed
         length = passed.length
         chunked_in = passed.chunked_in

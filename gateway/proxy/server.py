@@ -94,22 +94,26 @@ perf_counter: Final = time.perf_counter
 def version_in(read: bytes, method: bytes, target: bytes) -> str | None:
     """The HTTP version of the request llhttp has just parsed from the start of ``read``,
     read from its bytes ("1.1" or "1.0"), or None: ask the parser. The parser's own
-    answer is a str.format, ~2,300 instructions a request; this, two comparisons.
+    answer is a str.format, ~2,300 instructions a request; this, three comparisons.
 
-    Why the bytes say what llhttp read: ``read`` starting with the method means no
-    empty line was skipped before it, so the request line starts at byte 0; the line
-    holds the method, at least one SP, the target, at least one SP and the 8-byte
-    version, so it is at least ``end`` bytes long, and strict llhttp ends it at its
-    first CR (one inside it is an error). A CR at ``end`` is therefore its end, and the
-    8 bytes before it the version it parsed; with more spaces, the CR is not at
-    ``end`` and the parser is asked (tests/unit/test_request_version.py compares the
-    two on made-up request lines)."""
-    if not read.startswith(method):
+    Why the bytes say what llhttp read: only the line ``METHOD SP target SP HTTP/1.x CRLF``
+    from byte 0 is read. The method at byte 0 means no empty line was skipped; one SP
+    after it and the target's first byte (never a space) next means llhttp's target
+    starts there, and it is ``target`` (its bytes, as on_url gave them); one SP after it,
+    the version, and CR next: strict llhttp ends the line at its first CR (one inside it
+    is an error), so that is the version it parsed. HTTP/0.9 lines carry none (llhttp
+    accepts them: a target that ends in "HTTP/1.1" and the line's CRLF must not read as
+    one); any other spelling (runs of spaces, empty lines first) asks the parser
+    (tests/unit/test_request_version.py compares the two on made-up request lines)."""
+    size = len(method)
+    if not read.startswith(method) or not read.startswith(target, size + 1):
         return None
-    end = len(method) + len(target) + 10
-    if read.startswith(b"HTTP/1.1\r\n", end - 8):
+    if read[size] != 32:  # SP
+        return None
+    end = size + len(target) + 10
+    if read.startswith(b" HTTP/1.1\r\n", end - 9):
         return "1.1"
-    if read.startswith(b"HTTP/1.0\r\n", end - 8):
+    if read.startswith(b" HTTP/1.0\r\n", end - 9):
         return "1.0"
     return None
 

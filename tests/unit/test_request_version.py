@@ -62,6 +62,8 @@ def requests(draw: st.DrawFn) -> bytes:
         st.sampled_from([b" ", b" ", b"  ", b"\t"]) | st.integers(1, 12).map(lambda n: b" " * n)
     )
     version = b"HTTP/" + draw(st.sampled_from(VERSIONS))
+    if draw(st.integers(0, 5)) == 0:  # an HTTP/0.9 line: no version at all
+        space2 = version = b""
     end = draw(st.sampled_from([b"\r\n", b"\r\n", b"\n", b" \r\n"]))
     fields = draw(st.sampled_from([b"", b"Host: a\r\n", b"Host: a\r\nX-V: HTTP/1.0\r\n"]))
     line = lead + method + space1 + target + space2 + version + end + fields + b"\r\n"
@@ -99,6 +101,11 @@ def test_the_common_line_is_read_from_its_bytes(version: str) -> None:
         # only the CR after it tells this line apart (without that check, 1.1 not 1.0).
         b"GET" + b" " * 10 + b"/HTTP/1.1 HTTP/1.0\r\n\r\n",
         b"GET /HTTP/1.1" + b" " * 10 + b"HTTP/1.0\r\n\r\n",
+        # HTTP/0.9 lines (review finding): a target that ends in a version, then the
+        # line's CRLF, where a line of single spaces has its version and CR.
+        b"GET" + b" " * 10 + b"/HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"GET" + b" " * 10 + b"/HTTP/1.0\r\nHost: a\r\n\r\n",
+        b"GET http://a/HTTP/1.1\r\n\r\n",
     ],
 )
 def test_other_lines_are_left_to_the_parser(raw: bytes) -> None:

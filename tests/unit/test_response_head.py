@@ -224,7 +224,8 @@ def _raw_responses(draw: Any) -> bytes:
     else:
         lines.append(b"Content-Length: 2")
     body = b"2\r\nok\r\n0\r\n\r\n" if chunked else b"ok"
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+    lead = draw(st.sampled_from([b"", b"", b"", b"\r\n", b"\r\n\r\n"]))  # llhttp skips these
+    return lead + b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
 @settings(max_examples=300, deadline=None)
@@ -245,7 +246,11 @@ def test_a_head_whose_bytes_are_the_last_ones_is_written_as_a_fresh_pass_writes_
     for raw in reads:
         got = _exchange(raw, method)
         kept = relay_module._LAST_HEAD.passed
-        assert kept is not None and kept.head == raw[: raw.index(b"\r\n\r\n") + 4]
+        assert kept is not None
+        if raw.startswith(b"HTTP/"):
+            assert kept.head == raw[: raw.index(b"\r\n\r\n") + 4]
+        elif kept.head is not None:  # (kept from an earlier read: not this one's bytes)
+            assert not raw.startswith(kept.head)
         relay_module._LAST_HEAD.passed = None
         fresh = _exchange(raw, method)
         assert _stable(got.decode().split("\r\n")) == _stable(fresh.decode().split("\r\n"))
@@ -279,3 +284,18 @@ def test_a_head_split_over_reads_is_matched_field_for_field() -> None:
     assert _stable(b"".join(client.written).decode().split("\r\n")) == _stable(
         first.decode().split("\r\n")
     )
+
+
+def test_empty_lines_before_a_head_are_never_kept_as_its_bytes() -> None:
+    """Review finding: llhttp skips empty lines before a response; a head kept as its read
+    up to the first blank line was then ``\\r\\n\\r\\n``, and every later response that
+    started with empty lines took that pass: another response's Content-Length and
+    fields, a client connection out of step."""
+    first = b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\nSet-Cookie: a=1\r\n\r\nok"
+    second = b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+    relay_module._LAST_HEAD.passed = None
+    _exchange(first)
+    kept = relay_module._LAST_HEAD.passed
+    assert kept is not None and kept.head is None
+    got = _exchange(second).decode()
+    assert "Content-Length: 5\r\n" in got and "Set-Cookie" not in got and got.endswith("hello")
