@@ -5,6 +5,11 @@ bytes are parsed by httptools' response parser in strict mode and handed, as cal
 to the exchange that owns the connection (``gateway.proxy.relay``): no client objects,
 no per-request timers. This replaced aiohttp's ``ClientSession`` on the proxy path, about
 a quarter of the proxied profile (benchmarks/README.md, "Data plane").
+
+A connection keeps the last response it read whole in one read; a read that repeats its
+head byte for byte with a body of the same length (an upstream's usual answer, again) is
+handed on without running the parser: about a tenth of a proxied request's instructions
+(benchmarks/README.md, "twenty-fourth step").
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ if TYPE_CHECKING:
 _monotonic: Final = time.monotonic
 
 IDLE_SECONDS: Final = 30.0  # an idle upstream connection is closed after this long
+
+# A response head longer than this is never kept for ``UpstreamConnection``'s fast path
+# (what a connection keeps is one head and its fields: bounded by this).
+MAX_KEPT_RESPONSE_HEAD: Final = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,31 @@ class Upstream:
         return f"{host}:{port}"
 
 
+class _KeptResponse:
+    """A response that came whole in one read (its head from the read's first byte, its
+    body framed by Content-Length, nothing after it) and what llhttp made of its head.
+    A later read of the same length that starts with the same head bytes is the same
+    head with a body of the same length, whole: llhttp parses a message from its first
+    byte the same way each time (no state carries over from the message before), so its
+    callbacks are known without running it (``UpstreamConnection._answer_kept``)."""
+
+    __slots__ = ("head", "headers", "reason", "status", "total")
+
+    def __init__(
+        self,
+        head: bytes,
+        total: int,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        self.head = head
+        self.total = total  # the whole read: head and body
+        self.status = status
+        self.reason = reason
+        self.headers = headers  # (never changed after: each parse makes a new list)
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; parses responses and reports them to its sink, the
     ``Relay`` of the request it carries (its "response side" methods). Compiled, the sink
@@ -88,6 +122,14 @@ class UpstreamConnection(asyncio.Protocol):
         # The read being parsed when it starts with the response's first byte (the first
         # read of an exchange), else None: the response head's bytes for Relay.
         self._first_read: bytes | None = None
+        # The last response this connection read whole in one read (see _KeptResponse),
+        # and while a read is parsed, whether its response may become it: its head began
+        # the read and it is a keep-alive response with a body to a request not HEAD and
+        # not asking to switch protocols; ``_body_seen`` counts its body's bytes.
+        self._kept: _KeptResponse | None = None
+        self._keepable = False
+        self._keepable_status = 0
+        self._body_seen = 0
 
     def _new_parser(self) -> None:
         """A parser for the next response, its methods bound once (compiled code looks a
@@ -115,9 +157,21 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             return
-        if not self.received:
+        first = not self.received
+        if first:
             self.received = True
+            kept = self._kept
+            if (
+                kept is not None
+                and len(data) == kept.total
+                and not self.head_only
+                and not self.upgrade_asked
+                and data.startswith(kept.head)
+            ):
+                self._answer_kept(sink, kept, data)
+                return
             self._first_read = data
+            self._keepable = False
         try:
             self._feed_parser(data)
         except httptools.HttpParserUpgrade as exc:
@@ -142,10 +196,42 @@ class UpstreamConnection(asyncio.Protocol):
                 self._broken(exc)
         self._first_read = None
         if self._finished:
+            if first and self._keepable:
+                self._keep(data)
             # The exchange ends only now, outside llhttp: ending it inside a callback
             # would start the next exchange while this read is still being parsed.
             self._finished = False
             self._complete()
+        sink.flush()
+
+    def _keep(self, read: bytes) -> None:
+        """Keep the response just parsed, whole in ``read``, when its head is the read's
+        start up to the first blank line and the body llhttp found is the rest: then
+        Content-Length framed it (a chunked body's framing is more than its bytes, and a
+        body read to the connection's end is never whole in a read)."""
+        if not self.reusable or not read.startswith(b"HTTP/"):
+            return  # (stray bytes; or empty lines first, which llhttp skips)
+        end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RESPONSE_HEAD)
+        if end < 0 or end + 4 + self._body_seen != len(read):
+            return
+        self._kept = _KeptResponse(
+            read[: end + 4], len(read), self._keepable_status, self._reason, list(self._headers)
+        )
+
+    def _answer_kept(self, sink: Relay, kept: _KeptResponse, data: bytes) -> None:
+        """``data_received`` for a read that holds the kept response's head and a body of
+        its length: the callbacks llhttp would make, in its order, without llhttp (the
+        parser stays at a message's start, where it is between exchanges)."""
+        try:
+            sink.response_head(kept.status, kept.reason, kept.headers, True, data)
+            size = len(kept.head)
+            if size < len(data) and self.sink is not None:
+                self.sink.response_body(data[size:])
+        except Exception as exc:  # as llhttp reports a callback's failure
+            self._broken(exc)
+            sink.flush()
+            return
+        self._complete()
         sink.flush()
 
     def eof_received(self) -> bool | None:
@@ -179,6 +265,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers = []
         self._reason = b""
         self._in_body = False
+        self._body_seen = 0
 
     def on_status(self, reason: bytes) -> None:
         if not self._junk:
@@ -201,6 +288,16 @@ class UpstreamConnection(asyncio.Protocol):
         keep_alive = self._keep_alive()
         if not keep_alive:
             self.reusable = False
+        # (A head after a 1xx one starts no read; a response to HEAD has no body.)
+        self._keepable = (
+            read is not None
+            and keep_alive
+            and not self.head_only
+            and not self.upgrade_asked
+            and status != 204
+            and status != 304
+        )
+        self._keepable_status = status
         if self.sink is not None:
             self.sink.response_head(status, self._reason, self._headers, keep_alive, read)
         if self.head_only or status in (204, 304):
@@ -214,8 +311,10 @@ class UpstreamConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self._finished or self._junk:
             self._stray()
-        elif self.sink is not None:
-            self.sink.response_body(body)
+        else:
+            self._body_seen += len(body)
+            if self.sink is not None:
+                self.sink.response_body(body)
 
     def on_message_complete(self) -> None:
         if self._in_body and not self._junk:
