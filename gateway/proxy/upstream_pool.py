@@ -34,9 +34,11 @@ _monotonic: Final = time.monotonic
 
 IDLE_SECONDS: Final = 30.0  # an idle upstream connection is closed after this long
 
-# A response head longer than this is never kept for ``UpstreamConnection``'s fast path
-# (what a connection keeps is one head and its fields: bounded by this).
+# A response head longer than this, or of more fields, is never kept for
+# ``UpstreamConnection``'s fast path: what a connection keeps is one head's bytes and its
+# field list, bounded by both (8 KiB of only empty fields would be ~1,600 of them).
 MAX_KEPT_RESPONSE_HEAD: Final = 8192
+MAX_KEPT_RESPONSE_FIELDS: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +214,11 @@ class UpstreamConnection(asyncio.Protocol):
         if not self.reusable or not read.startswith(b"HTTP/"):
             return  # (stray bytes; or empty lines first, which llhttp skips)
         end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RESPONSE_HEAD)
-        if end < 0 or end + 4 + self._body_seen != len(read):
+        if (
+            end < 0
+            or end + 4 + self._body_seen != len(read)
+            or len(self._headers) > MAX_KEPT_RESPONSE_FIELDS
+        ):
             return
         self._kept = _KeptResponse(
             read[: end + 4], len(read), self._keepable_status, self._reason, list(self._headers)
@@ -227,8 +233,13 @@ class UpstreamConnection(asyncio.Protocol):
             size = len(kept.head)
             if size < len(data) and self.sink is not None:
                 self.sink.response_body(data[size:])
-        except Exception as exc:  # as llhttp reports a callback's failure
-            self._broken(exc)
+        except BaseException as exc:
+            # As a callback's failure inside llhttp ends: httptools turns any exception a
+            # callback raises (a cancellation too) into HttpParserCallbackError, and the
+            # exchange breaks (the connection aborted, the relay told).
+            error = httptools.HttpParserCallbackError("a response callback failed")
+            error.__context__ = exc
+            self._broken(error)
             sink.flush()
             return
         self._complete()

@@ -25,10 +25,12 @@ from gateway.proxy.upstream_pool import Upstream, UpstreamConnection, UpstreamPo
 
 
 class _Client:
-    """A client connection that records what its relay tells it."""
+    """A client connection that records what its relay tells it (``fail``: the name of
+    one of its methods that raises instead, as a broken client side would)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: str = "") -> None:
         self.events: list[tuple[str, object]] = []
+        self.fail = fail
 
     def write(self, data: bytes) -> None:
         self.events.append(("write", data))
@@ -40,10 +42,17 @@ class _Client:
         self.events.append(("failed", type(exc).__name__))
 
     def keep_alive_after(self, req: Incoming) -> bool:
+        if self.fail == "keep_alive_after":  # (asked before the response is under way)
+            raise asyncio.CancelledError
         return True
 
-    def __getattr__(self, name: str) -> Any:  # the rest of ClientSide: nothing to record
-        return lambda *args, **kwargs: None
+    def __getattr__(self, name: str) -> Any:  # the rest of ClientSide: recorded by name
+        def call(*args: Any, **kwargs: Any) -> None:
+            self.events.append((name, tuple(a for a in args if not isinstance(a, Relay))))
+            if name == self.fail:
+                raise RuntimeError(name)
+
+        return call
 
 
 class _Transport:
@@ -68,16 +77,25 @@ class _Reused:
         self.keeps = keeps
         self.conn = UpstreamConnection(UpstreamPool(4, 1.0), ("h", 1, False))
         self.transport = _Transport()
-        self.fed = 0
+        self.fed = 0  # reads llhttp was given
+        self._counting: object = None
+
+    def _count_feeds(self) -> None:
+        """Count what the parser is fed (again after a HEAD, 204 or 304 answer, after
+        which the connection binds a new parser's method)."""
+        if self.conn._feed_parser is self._counting:
+            return
         feed = self.conn._feed_parser
 
         def counting(data: bytes) -> None:
             self.fed += 1
             feed(data)
 
-        self.conn._feed_parser = counting
+        self._counting = self.conn._feed_parser = counting
 
-    def exchange(self, reads: list[bytes], method: str, upgrade: bool) -> list[tuple[str, object]]:
+    def exchange(
+        self, reads: list[bytes], method: str, upgrade: bool, fail: str = ""
+    ) -> list[tuple[str, object]]:
         conn = self.conn
         if not conn.reusable or self.transport.aborted or conn.sink is not None:
             return [("not reused", None)]  # as the pool would have it: a new connection
@@ -85,7 +103,7 @@ class _Reused:
         req.request_id = "rid"
         req.method = method
         req.head_only = method == "HEAD"
-        client = _Client()
+        client = _Client(fail)
         relay = Relay(client, req, Upstream("u", "http://127.0.0.1:9"), Metrics())
         loop = asyncio.new_event_loop()  # (the batch's; nothing here is held: no write)
         try:
@@ -97,6 +115,7 @@ class _Reused:
                     conn._kept = None
                 if conn.sink is None:
                     break  # ended: the pool gets it back (or the next bytes abort it)
+                self._count_feeds()
                 conn.data_received(read)
         finally:
             loop.close()
@@ -149,7 +168,9 @@ def _response(draw: Any) -> bytes:
         declared = len(body) + {"length": 0, "short": -1, "long": 1}[framing]
         lines.append(b"Content-Length: %d" % max(declared, 0))
     lead = draw(st.sampled_from([b"", b"", b"", b"\r\n", b"HTTP/1.1 100 Continue\r\n\r\n"]))
-    tail = draw(st.sampled_from([b"", b"", b"", b"junk", b"HTTP/1.1 200 OK\r\n\r\n"]))
+    tail = draw(
+        st.sampled_from([b"", b"", b"", b"junk", b"HTTP/1.1 200 OK\r\n\r\n", b"\r\n", b"\n", b"\r"])
+    )
     return lead + b"\r\n".join(lines) + b"\r\n\r\n" + body + tail
 
 
@@ -227,3 +248,53 @@ def test_a_head_kept_from_one_response_never_frames_another() -> None:
         conn = _Reused(keeps=True)
         conn.exchange([raw_other], "GET", False)
         assert conn.conn._kept is None
+
+
+def test_a_client_side_that_fails_breaks_the_exchange_as_it_does_under_llhttp() -> None:
+    """A callback that raises (here the client side's, called by the relay) ends the
+    exchange the same way on both paths: the relay told the upstream broke (by the same
+    error: a cancellation too, before the response is under way), the connection
+    aborted and never reused."""
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    for fail in ("forward_head", "response_progress", "keep_alive_after"):
+        kept, plain = _Reused(keeps=True), _Reused(keeps=False)
+        assert kept.exchange([raw], "GET", False) == plain.exchange([raw], "GET", False)
+        got = kept.exchange([raw], "GET", False, fail)
+        assert got == plain.exchange([raw], "GET", False, fail)
+        assert kept.fed == 1 and plain.fed == 2  # (the kept answer was the one that failed)
+        assert ("aborted", True) in got and ("reusable", False) in got
+
+
+def test_a_body_to_head_after_a_kept_head_is_stray_as_ever() -> None:
+    """Review finding: without the HEAD check, a kept head's length framed the body an
+    upstream sent after all in answer to HEAD, and the client got it."""
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 002\r\n\r\nok"
+    kept, plain = _Reused(keeps=True), _Reused(keeps=False)
+    assert kept.exchange([raw], "GET", False) == plain.exchange([raw], "GET", False)
+    got = kept.exchange([raw], "HEAD", False)
+    assert got == plain.exchange([raw], "HEAD", False)
+    written = b"".join(cast(bytes, value) for kind, value in got if kind == "write")
+    assert written.endswith(b"Content-Length: 002") and ("reusable", False) in got
+
+
+def test_what_a_connection_keeps_is_bounded() -> None:
+    """Review finding: the head's 8 KiB held ~1,600 empty fields as Python objects. A
+    head of more than MAX_KEPT_RESPONSE_FIELDS fields, or longer than
+    MAX_KEPT_RESPONSE_HEAD, is parsed each time and never kept."""
+    from gateway.proxy.upstream_pool import MAX_KEPT_RESPONSE_FIELDS, MAX_KEPT_RESPONSE_HEAD
+
+    def response(fields: int, pad: int = 0) -> bytes:
+        lines = [b"HTTP/1.1 200 OK", *(b"a%d:" % i for i in range(fields - 1))]
+        lines.append(b"Content-Length: 2")
+        return b"\r\n".join(lines) + b"\r\n" + b"X: " + b"x" * pad + b"\r\n\r\nok"
+
+    for raw, kept in [
+        (response(MAX_KEPT_RESPONSE_FIELDS - 1), True),
+        (response(MAX_KEPT_RESPONSE_FIELDS), False),
+        (response(2, MAX_KEPT_RESPONSE_HEAD - 60), True),
+        (response(2, MAX_KEPT_RESPONSE_HEAD), False),
+    ]:
+        conn, plain = _Reused(keeps=True), _Reused(keeps=False)
+        for _ in range(2):
+            assert conn.exchange([raw], "GET", False) == plain.exchange([raw], "GET", False)
+        assert (conn.conn._kept is not None) is kept and conn.fed == (1 if kept else 2)
