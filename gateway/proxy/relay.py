@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Final, Protocol
 
 from gateway.proxy.request import Incoming
-from gateway.proxy.upstream_pool import UpstreamConnection
+from gateway.proxy.upstream_pool import UpstreamConnection, response_head_bytes
 from gateway.proxy.wire import CHUNKED_END, CLOSE, CRLF, chunk, date_line, status_line
 
 if TYPE_CHECKING:
@@ -346,17 +346,6 @@ def _pass_fields(fields: list[tuple[bytes, bytes]], rate: bool, legacy: bool) ->
     )
 
 
-def _head_of(read: bytes) -> bytes | None:
-    """The response head's bytes at the start of ``read``, from the status line to the
-    blank line, or None: not whole there, or after empty lines (llhttp skips those before
-    a response; a kept "head" of none but them would match any read that starts with
-    empty lines, whatever head follows)."""
-    if not read.startswith(b"HTTP/"):
-        return None
-    end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RAW_HEAD)
-    return read[: end + 4] if end >= 0 else None
-
-
 class _LastHead:
     """The last pass made (one, for the whole process): an upstream answers with the
     same fields response after response (all but Date, which changes once a second), so
@@ -374,8 +363,8 @@ _LAST_HEAD: Final = _LastHead()
 # small).
 MAX_KEPT_FIELDS: Final = 32
 MAX_KEPT_HEAD_BYTES: Final = 4096
-# A head's bytes are kept when it ends within this many bytes of its read.
-MAX_KEPT_RAW_HEAD: Final = 2 * MAX_KEPT_HEAD_BYTES
+# (A head's bytes are kept when it ends within upstream_pool.MAX_KEPT_RESPONSE_HEAD bytes
+# of its read: ``response_head_bytes``, the same bytes the upstream connection keeps.)
 
 
 class ClientSide(Protocol):
@@ -506,7 +495,7 @@ class Relay:
         if same and last is not None:
             passed = last
             if kept_head is None and read is not None:
-                passed.head = _head_of(read)  # (kept by fields: its bytes from now on)
+                passed.head = response_head_bytes(read)  # (kept by fields: its bytes from now on)
         else:
             passed = _pass_fields(headers, rate, legacy)
             if len(headers) <= MAX_KEPT_FIELDS and (
@@ -515,7 +504,7 @@ class Relay:
                 # (a copy: the list is the upstream connection's, kept apart from it)
                 passed.fields = list(headers)
                 if read is not None:
-                    passed.head = _head_of(read)
+                    passed.head = response_head_bytes(read)
                 _LAST_HEAD.passed = passed
         length = passed.length
         chunked_in = passed.chunked_in

@@ -41,6 +41,18 @@ MAX_KEPT_RESPONSE_HEAD: Final = 8192
 MAX_KEPT_RESPONSE_FIELDS: Final = 64
 
 
+def response_head_bytes(read: bytes) -> bytes | None:
+    """The response head's bytes at the start of ``read``, from the status line to the
+    blank line, or None: not whole within MAX_KEPT_RESPONSE_HEAD bytes, or after empty
+    lines (llhttp skips those before a response; a kept "head" of none but them would
+    match any read that starts with empty lines, whatever head follows). Strict llhttp
+    ends a head at its first blank line, so these are the bytes it parsed as the head."""
+    if not read.startswith(b"HTTP/"):
+        return None
+    end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RESPONSE_HEAD)
+    return read[: end + 4] if end >= 0 else None
+
+
 @dataclass(frozen=True, slots=True)
 class Upstream:
     """A named upstream: ``base_url`` is scheme://host:port with an optional path prefix."""
@@ -211,17 +223,15 @@ class UpstreamConnection(asyncio.Protocol):
         start up to the first blank line and the body llhttp found is the rest: then
         Content-Length framed it (a chunked body's framing is more than its bytes, and a
         body read to the connection's end is never whole in a read)."""
-        if not self.reusable or not read.startswith(b"HTTP/"):
-            return  # (stray bytes; or empty lines first, which llhttp skips)
-        end = read.find(b"\r\n\r\n", 0, MAX_KEPT_RESPONSE_HEAD)
+        head = response_head_bytes(read) if self.reusable else None  # (not after stray bytes)
         if (
-            end < 0
-            or end + 4 + self._body_seen != len(read)
+            head is None
+            or len(head) + self._body_seen != len(read)
             or len(self._headers) > MAX_KEPT_RESPONSE_FIELDS
         ):
             return
         self._kept = _KeptResponse(
-            read[: end + 4], len(read), self._keepable_status, self._reason, list(self._headers)
+            head, len(read), self._keepable_status, self._reason, list(self._headers)
         )
 
     def _answer_kept(self, sink: Relay, kept: _KeptResponse, data: bytes) -> None:
